@@ -1,0 +1,339 @@
+"""The one configuration of the project: typed dataclasses per concern.
+
+Every knob of every stage lives here. A config is loaded from YAML (or JSON),
+then `--set a.b=c` overrides are applied; unknown keys and values of the wrong
+type are errors that name the offending key. A config serialises to JSON and
+back losslessly, so every shard set and checkpoint carries the config that
+made it.
+
+    cfg = load_config("cluster/configs/default.yaml", ["train.max_steps=10"])
+    cfg.to_json() ; Config.from_json(text) ; section_hash(cfg.features)
+
+Pure python: no torch, no ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, missing or of the wrong type; the message names it."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class SyntheticConfig:
+    """The generated omni-modal corpus used by the embedded default."""
+
+    num_videos: int = 48
+    test_fraction: float = 0.25
+    seed: int = 0
+    min_duration: float = 20.0
+    max_duration: float = 40.0
+    min_events: int = 2
+    max_events: int = 5
+    width: int = 96
+    height: int = 96
+    fps: int = 8
+
+
+@dataclass
+class DataConfig:
+    """Where the raw videos and annotations are, and how shards are written."""
+
+    dataset: Literal["synthetic", "longvale", "activitynet", "chronusav", "youcook2"] = "synthetic"
+    video_root: str = ""  # local dir or s3:// prefix; "" = <run_dir>/synth/videos
+    annotations: dict[str, str] = field(default_factory=dict)  # split -> file (local or s3://)
+    video_extensions: list[str] = field(default_factory=lambda: [".mp4", ".mkv", ".webm", ".avi", ".mov"])
+    shard_target_bytes: int = 64 * 1024 * 1024
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class FeaturesConfig:
+    """Media decoding and the per-segment audio-visual feature encoders."""
+
+    visual_encoder: Literal["pixels", "hf_vision"] = "pixels"
+    audio_encoder: Literal["mel", "whisper"] = "mel"
+    vision_path: str = ""  # local HF SigLIP/CLIP vision model dir (hf_vision)
+    audio_path: str = ""  # local HF Whisper model dir (whisper)
+    frame_policy: Literal["count", "fps"] = "count"
+    fps: float = 2.0  # frame_policy=fps
+    seconds_per_frame: float = 0.5  # frame_policy=count: n = clip(round(duration / s), min, max)
+    min_frames: int = 64
+    max_frames: int = 256
+    frames_per_segment: int = 2
+    visual_tokens_per_frame: int = 4
+    audio_tokens_per_second: int = 2
+    sample_rate: int = 16000
+    image_size: int = 32  # frames are resized to this square before the pixels encoder
+    n_mels: int = 32
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    batch_size: int = 64  # frames per encoder forward
+
+
+@dataclass
+class ModelConfig:
+    """The PadCaptioner module: backbone, layout choices, grounding, aggregation, LoRA."""
+
+    backbone: str = "tiny"  # preset name (tiny, qwen2.5-0.5b, qwen2.5-3b) or a local HF path
+    tokenizer: Literal["auto", "qwen", "bpe"] = "auto"  # auto: from the backbone path, else qwen
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    mask: Literal["factorized", "causal"] = "factorized"
+    av_bidirectional: bool = True
+    branch_order: Literal["blocked", "round_robin"] = "blocked"
+    eos_padding_loss: bool = True
+    aggregation: Literal["attention", "mean", "scoring_head", "none"] = "attention"
+    aggregation_layer: int = -1  # -1: the middle layer
+    aggregation_jitter: float = 0.1
+    grounding_layer: int = -2  # hidden states of the second-to-last layer
+    grounding_loss_weight: float = 5.0
+    grounding_threshold: float = 0.5  # relative to the max (0.7 ChronusAV, 0.5 LongVALE)
+    grounding_max_gap: int = 2  # bridge gaps of at most this many segments
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    train_backbone_embeddings: bool = False  # the new <G>/<S> rows always train
+    max_seq_len: int = 4096
+
+
+@dataclass
+class TrainConfig:
+    """LoRA fine-tuning: optimisation, schedule, checkpoints, distribution."""
+
+    num_workers: int = 2
+    use_gpu: bool = False
+    gpus_per_worker: float = 1.0
+    cpus_per_worker: float = 1.0
+    backend: Literal["ddp", "deepspeed"] = "ddp"
+    zero_stage: int = 2
+    max_steps: int = 300
+    batch_size: int = 2  # per worker
+    grad_accum: int = 1
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    grad_clip: float = 1.0
+    bf16: bool = True  # autocast on GPU only
+    gradient_checkpointing: bool = False
+    checkpoint_every: int = 100
+    val_every: int = 100
+    val_samples: int = 16
+    log_every: int = 10
+    max_failures: int = 1
+    seed: int = 0
+
+
+@dataclass
+class InferConfig:
+    """Planning and parallel decoding."""
+
+    max_events: int = 30
+    max_branch_tokens: int = 64  # upstream: 320
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    decoder: Literal["parallel", "monolithic"] = "parallel"
+    videos_per_call: int = 4
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class ServeConfig:
+    """The Ray Serve endpoint and its safety limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    route_prefix: str = "/"
+    model_dir: str = ""
+    allowed_roots: list[str] = field(default_factory=list)  # local dirs and s3://bucket/prefix
+    allowed_http_hosts: list[str] = field(default_factory=list)
+    max_upload_bytes: int = 256 * 1024 * 1024
+    max_duration_s: float = 3600.0
+    decode_timeout_s: float = 120.0
+    min_replicas: int = 1
+    max_replicas: int = 2
+    target_ongoing_requests: float = 2.0
+    max_ongoing_requests: int = 4
+    max_queued_requests: int = 16
+    num_cpus_per_replica: float = 1.0
+    num_gpus_per_replica: float = 0.0
+
+
+@dataclass
+class ClusterConfig:
+    """Resources for the Ray stages (local or a real cluster)."""
+
+    address: str = ""  # "" = RAY_ADDRESS if set, else a local instance
+    num_cpus: int = 0  # local instance only; 0 = all
+    preprocess_actors: int = 2
+    preprocess_cpus_per_actor: float = 1.0
+    caption_actors: int = 1
+    caption_gpus_per_actor: float = 0.0
+    caption_cpus_per_actor: float = 1.0
+
+
+@dataclass
+class EvalConfig:
+    """Which metric protocol the evaluate stage reports."""
+
+    protocol: Literal["padcaptioner", "densevid", "soda", "etbench"] = "padcaptioner"
+    missing: Literal["skip", "zero"] = "skip"
+    seed: int = 0
+
+
+@dataclass
+class Config:
+    """The root config: one section per concern."""
+
+    run_dir: str = "runs/default"  # local dir or s3:// prefix
+    data: DataConfig = field(default_factory=DataConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    infer: InferConfig = field(default_factory=InferConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        return from_dict(cls, data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        return from_dict(cls, json.loads(text))
+
+
+# --------------------------------------------------------------------------- typed building
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp` and return it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: {value!r} does not match {_type_name(tp)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {type(value).__name__}")
+        return from_dict(tp, value, prefix=key + ".")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return {_coerce(k, args[0], f"{key} key"): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)}")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a (partial) mapping; unknown keys and bad types raise."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]} (valid keys in {prefix or 'the root'}: {sorted(names)})")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if not isinstance(child, dict):
+            raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])} (in override {dotted}=...)")
+        node = child
+    if parts[-1] not in node:
+        raise ConfigError(f"unknown config key {dotted}")
+    node[parts[-1]] = value
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply `a.b=c` strings; values are parsed as YAML scalars (`3`, `true`, `[a, b]`)."""
+    tree = cfg.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        _set_path(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return Config.from_dict(tree)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML/JSON preset (None = the built-in defaults) and apply overrides."""
+    cfg = Config()
+    if path:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        cfg = Config.from_dict(data)
+    return apply_overrides(cfg, list(overrides or []))
+
+
+def section_hash(section: Any, length: int = 12) -> str:
+    """Stable short hash of a config section (e.g. the feature config that made a shard)."""
+    data = dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]

@@ -1,0 +1,178 @@
+"""THE shard schema: one WebDataset sample = one video's interleaved audio-visual features.
+
+Nothing else in the project names a shard column. A sample holds, for T time
+segments of one video:
+
+    segment_times  float32 [T, 2]      start/end of each segment in seconds
+    visual         float16 [T, V, Dv]  visual tokens of the segment (frames x tokens/frame)
+    audio          float16 [T, A, Da]  audio tokens of the segment (zeros if no audio track)
+    has_audio      bool
+    events         list[Event]         ground-truth intervals (seconds) + captions
+    video_id, duration, source (dataset name), feature_hash (config that made it)
+
+`encode(sample)` gives the dict of WebDataset fields (bytes), `decode(fields)`
+the sample back, `validate(sample)` raises `SchemaError` with a clear reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+# WebDataset field names (the extension decides nothing: we decode ourselves).
+KEY = "__key__"
+META = "meta.json"
+TIMES = "times.npy"
+VISUAL = "visual.npy"
+AUDIO = "audio.npy"
+FIELDS = (META, TIMES, VISUAL, AUDIO)
+
+FEATURE_DTYPE = np.float16
+TIME_DTYPE = np.float32
+
+
+class SchemaError(ValueError):
+    """A sample does not satisfy the schema; the message says how."""
+
+
+@dataclass
+class Event:
+    """One annotated (or predicted) event: an interval in seconds and its caption."""
+
+    start: float
+    end: float
+    caption: str
+    visual_caption: str | None = None
+    audio_caption: str | None = None
+
+
+@dataclass
+class Sample:
+    """One video, ready for training or captioning."""
+
+    video_id: str
+    duration: float
+    segment_times: np.ndarray  # float32 [T, 2]
+    visual: np.ndarray  # float16 [T, V, Dv]
+    audio: np.ndarray  # float16 [T, A, Da]
+    has_audio: bool
+    events: list[Event] = field(default_factory=list)
+    source: str = ""
+    feature_hash: str = ""
+    split: str = ""
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.segment_times.shape[0])
+
+
+def sample_key(video_id: str) -> str:
+    """A WebDataset-safe key for a video id: no dots or slashes, stable, unique."""
+    safe = re.sub(r"[^A-Za-z0-9_-]+", "_", video_id)[:80]
+    digest = hashlib.sha1(video_id.encode("utf-8")).hexdigest()[:10]
+    return f"{safe}-{digest}"
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _npy_load(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def encode(sample: Sample) -> dict[str, Any]:
+    """Sample -> WebDataset fields (`__key__` plus bytes per field). Validates first."""
+    validate(sample)
+    meta = {
+        "schema_version": SCHEMA_VERSION,
+        "video_id": sample.video_id,
+        "duration": float(sample.duration),
+        "has_audio": bool(sample.has_audio),
+        "events": [asdict(e) for e in sample.events],
+        "source": sample.source,
+        "feature_hash": sample.feature_hash,
+        "split": sample.split,
+    }
+    return {
+        KEY: sample_key(sample.video_id),
+        META: json.dumps(meta, ensure_ascii=False).encode("utf-8"),
+        TIMES: _npy_bytes(np.ascontiguousarray(sample.segment_times, dtype=TIME_DTYPE)),
+        VISUAL: _npy_bytes(np.ascontiguousarray(sample.visual, dtype=FEATURE_DTYPE)),
+        AUDIO: _npy_bytes(np.ascontiguousarray(sample.audio, dtype=FEATURE_DTYPE)),
+    }
+
+
+def decode(fields: dict[str, Any]) -> Sample:
+    """WebDataset fields (as written by `encode`) -> a validated Sample."""
+    missing = [f for f in FIELDS if f not in fields]
+    if missing:
+        raise SchemaError(f"sample {fields.get(KEY, '?')!r} lacks fields {missing}")
+    raw_meta = fields[META]
+    meta = json.loads(raw_meta.decode("utf-8") if isinstance(raw_meta, (bytes, bytearray)) else raw_meta)
+    version = meta.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise SchemaError(f"sample {meta.get('video_id')!r} has schema version {version}, expected {SCHEMA_VERSION}")
+    sample = Sample(
+        video_id=meta["video_id"],
+        duration=float(meta["duration"]),
+        segment_times=_npy_load(fields[TIMES]),
+        visual=_npy_load(fields[VISUAL]),
+        audio=_npy_load(fields[AUDIO]),
+        has_audio=bool(meta["has_audio"]),
+        events=[Event(**e) for e in meta["events"]],
+        source=meta.get("source", ""),
+        feature_hash=meta.get("feature_hash", ""),
+        split=meta.get("split", ""),
+    )
+    validate(sample)
+    return sample
+
+
+def validate(sample: Sample) -> None:
+    """Raise SchemaError naming the first problem: shapes, dtypes, times, events, NaNs."""
+    vid = sample.video_id
+    if not isinstance(vid, str) or not vid:
+        raise SchemaError("video_id must be a non-empty string")
+    if not np.isfinite(sample.duration) or sample.duration <= 0:
+        raise SchemaError(f"{vid}: duration must be positive, got {sample.duration}")
+    times, vis, aud = sample.segment_times, sample.visual, sample.audio
+    if times.ndim != 2 or times.shape[1] != 2 or times.shape[0] < 1:
+        raise SchemaError(f"{vid}: segment_times must be [T, 2] with T >= 1, got {list(times.shape)}")
+    t = times.shape[0]
+    if vis.ndim != 3 or vis.shape[0] != t:
+        raise SchemaError(f"{vid}: visual must be [T={t}, V, Dv], got {list(vis.shape)}")
+    if aud.ndim != 3 or aud.shape[0] != t:
+        raise SchemaError(f"{vid}: audio must be [T={t}, A, Da], got {list(aud.shape)}")
+    if vis.dtype != FEATURE_DTYPE or aud.dtype != FEATURE_DTYPE:
+        raise SchemaError(f"{vid}: features must be float16, got visual {vis.dtype} / audio {aud.dtype}")
+    for name, arr in (("segment_times", times), ("visual", vis), ("audio", aud)):
+        if not np.isfinite(arr).all():
+            raise SchemaError(f"{vid}: {name} contains NaN or inf")
+    if (times[:, 1] <= times[:, 0]).any():
+        raise SchemaError(f"{vid}: a segment has end <= start")
+    if (np.diff(times[:, 0]) < 0).any():
+        raise SchemaError(f"{vid}: segments are not in time order")
+    if times[-1, 1] > sample.duration + 1e-3:
+        raise SchemaError(f"{vid}: segments end at {times[-1, 1]:.3f}s, after the duration {sample.duration:.3f}s")
+    if not sample.has_audio and np.any(aud != 0):
+        raise SchemaError(f"{vid}: has_audio is false but audio features are not zero")
+    for i, e in enumerate(sample.events):
+        if not (np.isfinite(e.start) and np.isfinite(e.end)):
+            raise SchemaError(f"{vid}: event {i} has a non-finite time")
+        if e.end <= e.start:
+            raise SchemaError(f"{vid}: event {i} has end {e.end} <= start {e.start}")
+        if e.start < 0 or e.end > sample.duration + 1e-3:
+            raise SchemaError(f"{vid}: event {i} [{e.start}, {e.end}] lies outside the duration {sample.duration}")
+        if not isinstance(e.caption, str):
+            raise SchemaError(f"{vid}: event {i} caption must be a string")
