@@ -1,0 +1,206 @@
+"""The job driver: synth -> preprocess -> train -> caption -> evaluate.
+
+    python pipeline/run.py                                   # embedded default, local Ray
+    python pipeline/run.py --config cluster/configs/gpu-1.yaml --set train.max_steps=100
+    python pipeline/run.py --stages preprocess,train --force
+    ray job submit --working-dir . -- python pipeline/run.py --config ...
+
+Every stage writes under one run directory (local or s3://) and leaves a stamp
+`<stage>/_STAGE.json` with the hash of the config it depends on (its own
+sections plus everything upstream); a stage whose stamp matches is skipped
+(`--force` redoes it). With RAY_ADDRESS set (as under `ray job submit`) the
+Ray stages use that cluster, otherwise a local instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: make the repo importable
+    sys.path.insert(0, str(ROOT))
+
+from pipeline import storage  # noqa: E402
+from pipeline.config import Config, load_config  # noqa: E402
+
+DEFAULT_CONFIG = ROOT / "cluster" / "configs" / "default.yaml"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where each stage reads and writes, under one run directory."""
+
+    run_dir: str
+
+    def stage_dir(self, stage: str) -> str:
+        return storage.join(self.run_dir, stage)
+
+    @property
+    def synth(self) -> str:
+        return self.stage_dir("synth")
+
+    @property
+    def shards(self) -> str:
+        return self.stage_dir("preprocess")
+
+    @property
+    def train(self) -> str:
+        return self.stage_dir("train")
+
+    @property
+    def model(self) -> str:
+        return storage.join(self.train, "model")
+
+    @property
+    def captions(self) -> str:
+        return self.stage_dir("caption")
+
+    @property
+    def eval(self) -> str:
+        return self.stage_dir("evaluate")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the job: the config sections it depends on and what it runs."""
+
+    name: str
+    sections: tuple[str, ...]
+    fn: Callable[[Config, RunPaths], dict[str, Any]]
+    uses_ray: bool = False
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def stage_synth(cfg: Config, paths: RunPaths) -> dict[str, Any]:
+    from preprocess.synthetic import generate_corpus
+
+    if cfg.data.dataset != "synthetic":
+        return {"skipped": f"dataset is {cfg.data.dataset}"}
+    local = paths.synth
+    if storage.is_remote(local):  # generate locally, then upload
+        local = str(ROOT / "runs" / ".synth-cache")
+    info = generate_corpus(local, cfg.data.synthetic)
+    if local != paths.synth:
+        storage.upload_dir(local, paths.synth)
+    return {"videos": info.num_videos, "train": info.num_train, "test": info.num_test, "out": paths.synth}
+
+
+def _available_stages() -> list[Stage]:
+    stages = [Stage("synth", ("data",), stage_synth)]
+    return stages
+
+
+STAGE_ORDER = ("synth", "preprocess", "train", "caption", "evaluate")
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def stage_hash(cfg: Config, stage: Stage, upstream: str) -> str:
+    parts = {name: dataclasses.asdict(getattr(cfg, name)) for name in stage.sections}
+    blob = json.dumps({"up": upstream, "stage": stage.name, "cfg": parts}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        kwargs: dict[str, Any] = {"include_dashboard": False}
+        if cfg.cluster.num_cpus:
+            kwargs["num_cpus"] = cfg.cluster.num_cpus
+        ray.init(**kwargs)
+
+
+def run(cfg: Config, stages: list[str] | None = None, force: bool = False) -> dict[str, dict[str, Any]]:
+    """Run the selected stages in order; returns {stage: summary}."""
+    paths = RunPaths(cfg.run_dir)
+    available = {s.name: s for s in _available_stages()}
+    wanted = [s for s in STAGE_ORDER if s in available and (stages is None or s in stages)]
+    if stages:
+        unknown = [s for s in stages if s not in STAGE_ORDER]
+        if unknown:
+            raise SystemExit(f"unknown stage(s) {unknown}; stages are {list(STAGE_ORDER)}")
+        missing = [s for s in stages if s not in available]
+        if missing:
+            raise SystemExit(f"stage(s) {missing} are not available in this build")
+    storage.makedirs(cfg.run_dir)
+    storage.write_json(storage.join(cfg.run_dir, "config.json"), cfg.to_dict())
+
+    results: dict[str, dict[str, Any]] = {}
+    upstream = ""
+    for name in STAGE_ORDER:
+        if name not in available:
+            continue
+        stage = available[name]
+        h = stage_hash(cfg, stage, upstream)
+        upstream = h
+        if name not in wanted:
+            continue
+        stamp = storage.join(paths.stage_dir(name), "_STAGE.json")
+        if not force and storage.exists(stamp) and storage.read_json(stamp).get("hash") == h:
+            done = storage.read_json(stamp)
+            results[name] = {**done["summary"], "seconds": done["seconds"], "cached": True}
+            print(f"[run] {name}: outputs exist for this config, skipped (--force redoes it)", flush=True)
+            continue
+        if stage.uses_ray:
+            init_ray(cfg)
+        print(f"[run] {name}: starting", flush=True)
+        t0 = time.perf_counter()
+        summary = stage.fn(cfg, paths)
+        seconds = time.perf_counter() - t0
+        storage.write_json(stamp, {"stage": name, "hash": h, "summary": summary, "seconds": seconds})
+        results[name] = {**summary, "seconds": seconds, "cached": False}
+        print(f"[run] {name}: done in {seconds:.1f}s", flush=True)
+    return results
+
+
+def format_summary(results: dict[str, dict[str, Any]]) -> str:
+    lines = [f"{'stage':<11} {'time':>8}  result", "-" * 72]
+    for name, summary in results.items():
+        secs = f"{summary.get('seconds', 0.0):7.1f}s" + ("*" if summary.get("cached") else " ")
+        rest = ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("seconds", "cached", "table"))
+        lines.append(f"{name:<11} {secs:>8}  {rest}")
+        for row in summary.get("table", []):
+            lines.append(f"{'':<21}{row}")
+    lines.append("(* = skipped: outputs existed for the same config)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML preset (default: the embedded default)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value, e.g. --set train.max_steps=10 (repeatable)")
+    ap.add_argument("--stages", default="", help=f"comma-separated subset of {','.join(STAGE_ORDER)}")
+    ap.add_argument("--force", action="store_true", help="redo stages even when their outputs exist")
+    args = ap.parse_args(argv)
+
+    cfg = load_config(args.config, args.overrides)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()] or None
+    results = run(cfg, stages, force=args.force)
+    print()
+    print(format_summary(results))
+    print(f"\nrun directory: {cfg.run_dir}")
+    failed = sum(int(r.get("failed", 0) or 0) for r in results.values())
+    return 1 if failed and os.environ.get("PADCAP_STRICT") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Paths that may be local or remote (`s3://`), through fsspec.
+
+Every stage writes under one run directory that may live on S3; this module is
+the only place that knows how to join, test, read and write such paths.
+S3 credentials and endpoints come from the standard AWS environment variables
+(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL for S3-compatible
+servers such as MinIO or SeaweedFS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import fsspec
+
+
+def is_remote(path: str) -> bool:
+    return "://" in path and not path.startswith("file://")
+
+
+def _strip_file(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
+def storage_options(path: str) -> dict[str, Any]:
+    """fsspec options for `path`: an explicit S3 endpoint from AWS_ENDPOINT_URL(_S3)."""
+    if path.startswith("s3://"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            return {"client_kwargs": {"endpoint_url": endpoint}}
+    return {}
+
+
+def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path inside it) for a local path or URI."""
+    path = _strip_file(path)
+    if is_remote(path):
+        fs, inner = fsspec.core.url_to_fs(path, **storage_options(path))
+        return fs, inner
+    return fsspec.filesystem("file"), os.path.abspath(path)
+
+
+def join(base: str, *parts: str) -> str:
+    out = base.rstrip("/")
+    for p in parts:
+        out = f"{out}/{p.strip('/')}"
+    return out
+
+
+def exists(path: str) -> bool:
+    fs, inner = filesystem(path)
+    return fs.exists(inner)
+
+
+def makedirs(path: str) -> None:
+    fs, inner = filesystem(path)
+    if not is_remote(path):
+        fs.makedirs(inner, exist_ok=True)
+
+
+def read_bytes(path: str) -> bytes:
+    fs, inner = filesystem(path)
+    with fs.open(inner, "rb") as f:
+        return f.read()
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write atomically where the filesystem allows it (local: tmp file + rename)."""
+    fs, inner = filesystem(path)
+    if is_remote(path):
+        with fs.open(inner, "wb") as f:
+            f.write(data)
+        return
+    os.makedirs(os.path.dirname(inner), exist_ok=True)
+    tmp = f"{inner}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, inner)
+
+
+def read_json(path: str) -> Any:
+    return json.loads(read_bytes(path).decode("utf-8"))
+
+
+def write_json(path: str, obj: Any) -> None:
+    write_bytes(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False).encode("utf-8"))
+
+
+def upload_dir(local_dir: str, remote: str) -> None:
+    """Copy a local directory tree to `remote` (no-op when `remote` is that directory)."""
+    if not is_remote(remote):
+        if os.path.abspath(local_dir) != os.path.abspath(_strip_file(remote)):
+            fs = fsspec.filesystem("file")
+            fs.copy(local_dir.rstrip("/") + "/", os.path.abspath(_strip_file(remote)), recursive=True)
+        return
+    fs, inner = filesystem(remote)
+    fs.put(local_dir.rstrip("/") + "/", inner, recursive=True)
+
+
+def list_files(path: str, suffixes: tuple[str, ...] = ()) -> list[str]:
+    """Files under a local dir or remote prefix (recursive), as full paths/URIs, sorted."""
+    fs, inner = filesystem(path)
+    if not fs.exists(inner):
+        return []
+    found = fs.find(inner)
+    proto = path.split("://", 1)[0] + "://" if is_remote(path) else ""
+    out = [proto + f if proto and not f.startswith(proto) else f for f in found]
+    if suffixes:
+        out = [f for f in out if f.lower().endswith(tuple(s.lower() for s in suffixes))]
+    return sorted(out)
