@@ -30,3 +30,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS) on 127.0.0.1 for the session, bucket `test`.
+
+    The AWS_* variables are set in this process (s3fs/boto3 read them) and
+    passed on to Ray workers through the environment they inherit.
+    """
+    from tests.support.s3server import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("s3"), buckets=["test"]).start()
+    old = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
