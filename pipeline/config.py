@@ -47,6 +47,10 @@ class SyntheticConfig:
     width: int = 96
     height: int = 96
     fps: int = 8
+    sample_rate: int = 16000  # AAC audio track (16000, 22050, 44100 or 48000)
+    min_event_seconds: float = 2.0
+    min_gap_seconds: float = 1.0  # background between (and before/after) events
+    num_workers: int = 0  # processes for rendering; 0 = one per core (max 8)
 
 
 @dataclass

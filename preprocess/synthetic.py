@@ -1,0 +1,436 @@
+"""A deterministic synthetic omni-modal dense-captioning corpus (real mp4s, no downloads).
+
+Each video is a dark-grey noisy background with 2-8 timed events separated by
+background gaps. An event is a visual pattern (colour x shape x motion) plus a
+sound, and its caption names both:
+
+    "Visual: a red circle moves to the left. Audio: a high beep."
+
+8 colours x 4 shapes x 8 motions x 8 sounds = 2,048 captions; within a video the
+colours and the sounds of the events are all different. Event bounds are snapped
+to frame boundaries, so annotations match the media to the sample. The same seed
+gives the same annotation bytes and the same decoded frames (and, with the pinned
+PyAV/x264, the same mp4 bytes).
+
+Written under DIR:
+    videos/<id>.mp4                          H.264 + AAC (mono)
+    longvale_{train,test}.json               {"<id>": {"duration", "timestamps", "sentences"}}
+    chronusav_{train,test}.json              [{"id", "duration", "category", "segment_num",
+                                               "seg_time", "video_captions", "audio_captions"}]
+    synthetic_manifest.json                  config + every event's attributes
+
+    python -m preprocess.synthetic --out runs/synth --num-videos 48 --seed 0 [--preview]
+    info = generate_corpus(out_dir, cfg.data.synthetic)   # the driver's entry point
+    parse_caption("Visual: a red circle ... Audio: a high beep.")  # -> attribute dict
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import os
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.config import SyntheticConfig
+from preprocess.synthetic_media import EventSpec, VideoPlan, render_audio, render_frames, write_mp4
+
+GENERATOR_VERSION = 1
+
+# --------------------------------------------------------------------------- grammar
+
+COLOURS: tuple[str, ...] = ("red", "green", "blue", "yellow", "purple", "orange", "white", "cyan")
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "stripes")
+MOTIONS: tuple[str, ...] = (
+    "moves to the left",
+    "moves to the right",
+    "moves up",
+    "moves down",
+    "stays still",
+    "grows",
+    "shrinks",
+    "blinks",
+)
+SOUNDS: tuple[str, ...] = (
+    "low beep",
+    "mid beep",
+    "high beep",
+    "white noise",
+    "rising chirp",
+    "falling chirp",
+    "pulsing beeps",
+    "silence",
+)
+ATTRIBUTES = ("colour", "shape", "motion", "sound")
+CATEGORY = "synthetic"
+MAX_EVENTS = min(len(COLOURS), len(SOUNDS))  # colours and sounds are distinct within a video
+
+_SOUND_PHRASE = {s: (s if s in ("white noise", "silence", "pulsing beeps") else f"a {s}") for s in SOUNDS}
+
+
+def visual_caption(colour: str, shape: str, motion: str) -> str:
+    """'a red circle moves to the left.' / 'an orange square grows.' / 'a set of red stripes moves up.'"""
+    article = "an" if colour[0] in "aeiou" else "a"
+    subject = f"a set of {colour} stripes" if shape == "stripes" else f"{article} {colour} {shape}"
+    return f"{subject} {motion}."
+
+
+def audio_caption(sound: str) -> str:
+    """'a high beep.' / 'white noise.' / 'silence.'"""
+    return f"{_SOUND_PHRASE[sound]}."
+
+
+def dense_caption(colour: str, shape: str, motion: str, sound: str) -> str:
+    """The full event caption, in the ChronusAV 'Visual: ... Audio: ...' form."""
+    return f"Visual: {visual_caption(colour, shape, motion)} Audio: {audio_caption(sound)}"
+
+
+def _first_match(words: tuple[str, ...], text: str) -> str | None:
+    """The word of `words` that occurs earliest in `text` as whole words (longest wins ties)."""
+    best: tuple[int, int, str] | None = None
+    for w in words:
+        m = re.search(r"\b" + re.escape(w) + r"\b", text)
+        if m and (best is None or (m.start(), -len(w)) < (best[0], best[1])):
+            best = (m.start(), -len(w), w)
+    return best[2] if best else None
+
+
+def parse_caption(text: str) -> dict[str, str | None]:
+    """Caption -> {colour, shape, motion, sound}; an attribute not found is None.
+
+    Tolerant of model output: case-insensitive, any word order; colour/shape/motion
+    are read from the part before 'Audio:' and the sound from the part after it (with
+    no 'Audio:' marker, the whole text, sound phrases removed before reading colours,
+    so 'white noise' is never read as the colour white).
+    """
+    low = " ".join(text.lower().split())
+    if "audio:" in low:
+        visual, audio = low.split("audio:", 1)
+    else:
+        visual, audio = low, low
+    sound = _first_match(SOUNDS, audio)
+    if sound is None and re.search(r"\bsilent\b", audio):
+        sound = "silence"
+    for s in SOUNDS:
+        visual = re.sub(r"\b" + re.escape(s) + r"\b", " ", visual)
+    shape = _first_match(SHAPES, visual)
+    if shape is None and re.search(r"\bstripe", visual):
+        shape = "stripes"
+    return {
+        "colour": _first_match(COLOURS, visual),
+        "shape": shape,
+        "motion": _first_match(MOTIONS, visual),
+        "sound": sound,
+    }
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass
+class CorpusInfo:
+    """What `generate_corpus` wrote (absolute paths)."""
+
+    root: str
+    video_dir: str
+    videos: dict[str, str]  # video_id -> mp4 path
+    splits: dict[str, list[str]]  # "train"/"test" -> video ids
+    longvale: dict[str, str]  # split -> LongVALE-format annotation file
+    chronusav: dict[str, str]  # split -> ChronusAV-format annotation file
+    manifest: str
+    reused: bool = False  # True when an identical corpus was already there
+
+    def annotations(self, fmt: str = "longvale") -> dict[str, str]:
+        """split -> annotation file in `fmt` ('longvale' or 'chronusav')."""
+        return {"longvale": self.longvale, "chronusav": self.chronusav}[fmt]
+
+
+def validate_config(cfg: SyntheticConfig) -> None:
+    """Raise ValueError naming the first impossible setting."""
+    if cfg.num_videos < 1:
+        raise ValueError(f"synthetic.num_videos must be >= 1, got {cfg.num_videos}")
+    if not 0.0 <= cfg.test_fraction < 1.0:
+        raise ValueError(f"synthetic.test_fraction must be in [0, 1), got {cfg.test_fraction}")
+    if not 1 <= cfg.min_events <= cfg.max_events <= MAX_EVENTS:
+        raise ValueError(f"synthetic events must satisfy 1 <= min_events <= max_events <= {MAX_EVENTS}, "
+                         f"got {cfg.min_events}..{cfg.max_events}")
+    if not 0 < cfg.min_duration <= cfg.max_duration:
+        raise ValueError(f"synthetic durations must satisfy 0 < min <= max, got {cfg.min_duration}..{cfg.max_duration}")
+    if cfg.width % 2 or cfg.height % 2 or min(cfg.width, cfg.height) < 16:
+        raise ValueError(f"synthetic frame size must be even and >= 16, got {cfg.width}x{cfg.height}")
+    if cfg.fps < 1 or cfg.sample_rate not in (16000, 22050, 44100, 48000):
+        raise ValueError(f"synthetic fps must be >= 1 and sample_rate one of 16000/22050/44100/48000, "
+                         f"got {cfg.fps} / {cfg.sample_rate}")
+    min_ev, min_gap = _min_frames(cfg)
+    shortest = int(round(cfg.min_duration * cfg.fps))
+    if shortest < cfg.min_events * (min_ev + min_gap) + min_gap:
+        raise ValueError(f"synthetic.min_duration {cfg.min_duration}s cannot hold {cfg.min_events} events of "
+                         f">= {cfg.min_event_seconds}s with gaps of >= {cfg.min_gap_seconds}s")
+
+
+def _min_frames(cfg: SyntheticConfig) -> tuple[int, int]:
+    return max(1, math.ceil(cfg.min_event_seconds * cfg.fps)), max(1, math.ceil(cfg.min_gap_seconds * cfg.fps))
+
+
+def plan_video(cfg: SyntheticConfig, index: int, split: str) -> VideoPlan:
+    """The deterministic plan of video `index`: length, event layout and attributes."""
+    rng = np.random.default_rng([cfg.seed, index, 0])
+    fps = cfg.fps
+    n = int(round(rng.uniform(cfg.min_duration, cfg.max_duration) * fps))
+    min_ev, min_gap = _min_frames(cfg)
+    fit = (n - min_gap) // (min_ev + min_gap)
+    k = int(min(rng.integers(cfg.min_events, cfg.max_events + 1), fit))
+    free = n - k * min_ev - (k + 1) * min_gap
+    free_ev = int(round(free * rng.uniform(0.6, 0.85)))
+    ev_len = min_ev + rng.multinomial(free_ev, rng.dirichlet(np.full(k, 3.0)))
+    gap_len = min_gap + rng.multinomial(free - free_ev, rng.dirichlet(np.full(k + 1, 3.0)))
+    colours = rng.choice(len(COLOURS), size=k, replace=False)
+    sounds = rng.choice(len(SOUNDS), size=k, replace=False)
+    shapes = rng.integers(len(SHAPES), size=k)
+    motions = rng.integers(len(MOTIONS), size=k)
+    events, cursor = [], int(gap_len[0])
+    for i in range(k):
+        start, end = cursor, cursor + int(ev_len[i])
+        events.append(EventSpec(start, end, COLOURS[colours[i]], SHAPES[shapes[i]], MOTIONS[motions[i]], SOUNDS[sounds[i]]))
+        cursor = end + int(gap_len[i + 1])
+    assert cursor == n, (cursor, n)
+    return VideoPlan(
+        video_id=f"synth_{index:05d}",
+        split=split,
+        num_frames=n,
+        fps=fps,
+        sample_rate=cfg.sample_rate,
+        width=cfg.width,
+        height=cfg.height,
+        events=tuple(events),
+        entropy=(int(cfg.seed), int(index), 1),
+    )
+
+
+def plan_corpus(cfg: SyntheticConfig) -> list[VideoPlan]:
+    """All video plans; the last round(num_videos * test_fraction) videos form the test split."""
+    validate_config(cfg)
+    n_test = int(round(cfg.num_videos * cfg.test_fraction))
+    if cfg.test_fraction > 0 and cfg.num_videos >= 2:
+        n_test = min(max(n_test, 1), cfg.num_videos - 1)
+    n_train = cfg.num_videos - n_test
+    return [plan_video(cfg, i, "train" if i < n_train else "test") for i in range(cfg.num_videos)]
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _seconds(frame: int, fps: int) -> float:
+    return round(frame / fps, 6)
+
+
+def render_video(plan: VideoPlan, path: str) -> str:
+    """Render and encode one planned video to `path` (atomically). Returns the path."""
+    rng = np.random.default_rng(list(plan.entropy))
+    frames = render_frames(plan, rng)
+    audio = render_audio(plan, rng)
+    tmp = f"{path}.tmp-{os.getpid()}.mp4"
+    write_mp4(tmp, frames, audio, plan.fps, plan.sample_rate)
+    os.replace(tmp, path)
+    return path
+
+
+def _render_job(args: tuple[VideoPlan, str]) -> str:
+    return render_video(*args)
+
+
+def _event_records(plan: VideoPlan) -> list[dict]:
+    return [
+        {
+            "start": _seconds(e.start_frame, plan.fps),
+            "end": _seconds(e.end_frame, plan.fps),
+            "start_frame": e.start_frame,
+            "end_frame": e.end_frame,
+            "colour": e.colour,
+            "shape": e.shape,
+            "motion": e.motion,
+            "sound": e.sound,
+            "caption": dense_caption(e.colour, e.shape, e.motion, e.sound),
+        }
+        for e in plan.events
+    ]
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_annotations(plans: list[VideoPlan], root: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Write the LongVALE and ChronusAV files for every split; returns (longvale, chronusav) paths."""
+    longvale, chronusav = {}, {}
+    for split in ("train", "test"):
+        chosen = [p for p in plans if p.split == split]
+        lv = {
+            p.video_id: {
+                "duration": _seconds(p.num_frames, p.fps),
+                "timestamps": [[_seconds(e.start_frame, p.fps), _seconds(e.end_frame, p.fps)] for e in p.events],
+                "sentences": [dense_caption(e.colour, e.shape, e.motion, e.sound) for e in p.events],
+            }
+            for p in chosen
+        }
+        ch = [
+            {
+                "id": p.video_id,
+                "duration": _seconds(p.num_frames, p.fps),
+                "category": CATEGORY,
+                "segment_num": len(p.events),
+                "seg_time": [[_seconds(e.start_frame, p.fps), _seconds(e.end_frame, p.fps)] for e in p.events],
+                "video_captions": [visual_caption(e.colour, e.shape, e.motion) for e in p.events],
+                "audio_captions": [audio_caption(e.sound) for e in p.events],
+            }
+            for p in chosen
+        ]
+        longvale[split] = root / f"longvale_{split}.json"
+        chronusav[split] = root / f"chronusav_{split}.json"
+        _write_json(longvale[split], lv)
+        _write_json(chronusav[split], ch)
+    return {k: str(v) for k, v in longvale.items()}, {k: str(v) for k, v in chronusav.items()}
+
+
+def _manifest(cfg: SyntheticConfig, plans: list[VideoPlan]) -> dict:
+    return {
+        "generator_version": GENERATOR_VERSION,
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "num_workers"},  # output-relevant only
+        "videos": [
+            {
+                "id": p.video_id,
+                "split": p.split,
+                "path": f"videos/{p.video_id}.mp4",
+                "duration": _seconds(p.num_frames, p.fps),
+                "num_frames": p.num_frames,
+                "fps": p.fps,
+                "sample_rate": p.sample_rate,
+                "num_samples": p.num_samples,
+                "width": p.width,
+                "height": p.height,
+                "events": _event_records(p),
+            }
+            for p in plans
+        ],
+    }
+
+
+def _info(root: Path, plans: list[VideoPlan], reused: bool) -> CorpusInfo:
+    return CorpusInfo(
+        root=str(root),
+        video_dir=str(root / "videos"),
+        videos={p.video_id: str(root / "videos" / f"{p.video_id}.mp4") for p in plans},
+        splits={s: [p.video_id for p in plans if p.split == s] for s in ("train", "test")},
+        longvale={s: str(root / f"longvale_{s}.json") for s in ("train", "test")},
+        chronusav={s: str(root / f"chronusav_{s}.json") for s in ("train", "test")},
+        manifest=str(root / "synthetic_manifest.json"),
+        reused=reused,
+    )
+
+
+def _default_workers(n_videos: int) -> int:
+    return max(1, min(os.cpu_count() or 1, n_videos, 8))
+
+
+def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite: bool = False,
+                    progress: bool = True) -> CorpusInfo:
+    """Generate (or reuse, when an identical corpus is already in `out_dir`) the corpus.
+
+    The manifest is written last, so a corpus whose manifest matches `cfg` is complete.
+    """
+    from tqdm import tqdm
+
+    root = Path(out_dir).resolve()
+    plans = plan_corpus(cfg)
+    manifest = _manifest(cfg, plans)
+    man_path = root / "synthetic_manifest.json"
+    info = _info(root, plans, reused=False)
+    if not overwrite and man_path.exists():
+        try:
+            old = json.loads(man_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        files = list(info.videos.values()) + list(info.longvale.values()) + list(info.chronusav.values())
+        if old == json.loads(json.dumps(manifest)) and all(os.path.exists(f) for f in files):
+            return _info(root, plans, reused=True)
+    (root / "videos").mkdir(parents=True, exist_ok=True)
+    if man_path.exists():
+        man_path.unlink()
+    jobs = [(p, info.videos[p.video_id]) for p in plans]
+    workers = cfg.num_workers or _default_workers(len(jobs))
+    bar = tqdm(total=len(jobs), desc="synthetic videos", unit="video", disable=not progress)
+    if workers <= 1:
+        for job in jobs:
+            _render_job(job)
+            bar.update(1)
+    else:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+            for _ in pool.map(_render_job, jobs):
+                bar.update(1)
+    bar.close()
+    write_annotations(plans, root)
+    _write_json(man_path, manifest)
+    return info
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = SyntheticConfig()
+    ap = argparse.ArgumentParser(prog="python -m preprocess.synthetic", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--num-videos", type=int, default=d.num_videos)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--min-duration", type=float, default=d.min_duration)
+    ap.add_argument("--max-duration", type=float, default=d.max_duration)
+    ap.add_argument("--min-events", type=int, default=d.min_events)
+    ap.add_argument("--max-events", type=int, default=d.max_events)
+    ap.add_argument("--test-fraction", type=float, default=d.test_fraction)
+    ap.add_argument("--width", type=int, default=d.width)
+    ap.add_argument("--height", type=int, default=d.height)
+    ap.add_argument("--fps", type=int, default=d.fps)
+    ap.add_argument("--sample-rate", type=int, default=d.sample_rate)
+    ap.add_argument("--workers", type=int, default=d.num_workers, help="0 = one per core (max 8)")
+    ap.add_argument("--overwrite", action="store_true", help="regenerate even if an identical corpus exists")
+    ap.add_argument("--preview", action="store_true", help="also write DIR/preview.png (frames + spectrograms)")
+    a = ap.parse_args(argv)
+    cfg = dataclasses.replace(
+        d, num_videos=a.num_videos, seed=a.seed, min_duration=a.min_duration, max_duration=a.max_duration,
+        min_events=a.min_events, max_events=a.max_events, test_fraction=a.test_fraction, width=a.width,
+        height=a.height, fps=a.fps, sample_rate=a.sample_rate, num_workers=a.workers,
+    )
+    t0 = time.perf_counter()
+    try:
+        info = generate_corpus(a.out, cfg, overwrite=a.overwrite)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = {
+        "root": info.root,
+        "videos": len(info.videos),
+        "splits": {k: len(v) for k, v in info.splits.items()},
+        "reused": info.reused,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    if a.preview:
+        from preprocess.synthetic_preview import write_preview
+
+        summary["preview"] = write_preview(info, Path(info.root) / "preview.png")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
