@@ -149,6 +149,18 @@ class CorpusInfo:
     manifest: str
     reused: bool = False  # True when an identical corpus was already there
 
+    @property
+    def num_videos(self) -> int:
+        return len(self.videos)
+
+    @property
+    def num_train(self) -> int:
+        return len(self.splits.get("train", []))
+
+    @property
+    def num_test(self) -> int:
+        return len(self.splits.get("test", []))
+
     def annotations(self, fmt: str = "longvale") -> dict[str, str]:
         """split -> annotation file in `fmt` ('longvale' or 'chronusav')."""
         return {"longvale": self.longvale, "chronusav": self.chronusav}[fmt]

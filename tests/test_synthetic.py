@@ -156,7 +156,7 @@ def _load_longvale(corpus) -> dict:
 
 
 def test_files_and_splits(corpus):
-    assert len(corpus.videos) == 4
+    assert len(corpus.videos) == corpus.num_videos == 4 and (corpus.num_train, corpus.num_test) == (3, 1)
     assert len(corpus.splits["test"]) == 1 and len(corpus.splits["train"]) == 3
     for path in list(corpus.videos.values()) + list(corpus.longvale.values()) + list(corpus.chronusav.values()):
         assert Path(path).is_file() and Path(path).stat().st_size > 0
