@@ -1,0 +1,341 @@
+"""Shared-prefix ("cascade") attention for lock-step branch decoding, and its HF hook.
+
+PadCaptioner decodes the K caption branches of one video in lock-step. Every branch
+sees the same long prefix (chat preamble, audio-visual block, instruction, serial
+`<G>` planning tokens) plus its own short KV (its anchor and its tokens so far). One
+decode step therefore splits into
+
+  (a) prefix part: all K branch queries against the shared prefix KV, packed into
+      one query block per KV head (GQA by reshaping the queries, never by repeating
+      KV), no mask, the prefix read once;
+  (b) branch part: each branch against its own KV (batched over branches);
+  (c) a log-sum-exp merge of (a) and (b), exact up to rounding.
+
+Backends (chosen at run time, `resolve_backend`):
+  "sdpa"  torch's fused kernels that also return the LSE
+          (CPU: aten._scaled_dot_product_flash_attention_for_cpu; CUDA: aten's flash
+          kernel for fp16/bf16, the memory-efficient one for fp32), falling back to
+  "math"  matmul + logsumexp in fp32 (the obviously-correct path; also a test oracle);
+  "flash" flash-attn 2 (`flash_attn_with_kvcache(..., return_softmax_lse=True)`),
+          only where `flash_attn` imports, on CUDA, for fp16/bf16;
+  "auto"  flash where available, else sdpa.
+All LSEs are natural-log (torch and flash-attn agree; FlashInfer would be base 2).
+
+HF integration: `register()` adds the attention implementation "padcap_cascade"
+(`model.set_attn_implementation("padcap_cascade")`). With a `CascadeCache`
+(infer/kv_cache.py) in prefix mode it is plain masked SDPA (HF's own sdpa function);
+after `cache.start_branches(K)` the cache hands the attention a `CascadeKV` instead of
+dense key/value tensors and the step runs `cascade_attention`.
+
+Run: imported by the engine; tests in tests/test_attention.py; timings in
+bench/attention.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "sdpa", "math", "flash"]
+ATTN_IMPLEMENTATION = "padcap_cascade"
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CascadeKV:
+    """What a branch-mode `CascadeLayer.update` hands to the attention function.
+
+    It replaces HF's dense (key, value) pair for one layer and one step: the shared
+    prefix once, and the branch KV of the active branches, all at equal length.
+
+    prefix_k, prefix_v: [Hkv, Lp, D]   (one copy per video, never expanded)
+    branch_k, branch_v: [K, Hkv, Lb, D] (Lb = anchor + tokens so far, incl. this step)
+    backend: the backend name the cache was built with.
+    """
+
+    prefix_k: torch.Tensor
+    prefix_v: torch.Tensor
+    branch_k: torch.Tensor
+    branch_v: torch.Tensor
+    backend: Backend = "auto"
+
+
+# ----------------------------------------------------------------------------------
+# backend selection
+
+
+@functools.cache
+def flash_attn_available() -> bool:
+    """True when flash-attn 2 imports and CUDA is present (checked once)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from flash_attn import flash_attn_with_kvcache  # noqa: F401
+    except Exception:  # ImportError, or a wheel built against another torch/CUDA
+        return False
+    return True
+
+
+def resolve_backend(backend: Backend, q: torch.Tensor) -> Literal["sdpa", "math", "flash"]:
+    """The concrete backend for queries `q` (device and dtype decide what can run).
+
+    "auto" -> "flash" if flash-attn is usable for q (CUDA, fp16/bf16), else "sdpa".
+    "flash" where it cannot run raises (an explicit request must not silently degrade).
+    """
+    flash_ok = q.is_cuda and q.dtype in _HALF and flash_attn_available()
+    if backend == "auto":
+        return "flash" if flash_ok else "sdpa"
+    if backend == "flash" and not flash_ok:
+        raise RuntimeError(
+            "attention backend 'flash' needs flash-attn installed, CUDA and fp16/bf16 "
+            f"(device={q.device}, dtype={q.dtype}, flash_attn importable={flash_attn_available()})"
+        )
+    if backend not in ("sdpa", "math", "flash"):
+        raise ValueError(f"unknown attention backend {backend!r}")
+    return backend
+
+
+# ----------------------------------------------------------------------------------
+# attention that also returns the log-sum-exp
+
+
+def tail_causal_mask(rows: int, q_tokens: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+    """Visibility of new tokens inside their own branch KV (True = visible).
+
+    Query row r stands for new token i = r % q_tokens (rows pack (group, token));
+    its own KV ends with the q_tokens new tokens, so it sees keys j <= kv_len - q_tokens + i.
+    Returns None when q_tokens == 1 (everything visible). Shape [rows, kv_len], bool.
+    """
+    if q_tokens == 1:
+        return None
+    i = torch.arange(rows, device=device) % q_tokens
+    j = torch.arange(kv_len, device=device)
+    return j[None, :] <= (kv_len - q_tokens + i)[:, None]
+
+
+def lse_attention_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp, in fp32 (fp64 for fp64 inputs); reference / fallback.
+
+    q: [B, H, Lq, D]; k, v: [B, H, Lk, D]; mask: None or bool [Lq, Lk] (True = visible).
+    Returns o [B, H, Lq, D] and lse [B, H, Lq] (natural log), both fp32 (or fp64).
+    fp16/bf16 inputs are upcast (a transient fp32 copy of k/v, never a K-fold one).
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return torch.matmul(p, v.to(acc)), lse
+
+
+def lse_attention_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `lse_attention_math`, through torch's fused kernels.
+
+    Output o keeps q's dtype; lse is fp32. Falls back to the math path where no fused
+    kernel with an LSE output applies (a mask on CUDA, unsupported shapes/dtypes).
+    """
+    if q.device.type == "cpu":
+        attn_mask = None
+        if mask is not None:  # additive mask in q's dtype, broadcast over batch and heads
+            attn_mask = torch.zeros((1, 1, *mask.shape), dtype=q.dtype, device=q.device)
+            attn_mask.masked_fill_(~mask, float("-inf"))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=attn_mask, scale=scale
+        )
+        return o, lse
+    if q.is_cuda and mask is None and q.shape[-1] <= 256:
+        try:
+            if q.dtype in _HALF:
+                out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+                return out[0], out[1]
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+            return out[0], out[1][..., : q.shape[-2]]  # the LSE may be padded along Lq
+        except RuntimeError:
+            pass  # no fused kernel for this shape/dtype/arch: use the math path
+    return lse_attention_math(q, k, v, scale, mask)
+
+
+def merge_lse(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial softmax-attentions over disjoint key sets (exact).
+
+    o_*: [..., D] (any float dtype), lse_*: [...] (natural log). With
+    m = max(l_a, l_b): o = (e^(l_a-m) o_a + e^(l_b-m) o_b) / (e^(l_a-m) + e^(l_b-m)),
+    l = m + log(e^(l_a-m) + e^(l_b-m)). Computed in fp32; returns (o fp32, lse fp32).
+    A side with lse = -inf (no visible key) gets weight 0.
+    """
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both empty: avoid inf - inf
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    denom = w_a + w_b
+    o = (w_a.unsqueeze(-1) * o_a.float() + w_b.unsqueeze(-1) * o_b.float()) / denom.unsqueeze(-1)
+    return o, m + torch.log(denom)
+
+
+# ----------------------------------------------------------------------------------
+# cascade attention
+
+
+def _cascade_torch(q, prefix_k, prefix_v, branch_k, branch_v, scale, kernel):
+    """Cascade attention with a torch kernel (`lse_attention_sdpa` or `_math`).
+
+    Shapes as in `cascade_attention`. Returns o [K, Hq, t, D] (fp32 or q dtype), lse [K, Hq, t].
+    """
+    K, Hq, t, D = q.shape
+    Hkv = prefix_k.shape[0]
+    g = Hq // Hkv
+    # (b) branch part: q [K, Hq, t, D] -> [K, Hkv, g*t, D] (the g query heads of one KV
+    # head are adjacent), rows ordered (group, token); a view when q is contiguous.
+    qb = q.reshape(K, Hkv, g * t, D)
+    mask = tail_causal_mask(g * t, t, branch_k.shape[2], q.device)
+    o_b, lse_b = kernel(qb, branch_k, branch_v, scale, mask)
+    o_b, lse_b = o_b.reshape(K, Hq, t, D), lse_b.reshape(K, Hq, t)
+    if prefix_k.shape[1] == 0:
+        return o_b, lse_b
+    # (a) prefix part: one packed block per KV head, [1, Hkv, K*g*t, D] against the
+    # prefix [1, Hkv, Lp, D]; only the (small) queries are permuted.
+    qp = qb.transpose(0, 1).reshape(1, Hkv, K * g * t, D)
+    o_a, lse_a = kernel(qp, prefix_k.unsqueeze(0), prefix_v.unsqueeze(0), scale, None)
+    o_a = o_a.reshape(Hkv, K, g * t, D).transpose(0, 1).reshape(K, Hq, t, D)
+    lse_a = lse_a.reshape(Hkv, K, g * t).transpose(0, 1).reshape(K, Hq, t)
+    # (c) merge
+    return merge_lse(o_a, lse_a, o_b, lse_b)
+
+
+def _cascade_flash(q, prefix_k, prefix_v, branch_k, branch_v, scale):
+    """Cascade attention with flash-attn 2 (CUDA, fp16/bf16).
+
+    flash-attn does GQA natively (query heads h*g..h*g+g-1 read KV head h) and takes
+    strided KV with a contiguous last dim, so the HF-layout caches are passed as
+    transposed views, never copied. causal=True is bottom-right aligned, which is exactly
+    "new token i sees its own KV up to Lb - t + i".
+    Shapes as in `cascade_attention`; returns o [K, Hq, t, D], lse [K, Hq, t] (fp32).
+    """
+    from flash_attn import flash_attn_with_kvcache
+
+    K, Hq, t, D = q.shape
+    qf = q.transpose(1, 2)  # [K, t, Hq, D]
+    # (b) branch part: batch K, k_cache [K, Lb, Hkv, D]
+    o_b, lse_b = flash_attn_with_kvcache(
+        qf, branch_k.transpose(1, 2), branch_v.transpose(1, 2),
+        softmax_scale=scale, causal=True, return_softmax_lse=True,
+    )  # o_b [K, t, Hq, D], lse_b [K, Hq, t]
+    o_b = o_b.transpose(1, 2)
+    if prefix_k.shape[1] == 0:
+        return o_b, lse_b
+    # (a) prefix part: batch 1, all K*t queries as one sequence, k_cache [1, Lp, Hkv, D]
+    o_a, lse_a = flash_attn_with_kvcache(
+        qf.reshape(1, K * t, Hq, D), prefix_k.transpose(0, 1).unsqueeze(0), prefix_v.transpose(0, 1).unsqueeze(0),
+        softmax_scale=scale, causal=False, return_softmax_lse=True,
+    )  # o_a [1, K*t, Hq, D], lse_a [1, Hq, K*t]
+    o_a = o_a.reshape(K, t, Hq, D).transpose(1, 2)
+    lse_a = lse_a.reshape(Hq, K, t).transpose(0, 1)
+    return merge_lse(o_a, lse_a, o_b, lse_b)
+
+
+def cascade_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    branch_k: torch.Tensor,
+    branch_v: torch.Tensor,
+    scale: float | None = None,
+    backend: Backend = "auto",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of K lock-step branches against a shared prefix + own KV.
+
+    q:        [K, Hq, t, D]  the step's queries (t = 1 normally; t > 1 = t new tokens
+                             per branch, causal among themselves)
+    prefix_k: [Hkv, Lp, D]   shared by all branches, stored once (Lp may be 0)
+    prefix_v: [Hkv, Lp, D]
+    branch_k: [K, Hkv, Lb, D] each branch's own KV incl. this step's t tokens; all
+                             branches have the same Lb (lock-step: anchor + j tokens),
+                             so the dense layout is exact, no lengths or padding
+    branch_v: [K, Hkv, Lb, D]
+    scale:    softmax scale (default D**-0.5)
+    Hq must be a multiple of Hkv (GQA). Branch query k sees the whole prefix and
+    branch k's own keys (the new tokens causally), nothing of other branches.
+    Returns [K, Hq, t, D] in q's dtype (and lse [K, Hq, t] fp32 if return_lse).
+    """
+    K, Hq, t, D = q.shape
+    Hkv = prefix_k.shape[0]
+    if Hq % Hkv or branch_k.shape[:2] != (K, Hkv) or branch_k.shape[2] < t or branch_k.shape[-1] != D:
+        raise ValueError(
+            f"cascade_attention shapes: q {tuple(q.shape)}, prefix_k {tuple(prefix_k.shape)}, "
+            f"branch_k {tuple(branch_k.shape)}"
+        )
+    scale = D**-0.5 if scale is None else scale
+    name = resolve_backend(backend, q)
+    if name == "flash":
+        o, lse = _cascade_flash(q, prefix_k, prefix_v, branch_k, branch_v, scale)
+    else:
+        kernel = lse_attention_sdpa if name == "sdpa" else lse_attention_math
+        o, lse = _cascade_torch(q, prefix_k, prefix_v, branch_k, branch_v, scale, kernel)
+    o = o.to(q.dtype)
+    return (o, lse) if return_lse else o
+
+
+# ----------------------------------------------------------------------------------
+# HF transformers hook
+
+
+def padcap_cascade_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor | CascadeKV,
+    value: torch.Tensor | CascadeKV,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF AttentionInterface function for attn_implementation "padcap_cascade".
+
+    query: [B, Hq, q_len, D] (HF layout, RoPE applied). Returns ([B, q_len, Hq, D], None).
+    - key/value dense [B, Hkv, kv_len, D] (prefix mode, or any ordinary cache / no
+      cache): HF's sdpa attention with the given mask (4D float/bool, or None = causal).
+    - key is a CascadeKV (branch mode, B = K active branches): cascade attention; no
+      mask may be given (visibility is structural: whole prefix + own branch).
+    """
+    if isinstance(key, CascadeKV):
+        if attention_mask is not None:
+            raise ValueError(
+                "branch-mode cascade attention takes no attention mask (each branch sees the prefix and itself); "
+                f"got one of shape {tuple(attention_mask.shape)}"
+            )
+        if dropout:
+            raise ValueError("cascade attention is inference-only (dropout must be 0)")
+        out = cascade_attention(
+            query, key.prefix_k, key.prefix_v, key.branch_k, key.branch_v, scale=scaling, backend=key.backend
+        )
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def register() -> str:
+    """Register "padcap_cascade" with transformers (idempotent); returns the name.
+
+    The attention goes to AttentionInterface; the mask builder is HF's sdpa one, so
+    prefix-mode masks (2D padding, chunked causal prefill, or a given 4D mask) behave
+    as with "sdpa". In branch mode the cache reports kv_length == q_length, so the
+    builder returns None and nothing of size K*Lp is ever built.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, padcap_cascade_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    return ATTN_IMPLEMENTATION
