@@ -177,6 +177,13 @@ class ServeConfig:
     max_queued_requests: int = 16
     num_cpus_per_replica: float = 1.0
     num_gpus_per_replica: float = 0.0
+    upscale_delay_s: float = 5.0
+    downscale_delay_s: float = 60.0
+    max_json_bytes: int = 64 * 1024  # JSON request bodies (and the multipart `options` field)
+    max_frame_pixels: int = 3840 * 2160  # source width * height; larger videos are rejected before decoding
+    fetch_timeout_s: float = 60.0  # s3:// and http(s):// downloads (connect + read)
+    upload_dir: str = ""  # temp files for uploads and downloads; "" = the system temp dir
+    decode_workers: int = 0  # threads for media decoding + features per replica; 0 = max_ongoing_requests
 
 
 @dataclass
