@@ -82,10 +82,15 @@ class FeaturesConfig:
     visual_tokens_per_frame: int = 4
     audio_tokens_per_second: int = 2
     sample_rate: int = 16000
-    image_size: int = 32  # frames are resized to this square before the pixels encoder
+    image_size: int = 32  # frames are resized to this square on decode (hf_vision: the tower's size); 0 = source size
     n_mels: int = 32
     device: Literal["auto", "cpu", "cuda"] = "auto"
     batch_size: int = 64  # frames per encoder forward
+    audio_tokens_per_segment: int = 0  # 0 = max(1, round(audio_tokens_per_second * segment duration)) per video
+    audio_batch_size: int = 4  # 30 s windows per Whisper forward
+    decode_threads: int = 0  # decord threads per video; 0 = decord's automatic choice
+    max_media_bytes: int = 8 * 1024**3  # larger files are rejected (bounds the temp copy of remote files); 0 = no limit
+    duration_tolerance_s: float = 2.0  # annotated times up to this far past the media's end are clipped, further is an error
 
 
 @dataclass

@@ -1,0 +1,84 @@
+"""One video + its annotation -> one validated `pipeline.schema.Sample` (decode, encode, align).
+
+This is what the preprocessing Ray Data job calls per video (pure python, no ray):
+
+    featurizer = Featurizer(cfg)          # builds the encoders once (an actor's __init__)
+    sample = featurizer(uri, annotation)  # annotation: .video_id, .duration, .events (+ .split, .source)
+    sample = featurize(uri, annotation, cfg)  # one-off form
+
+The sample's duration is the media's (see `preprocess.media`), not the annotated
+one. Annotated events are checked against it: an event whose start or end lies
+more than `features.duration_tolerance_s` past the media's end raises
+MediaError(kind="annotation") ("annotation points beyond the video"); a smaller
+overshoot is clipped to the media's end (and a negative start to 0). An event
+that would be empty after clipping is an error too, never dropped silently.
+feature_hash = section_hash(cfg.features), so shards record the settings that made them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from pipeline.config import Config, section_hash
+from pipeline.schema import Event, Sample, validate
+from preprocess.encoders import get_audio_encoder, get_visual_encoder
+from preprocess.media import MediaError, decode_video
+
+
+def align_events(events: Sequence[Event], media_duration: float, tolerance: float, video_id: str,
+                 annotated_duration: float | None = None) -> list[Event]:
+    """Clip events to [0, media_duration]; raise MediaError for any beyond the tolerance."""
+    out = []
+    for i, e in enumerate(events):
+        if max(e.start, e.end) > media_duration + tolerance:
+            note = f" (annotated duration {annotated_duration:.3f}s)" if annotated_duration is not None else ""
+            raise MediaError(
+                f"{video_id}: annotation points beyond the video: event {i} [{e.start:.3f}, {e.end:.3f}]s, "
+                f"media duration {media_duration:.3f}s{note}, tolerance {tolerance:.3f}s",
+                "annotation",
+            )
+        start, end = max(0.0, float(e.start)), min(float(e.end), media_duration)
+        if end <= start:
+            raise MediaError(
+                f"{video_id}: event {i} [{e.start:.3f}, {e.end:.3f}]s is empty once clipped to the media "
+                f"duration {media_duration:.3f}s",
+                "annotation",
+            )
+        out.append(Event(start=start, end=end, caption=e.caption, visual_caption=e.visual_caption,
+                         audio_caption=e.audio_caption))
+    return out
+
+
+class Featurizer:
+    """Encoders built once from `cfg.features`; call it per video."""
+
+    def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
+        self.cfg = cfg
+        self.storage_options = storage_options
+        self.visual = get_visual_encoder(cfg.features)
+        self.audio = get_audio_encoder(cfg.features)
+        self.feature_hash = section_hash(cfg.features)
+
+    def __call__(self, uri: str, annotation: Any) -> Sample:
+        decoded = decode_video(uri, self.cfg.features, self.storage_options)
+        events = align_events(annotation.events, decoded.duration, self.cfg.features.duration_tolerance_s,
+                              annotation.video_id, getattr(annotation, "duration", None))
+        sample = Sample(
+            video_id=annotation.video_id,
+            duration=decoded.duration,
+            segment_times=decoded.segment_times,
+            visual=self.visual.encode(decoded),
+            audio=self.audio.encode(decoded),
+            has_audio=decoded.has_audio,
+            events=events,
+            source=getattr(annotation, "source", "") or self.cfg.data.dataset,
+            feature_hash=self.feature_hash,
+            split=getattr(annotation, "split", "") or "",
+        )
+        validate(sample)
+        return sample
+
+
+def featurize(uri: str, annotation: Any, cfg: Config, storage_options: dict[str, Any] | None = None) -> Sample:
+    """Decode + encode + align one video (builds the encoders; use Featurizer for many videos)."""
+    return Featurizer(cfg, storage_options)(uri, annotation)

@@ -1,0 +1,277 @@
+"""preprocess.encoders: registry, segment pooling, pixels/mel on real mp4s, HF towers from save_pretrained dirs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import FeaturesConfig
+from preprocess.encoders import (
+    AUDIO_ENCODERS,
+    VISUAL_ENCODERS,
+    VisualEncoder,
+    audio_tokens_per_segment,
+    get_audio_encoder,
+    get_visual_encoder,
+    mel_filterbank,
+    pool_frames_to_segments,
+    register_visual,
+)
+from preprocess.media import DecodedVideo, decode_video, frame_schedule
+from tests.support.mp4 import moving_square, solid_frames, tone, write_mp4
+
+
+def _decoded(duration: float, cfg: FeaturesConfig, audio: np.ndarray | None, frames: np.ndarray | None = None) -> DecodedVideo:
+    times, segs = frame_schedule(duration, cfg)
+    if frames is None:
+        frames = np.zeros((times.shape[0], cfg.image_size, cfg.image_size, 3), np.uint8)
+    return DecodedVideo(uri="mem", frames=frames, frame_times=times, segment_times=segs, audio=audio,
+                        sample_rate=cfg.sample_rate, duration=duration, has_audio=audio is not None,
+                        width=frames.shape[2], height=frames.shape[1], fps=8.0, num_source_frames=len(frames),
+                        frames_per_segment=cfg.frames_per_segment)
+
+
+# --------------------------------------------------------------------------- registry and pooling
+
+
+def test_registry_and_custom_encoder():
+    assert {"pixels", "hf_vision"} <= set(VISUAL_ENCODERS) and {"mel", "whisper"} <= set(AUDIO_ENCODERS)
+    with pytest.raises(ValueError, match="unknown visual encoder"):
+        get_visual_encoder(dataclasses.replace(FeaturesConfig(), visual_encoder="nope"))
+
+    @register_visual("test_ones")
+    class Ones(VisualEncoder):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.dim, self.tokens = 3, 2
+
+        def encode_batch(self, frames, previous):
+            return torch.ones(frames.shape[0], self.tokens, self.dim)
+
+    try:
+        cfg = dataclasses.replace(FeaturesConfig(), visual_encoder="test_ones", batch_size=5)
+        out = get_visual_encoder(cfg).encode(_decoded(10.0, cfg, None))
+        assert out.shape == (32, 4, 3) and out.dtype == np.float16 and (out == 1).all()
+    finally:
+        del VISUAL_ENCODERS["test_ones"]
+
+
+def test_audio_tokens_per_segment_rule():
+    cfg = FeaturesConfig()  # 2 tokens per second
+    assert audio_tokens_per_segment(cfg, np.array([[0.0, 0.125]])) == 1  # max(1, round(0.25))
+    assert audio_tokens_per_segment(cfg, np.array([[0.0, 1.0]])) == 2
+    assert audio_tokens_per_segment(cfg, np.array([[0.0, 3.9]])) == 8
+    assert audio_tokens_per_segment(dataclasses.replace(cfg, audio_tokens_per_segment=3), np.array([[0.0, 1.0]])) == 3
+
+
+def test_pool_frames_to_segments_exact_means():
+    feats = torch.arange(100, dtype=torch.float32)[:, None]  # frame j centred at 0.05 + j / 10
+    segs = np.array([[0.0, 1.0], [1.0, 2.5]], np.float32)
+    out = pool_frames_to_segments(feats, 10.0, 0.05, segs, 2)
+    np.testing.assert_allclose(out[..., 0].numpy(), [[2.0, 7.0], [13.0, 20.5]])
+    tiny = pool_frames_to_segments(feats, 10.0, 0.05, np.array([[0.01, 0.02], [9.99, 10.5]]), 1)
+    np.testing.assert_allclose(tiny[:, 0, 0].numpy(), [0.0, 99.0])  # nearest frame / clipped at the end
+
+
+def test_mel_filterbank_shape_and_peaks():
+    fb = mel_filterbank(32, 400, 16000)
+    assert fb.shape == (32, 201) and (fb >= 0).all()
+    peaks = fb.argmax(1)
+    assert (peaks[1:] >= peaks[:-1]).all() and peaks[-1] > 150  # ordered, covering up to Nyquist
+
+
+# --------------------------------------------------------------------------- pixels
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    d = tmp_path_factory.mktemp("enc")
+    out = {}
+    for name, colour in [("red", (230, 20, 20)), ("green", (20, 200, 40))]:
+        out[name] = write_mp4(d / f"{name}.mp4", solid_frames(16, 48, 48, [colour]), fps=8)
+    for name, (dx, dy) in {"right": (2, 0), "left": (-2, 0), "down": (0, 2), "up": (0, -2)}.items():
+        out[name] = write_mp4(d / f"{name}.mp4", moving_square(24, 64, 64, dx, dy, size=20), fps=8)
+    for name, freq in [("low", 250.0), ("high", 2000.0)]:
+        out[name] = write_mp4(d / f"{name}.mp4", solid_frames(16, 32, 32, [(0, 0, 0)]), audio=tone(freq, 2.0), fps=8)
+    out["silent"] = write_mp4(d / "silent.mp4", solid_frames(16, 32, 32, [(0, 0, 0)]), audio=tone(440, 2.0, amplitude=0.0), fps=8)
+    out["mute"] = write_mp4(d / "mute.mp4", solid_frames(16, 32, 32, [(0, 0, 0)]), fps=8)
+    return {k: str(v) for k, v in out.items()}
+
+
+def test_pixels_shape_and_colours(clips):
+    cfg = FeaturesConfig()
+    enc = get_visual_encoder(cfg)
+    assert (enc.dim, enc.tokens) == (9, 4)
+    red = enc.encode(decode_video(clips["red"], cfg))
+    green = enc.encode(decode_video(clips["green"], cfg))
+    assert red.shape == (32, 8, 9) and red.dtype == np.float16
+    rgb_red = (red[..., :3].astype(np.float32).mean((0, 1)) + 1) / 2 * 255
+    rgb_green = (green[..., :3].astype(np.float32).mean((0, 1)) + 1) / 2 * 255
+    np.testing.assert_allclose(rgb_red, (230, 20, 20), atol=10)
+    np.testing.assert_allclose(rgb_green, (20, 200, 40), atol=10)
+    assert np.abs(red[..., 3:6].astype(np.float32) + 1).max() < 0.1  # flat colour: ~zero std
+    assert np.abs(red[..., 6:].astype(np.float32) - [-1, 0, 0]).max() < 0.05  # static: no change, no motion
+
+
+def test_pixels_motion_direction(clips):
+    cfg = dataclasses.replace(FeaturesConfig(), batch_size=7)  # motion must carry across batch borders
+    enc = get_visual_encoder(cfg)
+    motion = {}
+    for name in ("right", "left", "down", "up"):
+        v = enc.encode(decode_video(clips[name], cfg)).astype(np.float32)
+        assert v[..., 6].max() > -0.9  # the change channel sees the motion
+        motion[name] = v[..., 7:9].mean((0, 1))  # mean (dx, dy) over the video
+    assert motion["right"][0] > 0.05 and motion["left"][0] < -0.05
+    assert motion["down"][1] > 0.05 and motion["up"][1] < -0.05
+    assert abs(motion["right"][1]) < 0.01 and abs(motion["down"][0]) < 0.01
+    # batch size does not change the features
+    a = enc.encode(decode_video(clips["right"], cfg))
+    b = get_visual_encoder(dataclasses.replace(cfg, batch_size=64)).encode(decode_video(clips["right"], cfg))
+    np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), atol=2e-3)
+
+
+# --------------------------------------------------------------------------- mel
+
+
+def test_mel_low_vs_high_tone_and_no_audio(clips):
+    cfg = dataclasses.replace(FeaturesConfig(), audio_tokens_per_segment=2)
+    enc = get_audio_encoder(cfg)
+    assert enc.dim == cfg.n_mels + 2
+    low = enc.encode(decode_video(clips["low"], cfg)).astype(np.float32)
+    high = enc.encode(decode_video(clips["high"], cfg)).astype(np.float32)
+    silent = enc.encode(decode_video(clips["silent"], cfg)).astype(np.float32)
+    assert low.shape == (32, 2, 34) and np.isfinite(low).all()
+    mid = slice(4, 28)  # away from the AAC edges
+    low_band = low[mid, :, : cfg.n_mels].mean((0, 1)).argmax()
+    high_band = high[mid, :, : cfg.n_mels].mean((0, 1)).argmax()
+    assert high_band > low_band + 5
+    assert high[mid, :, -1].mean() > low[mid, :, -1].mean() + 0.1  # spectral centroid
+    assert low[mid, :, -2].mean() > silent[mid, :, -2].mean() + 0.5  # energy
+    mute_dec = decode_video(clips["mute"], cfg)
+    mute = enc.encode(mute_dec)
+    assert mute.shape == (32, 2, 34) and not mute.any() and not mute_dec.has_audio
+
+
+def test_mel_long_audio_is_chunked_consistently():
+    cfg = FeaturesConfig()
+    enc = get_audio_encoder(cfg)
+    rng = np.random.default_rng(0)
+    audio = (0.1 * rng.standard_normal(16000 * 70)).astype(np.float32)  # 70 s: two STFT chunks
+    feats, rate, first = enc.frames(audio, 16000)
+    assert feats.shape == (1 + audio.size // 160, 34) and rate == 100 and first == 0
+    whole = torch.stft(torch.from_numpy(np.pad(audio, 200)), 400, 160, window=torch.hann_window(400), center=False,
+                       return_complex=True).abs().square()
+    ref = (torch.log10((enc.filters @ whole).clamp_min(1e-8)) + 4) / 4
+    np.testing.assert_allclose(feats[:, :32].numpy(), ref.T.numpy(), atol=1e-4)
+
+
+# --------------------------------------------------------------------------- HF towers
+
+
+def _tiny_vision_dirs(root):
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, SiglipConfig,
+                              SiglipImageProcessor, SiglipModel, SiglipVisionConfig, SiglipVisionModel)
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, image_size=32, patch_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    dirs = {}
+    SiglipVisionModel(SiglipVisionConfig(**small)).save_pretrained(root / "siglip")
+    SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(root / "siglip")
+    dirs["siglip"] = root / "siglip"
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64)
+    SiglipModel(SiglipConfig(text_config=text, vision_config=small)).save_pretrained(root / "siglip_full")
+    SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(root / "siglip_full")
+    dirs["siglip_full"] = root / "siglip_full"
+    CLIPVisionModel(CLIPVisionConfig(**small)).save_pretrained(root / "clip")
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "clip")
+    dirs["clip"] = root / "clip"
+    return {k: str(v) for k, v in dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def vision_dirs(tmp_path_factory):
+    return _tiny_vision_dirs(tmp_path_factory.mktemp("vision"))
+
+
+@pytest.mark.parametrize("kind", ["siglip", "siglip_full", "clip"])
+def test_hf_vision_loads_and_pools(vision_dirs, clips, kind):
+    from transformers import AutoImageProcessor, CLIPVisionModel, SiglipVisionModel
+
+    cfg = dataclasses.replace(FeaturesConfig(), visual_encoder="hf_vision", vision_path=vision_dirs[kind], batch_size=16)
+    enc = get_visual_encoder(cfg)
+    assert (enc.dim, enc.tokens) == (32, 4)
+    decoded = decode_video(clips["right"], cfg)
+    out = enc.encode(decoded)
+    assert out.shape == (32, 8, 32) and out.dtype == np.float16 and np.isfinite(out.astype(np.float32)).all()
+    # V = 16 equals the 4x4 patch grid: tokens must be the tower's own patch outputs
+    full = get_visual_encoder(dataclasses.replace(cfg, visual_tokens_per_frame=16)).encode(decoded)
+    model = (CLIPVisionModel if kind == "clip" else SiglipVisionModel).from_pretrained(vision_dirs[kind]).eval()
+    pixels = AutoImageProcessor.from_pretrained(vision_dirs[kind])(images=list(decoded.frames[:4]), return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**pixels).last_hidden_state
+    patches = hidden[:, 1:] if kind == "clip" else hidden
+    np.testing.assert_allclose(full.reshape(-1, 16, 32)[:4].astype(np.float32), patches.numpy(), atol=1e-2)
+    # V = 4 is the 2x2 average of those
+    pooled = patches.reshape(4, 2, 2, 2, 2, 32).mean((2, 4)).reshape(4, 4, 32)
+    np.testing.assert_allclose(out.reshape(-1, 4, 32)[:4].astype(np.float32), pooled.numpy(), atol=1e-2)
+
+
+@pytest.fixture(scope="module")
+def whisper_dir(tmp_path_factory):
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("whisper")
+    cfg = WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80,
+                        max_source_positions=1500, max_target_positions=64)
+    WhisperForConditionalGeneration(cfg).save_pretrained(root)
+    WhisperFeatureExtractor(feature_size=80).save_pretrained(root)
+    return str(root)
+
+
+def test_whisper_loads_and_pools(whisper_dir, clips):
+    from transformers import WhisperFeatureExtractor, WhisperModel
+
+    cfg = dataclasses.replace(FeaturesConfig(), audio_encoder="whisper", audio_path=whisper_dir, audio_batch_size=1)
+    enc = get_audio_encoder(cfg)
+    assert enc.dim == 32 and enc.tokens == 2
+    decoded = decode_video(clips["low"], cfg)
+    out = enc.encode(decoded)
+    assert out.shape == (32, 1, 32) and out.dtype == np.float16
+    # 35 s of audio: two 30 s windows; 50 encoder frames per second of real audio
+    rng = np.random.default_rng(0)
+    audio = (0.1 * rng.standard_normal(16000 * 35)).astype(np.float32)
+    feats, rate, first = enc.frames(audio, 16000)
+    assert feats.shape == (1750, 32) and rate == 50 and first == pytest.approx(0.01)
+    ref_model = WhisperModel.from_pretrained(whisper_dir).get_encoder().eval()
+    inputs = WhisperFeatureExtractor.from_pretrained(whisper_dir)([audio[480000:]], sampling_rate=16000, return_tensors="pt")
+    with torch.no_grad():
+        ref = ref_model(inputs["input_features"]).last_hidden_state[0, :250]
+    np.testing.assert_allclose(feats[1500:].numpy(), ref.numpy(), atol=1e-4)
+    long = get_audio_encoder(dataclasses.replace(cfg, audio_batch_size=4)).encode(_decoded(35.0, cfg, audio))
+    assert long.shape == (35, 2, 32)  # 70 frames -> 35 segments of 1 s -> 2 tokens each
+    np.testing.assert_allclose(long[0, 0].astype(np.float32), feats[:25].mean(0).numpy(), atol=2e-3)
+    no_audio = enc.encode(_decoded(35.0, cfg, None))
+    assert no_audio.shape == (35, 2, 32) and not no_audio.any()
+
+
+@pytest.mark.gpu
+def test_encoders_on_cuda_match_cpu(vision_dirs, whisper_dir):
+    base = dataclasses.replace(FeaturesConfig(), vision_path=vision_dirs["siglip"], audio_path=whisper_dir)
+    frames = moving_square(64, 32, 32, 1, 0, size=10)
+    frames[..., 0] = np.linspace(0, 255, 64, dtype=np.uint8)[:, None, None]
+    decoded = _decoded(10.0, base, tone(440.0, 10.0, 16000), frames)
+    for field, names in (("visual_encoder", ("pixels", "hf_vision")), ("audio_encoder", ("mel", "whisper"))):
+        for name in names:
+            cpu_cfg = dataclasses.replace(base, **{field: name, "device": "cpu"})
+            get = get_visual_encoder if field == "visual_encoder" else get_audio_encoder
+            gpu_enc = get(dataclasses.replace(cpu_cfg, device="auto"))
+            assert gpu_enc.device.type == "cuda"
+            on_gpu = gpu_enc.encode(decoded).astype(np.float32)
+            on_cpu = get(cpu_cfg).encode(decoded).astype(np.float32)
+            assert on_gpu.shape == on_cpu.shape, name
+            np.testing.assert_allclose(on_gpu, on_cpu, atol=3e-2, rtol=3e-2, err_msg=name)
