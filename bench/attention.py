@@ -8,7 +8,7 @@ prefix of 2048 tokens, K = 8 branches, branch lengths 1..32. Three ways, side by
 Every variant is checked against (c)'s output before timing. Prints JSON (ms per layer,
 ms per step for all layers, ratios) and optionally writes a PNG.
 
-Run: .venv/bin/python bench/attention.py [--device cuda] [--dtype bfloat16] [--threads 1] [--png out.png]
+Run: .venv/bin/python bench/attention.py [--device cuda [--graphs]] [--dtype bfloat16] [--threads 1] [--png out.png]
 (on a shared CPU, --threads 1 avoids OpenMP stalls when another process holds a core)
 """
 
@@ -88,6 +88,31 @@ def time_interleaved(fns, device, reps, warmup=3):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def cuda_graphed(fn):
+    """Capture fn in a CUDA graph and return its replay: the GPU time without Python
+    and launch overhead (what an engine that graphs its decode step would see)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def kv_bytes(K, Hkv, D, Lp, Lb, itemsize):
+    """K+V bytes per layer each variant keeps (and reads every step)."""
+    per_token = 2 * Hkv * D * itemsize
+    return {
+        "loop": K * (Lp + Lb) * per_token,  # one full cache per branch
+        "batched_copy": K * (Lp + Lb) * per_token,
+        "cascade": (Lp + K * Lb) * per_token,
+    }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -98,6 +123,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--graphs", action="store_true", help="CUDA: also time CUDA-graph replays")
     ap.add_argument("--png", default="")
     args = ap.parse_args(argv)
     if args.threads:
@@ -120,8 +146,12 @@ def main(argv=None):
                 err = (fn().float() - want).abs().max().item()
                 if err > tol:
                     raise SystemExit(f"{name} disagrees with cascade at Lb={Lb}: max err {err}")
-            ms = time_interleaved(fns, args.device, args.reps)
-            rows.append({"branch_len": Lb, "ms_per_layer": ms})
+            row = {"branch_len": Lb, "ms_per_layer": time_interleaved(fns, args.device, args.reps),
+                   "kv_bytes_per_layer": kv_bytes(K, Hkv, D, args.prefix, Lb, x[0].element_size())}
+            if args.device == "cuda" and args.graphs:
+                graphed = {name: cuda_graphed(fn) for name, fn in fns.items()}
+                row["ms_per_layer_cuda_graph"] = time_interleaved(graphed, args.device, args.reps)
+            rows.append(row)
     mean = {n: statistics.mean(r["ms_per_layer"][n] for r in rows) for n in rows[0]["ms_per_layer"]}
     result = {
         "shapes": {"q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "prefix": args.prefix, "branches": K,
@@ -133,6 +163,11 @@ def main(argv=None):
         "ratio_loop_over_cascade": mean["loop"] / mean["cascade"],
         "ratio_batched_copy_over_cascade": mean["batched_copy"] / mean["cascade"],
     }
+    if "ms_per_layer_cuda_graph" in rows[0]:
+        gmean = {n: statistics.mean(r["ms_per_layer_cuda_graph"][n] for r in rows) for n in mean}
+        result["mean_ms_per_layer_cuda_graph"] = gmean
+        result["graph_ratio_loop_over_cascade"] = gmean["loop"] / gmean["cascade"]
+        result["graph_ratio_batched_copy_over_cascade"] = gmean["batched_copy"] / gmean["cascade"]
     print(json.dumps(result, indent=2))
     if args.png:
         import matplotlib

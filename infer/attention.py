@@ -10,6 +10,8 @@ decode step therefore splits into
       KV), no mask, the prefix read once;
   (b) branch part: each branch against its own KV (batched over branches);
   (c) a log-sum-exp merge of (a) and (b), exact up to rounding.
+On CUDA a long prefix is also split into KV chunks (flash-decoding style, views, no
+copies) so that a packed block with only Hkv heads still fills the GPU.
 
 Backends (chosen at run time, `resolve_backend`):
   "sdpa"  torch's fused kernels that also return the LSE
@@ -164,62 +166,122 @@ def lse_attention_sdpa(
 
 
 def merge_lse(
-    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    with_lse: bool = True,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge two partial softmax-attentions over disjoint key sets (exact).
 
-    o_*: [..., D] (any float dtype), lse_*: [...] (natural log). With
+    o_*: [..., D] (any float dtype, any strides), lse_*: [...] (natural log). With
     m = max(l_a, l_b): o = (e^(l_a-m) o_a + e^(l_b-m) o_b) / (e^(l_a-m) + e^(l_b-m)),
-    l = m + log(e^(l_a-m) + e^(l_b-m)). Computed in fp32; returns (o fp32, lse fp32).
-    A side with lse = -inf (no visible key) gets weight 0.
+    l = m + log(e^(l_a-m) + e^(l_b-m)). The weight of side a is exactly
+    sigmoid(l_a - l_b), so o = lerp(o_b, o_a, sigmoid(l_a - l_b)): a few fused kernels.
+    Weights in fp32; the lerp runs in fp32 registers (fp16/bf16 inputs: one kernel
+    straight into `out` when all dtypes match, else in fp32 then copied).
+    Returns (o, lse fp32 or None); o is `out` when given, else fp32. A side with
+    lse = -inf (no visible key) gets weight 0; one side per row must see a key.
     """
-    lse_a, lse_b = lse_a.float(), lse_b.float()
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # both empty: avoid inf - inf
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    denom = w_a + w_b
-    o = (w_a.unsqueeze(-1) * o_a.float() + w_b.unsqueeze(-1) * o_b.float()) / denom.unsqueeze(-1)
-    return o, m + torch.log(denom)
+    w = torch.sigmoid(lse_a.float() - lse_b.float()).unsqueeze(-1)
+    if out is not None and o_a.dtype == o_b.dtype == out.dtype:
+        o = torch.lerp(o_b, o_a, w.to(out.dtype), out=out)
+    else:
+        o = torch.lerp(o_b.float(), o_a.float(), w)
+        if out is not None:
+            o = out.copy_(o)
+    return o, (torch.logaddexp(lse_a.float(), lse_b.float()) if with_lse else None)
+
+
+def auto_prefix_splits(prefix_len: int, device: torch.device) -> int:
+    """How many KV chunks the prefix part is split into (flash-decoding style).
+
+    On CUDA a packed prefix block has only Hkv (e.g. 2) query heads, so one kernel would
+    occupy a couple of SMs; splitting the prefix into chunks of >= 512 keys (at most 64)
+    and merging by LSE spreads it over the GPU. CPU kernels parallelise fine: 1.
+    """
+    if device.type != "cuda":
+        return 1
+    return max(1, min(64, prefix_len // 512))
 
 
 # ----------------------------------------------------------------------------------
 # cascade attention
 
 
-def _cascade_torch(q, prefix_k, prefix_v, branch_k, branch_v, scale, kernel):
+def _prefix_part(qb, prefix_k, prefix_v, scale, kernel, splits):
+    """All branch queries against the shared prefix, packed per KV head.
+
+    qb: [K, Hkv, G, D] (G = group * t rows per KV head); prefix_k/v: [Hkv, Lp, D].
+    The queries become one block [1, Hkv, K*G, D]; only they are copied, never the KV.
+    With splits = S > 1 the prefix is viewed as [S, Hkv, Lp/S, D] (no copy) and run as a
+    batch of S (plus one call for the last Lp % S keys).
+    Returns o [P, Hkv, K, G, D] and lse [P, Hkv, K, G]: P partial results (P = 1 unsplit)
+    over disjoint key chunks, to be merged by LSE.
+    """
+    K, Hkv, G, D = qb.shape
+    Lp = prefix_k.shape[1]
+    qp = qb.transpose(0, 1).reshape(1, Hkv, K * G, D)
+    if splits <= 1:
+        o, lse = kernel(qp, prefix_k.unsqueeze(0), prefix_v.unsqueeze(0), scale)
+    else:
+        chunk = Lp // splits
+        main = splits * chunk
+        ks = prefix_k[:, :main].unflatten(1, (splits, chunk)).transpose(0, 1)  # [S, Hkv, chunk, D] view
+        vs = prefix_v[:, :main].unflatten(1, (splits, chunk)).transpose(0, 1)
+        o, lse = kernel(qp.expand(splits, -1, -1, -1).contiguous(), ks, vs, scale)
+        if main < Lp:
+            o_t, lse_t = kernel(qp, prefix_k[None, :, main:], prefix_v[None, :, main:], scale)
+            o, lse = torch.cat([o, o_t]), torch.cat([lse, lse_t])
+    return o.unflatten(2, (K, G)), lse.unflatten(2, (K, G))
+
+
+def _cascade_torch(q, prefix_k, prefix_v, branch_k, branch_v, scale, kernel, splits, out, with_lse):
     """Cascade attention with a torch kernel (`lse_attention_sdpa` or `_math`).
 
-    Shapes as in `cascade_attention`. Returns o [K, Hq, t, D] (fp32 or q dtype), lse [K, Hq, t].
+    Shapes as in `cascade_attention`; out: [K, Hkv, g, t, D], a view of the output
+    storage that receives the result. Returns lse [K, Hkv, g*t] fp32, or None.
+    Two parts merge as o = lerp(o_b, o_a, sigmoid(l_a - l_b)) straight into `out`; a
+    split prefix merges all parts with one softmax over their LSEs.
     """
     K, Hq, t, D = q.shape
     Hkv = prefix_k.shape[0]
     g = Hq // Hkv
+    G = g * t
     # (b) branch part: q [K, Hq, t, D] -> [K, Hkv, g*t, D] (the g query heads of one KV
     # head are adjacent), rows ordered (group, token); a view when q is contiguous.
-    qb = q.reshape(K, Hkv, g * t, D)
-    mask = tail_causal_mask(g * t, t, branch_k.shape[2], q.device)
-    o_b, lse_b = kernel(qb, branch_k, branch_v, scale, mask)
-    o_b, lse_b = o_b.reshape(K, Hq, t, D), lse_b.reshape(K, Hq, t)
+    qb = q.reshape(K, Hkv, G, D)
+    mask = tail_causal_mask(G, t, branch_k.shape[2], q.device)
+    o_b, lse_b = kernel(qb, branch_k, branch_v, scale, mask)  # [K, Hkv, G, D], [K, Hkv, G]
     if prefix_k.shape[1] == 0:
-        return o_b, lse_b
-    # (a) prefix part: one packed block per KV head, [1, Hkv, K*g*t, D] against the
-    # prefix [1, Hkv, Lp, D]; only the (small) queries are permuted.
-    qp = qb.transpose(0, 1).reshape(1, Hkv, K * g * t, D)
-    o_a, lse_a = kernel(qp, prefix_k.unsqueeze(0), prefix_v.unsqueeze(0), scale, None)
-    o_a = o_a.reshape(Hkv, K, g * t, D).transpose(0, 1).reshape(K, Hq, t, D)
-    lse_a = lse_a.reshape(Hkv, K, g * t).transpose(0, 1).reshape(K, Hq, t)
+        out.copy_(o_b.unflatten(2, (g, t)))
+        return lse_b.float() if with_lse else None
+    # (a) prefix part
+    o_a, lse_a = _prefix_part(qb, prefix_k, prefix_v, scale, kernel, splits)  # [P, Hkv, K, G, (D)]
     # (c) merge
-    return merge_lse(o_a, lse_a, o_b, lse_b)
+    if o_a.shape[0] == 1:
+        o_a, lse_a = o_a[0].transpose(0, 1), lse_a[0].transpose(0, 1)  # [K, Hkv, G, (D)] views
+        unf = lambda x: x.unflatten(2, (g, t))  # noqa: E731  [K, Hkv, G, ...] -> [K, Hkv, g, t, ...]
+        _, lse = merge_lse(unf(o_a), unf(lse_a), unf(o_b), unf(lse_b), with_lse, out=out)
+        return lse.flatten(2) if with_lse else None
+    lse_all = torch.cat([lse_a.float(), lse_b.float().transpose(0, 1).unsqueeze(0)])  # [P+1, Hkv, K, G]
+    o_all = torch.cat([o_a, o_b.transpose(0, 1).unsqueeze(0)])  # [P+1, Hkv, K, G, D]
+    w = torch.softmax(lse_all, dim=0).unsqueeze(-1)
+    o = (w * o_all).sum(0)  # [Hkv, K, G, D]
+    out.copy_(o.transpose(0, 1).unflatten(2, (g, t)))
+    return torch.logsumexp(lse_all, dim=0).transpose(0, 1) if with_lse else None
 
 
-def _cascade_flash(q, prefix_k, prefix_v, branch_k, branch_v, scale):
+def _cascade_flash(q, prefix_k, prefix_v, branch_k, branch_v, scale, out, with_lse):
     """Cascade attention with flash-attn 2 (CUDA, fp16/bf16).
 
-    flash-attn does GQA natively (query heads h*g..h*g+g-1 read KV head h) and takes
-    strided KV with a contiguous last dim, so the HF-layout caches are passed as
-    transposed views, never copied. causal=True is bottom-right aligned, which is exactly
-    "new token i sees its own KV up to Lb - t + i".
-    Shapes as in `cascade_attention`; returns o [K, Hq, t, D], lse [K, Hq, t] (fp32).
+    flash-attn does GQA natively (query heads h*g..h*g+g-1 read KV head h), splits long
+    KV itself (num_splits heuristic) and takes strided KV with a contiguous last dim, so
+    the HF-layout caches are passed as transposed views, never copied. causal=True is
+    bottom-right aligned: exactly "new token i sees its own KV up to Lb - t + i".
+    Shapes as in `cascade_attention`; out: [K, t, Hq, D] receives the result.
+    Returns lse [K, t, Hq] fp32, or None.
     """
     from flash_attn import flash_attn_with_kvcache
 
@@ -230,17 +292,18 @@ def _cascade_flash(q, prefix_k, prefix_v, branch_k, branch_v, scale):
         qf, branch_k.transpose(1, 2), branch_v.transpose(1, 2),
         softmax_scale=scale, causal=True, return_softmax_lse=True,
     )  # o_b [K, t, Hq, D], lse_b [K, Hq, t]
-    o_b = o_b.transpose(1, 2)
+    lse_b = lse_b.transpose(1, 2)
     if prefix_k.shape[1] == 0:
-        return o_b, lse_b
+        out.copy_(o_b)
+        return lse_b if with_lse else None
     # (a) prefix part: batch 1, all K*t queries as one sequence, k_cache [1, Lp, Hkv, D]
     o_a, lse_a = flash_attn_with_kvcache(
         qf.reshape(1, K * t, Hq, D), prefix_k.transpose(0, 1).unsqueeze(0), prefix_v.transpose(0, 1).unsqueeze(0),
         softmax_scale=scale, causal=False, return_softmax_lse=True,
     )  # o_a [1, K*t, Hq, D], lse_a [1, Hq, K*t]
-    o_a = o_a.reshape(K, t, Hq, D).transpose(1, 2)
-    lse_a = lse_a.reshape(Hq, K, t).transpose(0, 1)
-    return merge_lse(o_a, lse_a, o_b, lse_b)
+    o_a = o_a.reshape(K, t, Hq, D)
+    lse_a = lse_a.reshape(Hq, K, t).permute(1, 2, 0)
+    return merge_lse(o_a, lse_a, o_b, lse_b, with_lse, out=out)[1]
 
 
 def cascade_attention(
@@ -252,6 +315,7 @@ def cascade_attention(
     scale: float | None = None,
     backend: Backend = "auto",
     return_lse: bool = False,
+    prefix_splits: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One decode step of K lock-step branches against a shared prefix + own KV.
 
@@ -264,9 +328,12 @@ def cascade_attention(
                              so the dense layout is exact, no lengths or padding
     branch_v: [K, Hkv, Lb, D]
     scale:    softmax scale (default D**-0.5)
+    prefix_splits: KV chunks for the prefix part (torch backends; None = auto, see
+              `auto_prefix_splits`); flash-attn splits by itself.
     Hq must be a multiple of Hkv (GQA). Branch query k sees the whole prefix and
     branch k's own keys (the new tokens causally), nothing of other branches.
-    Returns [K, Hq, t, D] in q's dtype (and lse [K, Hq, t] fp32 if return_lse).
+    Returns [K, Hq, t, D] in q's dtype, a transposed view of contiguous [K, t, Hq, D]
+    (and lse [K, Hq, t] fp32 if return_lse).
     """
     K, Hq, t, D = q.shape
     Hkv = prefix_k.shape[0]
@@ -277,13 +344,24 @@ def cascade_attention(
         )
     scale = D**-0.5 if scale is None else scale
     name = resolve_backend(backend, q)
+    # The result is written into [K, t, Hq, D] storage (what HF's o_proj wants) and
+    # returned as a [K, Hq, t, D] view, so the caller's transpose + contiguous is free.
+    out = torch.empty(K, t, Hq, D, dtype=q.dtype, device=q.device)
     if name == "flash":
-        o, lse = _cascade_flash(q, prefix_k, prefix_v, branch_k, branch_v, scale)
+        lse = _cascade_flash(q, prefix_k, prefix_v, branch_k, branch_v, scale, out, return_lse)
+        lse = lse.transpose(1, 2) if return_lse else None
     else:
         kernel = lse_attention_sdpa if name == "sdpa" else lse_attention_math
-        o, lse = _cascade_torch(q, prefix_k, prefix_v, branch_k, branch_v, scale, kernel)
-    o = o.to(q.dtype)
-    return (o, lse) if return_lse else o
+        if prefix_splits is None:
+            prefix_splits = auto_prefix_splits(prefix_k.shape[1], q.device)
+        g = Hq // Hkv
+        target = out.view(K, t, Hkv, g, D).permute(0, 2, 3, 1, 4)  # [K, Hkv, g, t, D]
+        lse = _cascade_torch(
+            q, prefix_k, prefix_v, branch_k, branch_v, scale, kernel, prefix_splits, target, return_lse
+        )
+        lse = lse.reshape(K, Hq, t) if return_lse else None
+    out = out.transpose(1, 2)
+    return (out, lse.float()) if return_lse else out
 
 
 # ----------------------------------------------------------------------------------

@@ -75,6 +75,7 @@ def test_cascade_equals_masked_attention_fp32(backend, heads, K, t):
     out = cascade_attention(q, pk, pv, bk, bv, scale=0.3, backend=backend)
     ref = reference_attention(q, pk, pv, bk, bv, scale=0.3)
     assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.transpose(1, 2).is_contiguous()  # [K, t, Hq, D] storage: HF's reshape is free
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -86,6 +87,17 @@ def test_cascade_half_precision(dtype, atol, backend):
     assert out.dtype == dtype
     ref = reference_attention(*(x.float() for x in (q, pk, pv, bk, bv)), scale=64**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("splits,Lp", [(4, 64), (5, 67), (7, 100)])
+def test_split_prefix_equals_unsplit(splits, Lp):
+    """Split-KV over the prefix (the CUDA default for long prefixes), incl. a remainder."""
+    q, pk, pv, bk, bv = random_inputs(3, 14, 2, 1, Lp=Lp, Lb=4)
+    for backend in ("sdpa", "math"):
+        out, lse = cascade_attention(q, pk, pv, bk, bv, backend=backend, prefix_splits=splits, return_lse=True)
+        _, want_lse = cascade_attention(q, pk, pv, bk, bv, backend="math", prefix_splits=1, return_lse=True)
+        torch.testing.assert_close(out.double(), reference_attention(q, pk, pv, bk, bv, 16**-0.5), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_cascade_empty_prefix_and_lse():
@@ -370,8 +382,10 @@ def test_cache_guards(models):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_sdpa_backend_cuda(dtype):
-    q, pk, pv, bk, bv = random_inputs(8, 14, 2, 1, Lp=1000, Lb=7, D=64, dtype=dtype, device="cuda")
+@pytest.mark.parametrize("t,Lp", [(1, 1000), (1, 5000), (3, 5000)])
+def test_sdpa_backend_cuda(dtype, t, Lp):
+    """CUDA fused kernels with LSE; Lp=5000 takes the split-KV path (9 chunks + a rest)."""
+    q, pk, pv, bk, bv = random_inputs(8, 14, 2, t, Lp=Lp, Lb=t + 6, D=64, dtype=dtype, device="cuda")
     out = cascade_attention(q, pk, pv, bk, bv, backend="sdpa")
     ref = reference_attention(*(x.float().cpu() for x in (q, pk, pv, bk, bv)), scale=64**-0.5)
     atol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
