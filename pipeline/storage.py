@@ -110,3 +110,12 @@ def list_files(path: str, suffixes: tuple[str, ...] = ()) -> list[str]:
     if suffixes:
         out = [f for f in out if f.lower().endswith(tuple(s.lower() for s in suffixes))]
     return sorted(out)
+
+
+FORWARDED_ENV_PREFIXES = ("AWS_",)
+
+
+def forwarded_env() -> dict[str, str]:
+    """The storage variables of this process (AWS_*), to hand to Ray workers' runtime_env
+    so that workers reach the same buckets as the driver."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}

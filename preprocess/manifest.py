@@ -1,0 +1,127 @@
+"""The preprocess manifest: one Parquet row per input video, and the commit protocol.
+
+A preprocess run works in chunks. Each chunk writes its shards into its own
+directory `shards/<chunk>/` and then, as its commit marker, a manifest part
+`manifest/<chunk>.parquet`. A chunk directory without a part is the debris of
+a killed run: it is deleted on the next run and its videos are redone, so a
+killed-and-restarted run ends with exactly the samples of an uninterrupted one.
+`manifest.parquet` is the consolidation of all parts (latest row per video).
+
+Pure python + pyarrow (no ray).
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline import storage
+from pipeline.schema import KEY, META
+
+COLUMNS: dict[str, pa.DataType] = {
+    "video_id": pa.string(),
+    "uri": pa.string(),
+    "split": pa.string(),
+    "source": pa.string(),
+    "status": pa.string(),  # ok | error
+    "error": pa.string(),
+    "shard": pa.string(),
+    "key": pa.string(),
+    "num_segments": pa.int64(),
+    "num_events": pa.int64(),
+    "clipped_events": pa.int64(),
+    "duration": pa.float64(),
+    "feature_hash": pa.string(),
+    "seconds": pa.float64(),
+    "chunk": pa.string(),
+}
+
+
+def empty_row(**values: Any) -> dict[str, Any]:
+    row: dict[str, Any] = {name: None for name in COLUMNS}
+    row.update(values)
+    return row
+
+
+def to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    return pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=pa.schema(COLUMNS))
+
+
+def write_table(path: str, rows: list[dict[str, Any]]) -> None:
+    buf = io.BytesIO()
+    pq.write_table(to_table(rows), buf)
+    storage.write_bytes(path, buf.getvalue())
+
+
+def read_table(path: str) -> list[dict[str, Any]]:
+    return pq.read_table(io.BytesIO(storage.read_bytes(path))).to_pylist()
+
+
+def manifest_dir(out_dir: str) -> str:
+    return storage.join(out_dir, "manifest")
+
+
+def shards_dir(out_dir: str) -> str:
+    return storage.join(out_dir, "shards")
+
+
+def manifest_path(out_dir: str) -> str:
+    return storage.join(out_dir, "manifest.parquet")
+
+
+def committed_parts(out_dir: str) -> dict[str, list[dict[str, Any]]]:
+    """{chunk name: rows} of every committed chunk, in commit order."""
+    parts = storage.list_files(manifest_dir(out_dir), (".parquet",))
+    return {p.rsplit("/", 1)[-1][: -len(".parquet")]: read_table(p) for p in parts}
+
+
+def remove_uncommitted(out_dir: str, committed: set[str]) -> list[str]:
+    """Delete shard directories of chunks that never wrote their manifest part."""
+    fs, inner = storage.filesystem(shards_dir(out_dir))
+    if not fs.exists(inner):
+        return []
+    removed = []
+    for entry in fs.ls(inner, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name not in committed:
+            fs.rm(entry, recursive=True)
+            removed.append(name)
+    return removed
+
+
+def consolidate(out_dir: str) -> list[dict[str, Any]]:
+    """Merge the parts (later chunks win per video), write manifest.parquet, return rows."""
+    latest: dict[str, dict[str, Any]] = {}
+    for rows in committed_parts(out_dir).values():
+        for row in rows:
+            prev = latest.get(row["video_id"])
+            if prev is not None and prev["status"] == "ok" and row["status"] != "ok":
+                continue  # an ok sample is never replaced by a later failure of a duplicate id
+            latest[row["video_id"]] = row
+    rows = sorted(latest.values(), key=lambda r: (r["split"] or "", r["video_id"]))
+    write_table(manifest_path(out_dir), rows)
+    return rows
+
+
+def shard_keys(shard_path: str) -> list[str]:
+    """Sample keys stored in one tar (reads headers only; data is skipped by seeking)."""
+    fs, inner = storage.filesystem(shard_path)
+    keys: list[str] = []
+    with fs.open(inner, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        for member in tar:
+            if member.name.endswith("." + META):
+                keys.append(member.name[: -len(META) - 1])
+    return keys
+
+
+def ok_shards(rows: list[dict[str, Any]], split: str | None = None) -> list[str]:
+    """The shard files holding the ok samples (of one split), sorted."""
+    return sorted({r["shard"] for r in rows if r["status"] == "ok" and (split is None or r["split"] == split)})
+
+
+__all__ = ["COLUMNS", "KEY", "consolidate", "committed_parts", "empty_row", "manifest_path", "ok_shards",
+           "read_table", "remove_uncommitted", "shard_keys", "shards_dir", "write_table"]

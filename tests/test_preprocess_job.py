@@ -1,0 +1,194 @@
+"""The preprocess Ray Data job end to end: synthetic corpus -> shards + manifest (local and S3),
+bad inputs as explained error rows, and resume after a run killed midway."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from pipeline import storage
+from pipeline.config import load_config, section_hash
+from pipeline.schema import decode
+from preprocess import manifest as mf
+from preprocess.job import FeaturizeVideos, run_preprocess
+from preprocess.synthetic import generate_corpus
+from tests.support.mp4 import solid_frames, tone, write_mp4
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def small_cfg(*extra):
+    return load_config(ROOT / "cluster/configs/default.yaml", [
+        "data.synthetic.num_videos=5", "data.synthetic.min_duration=8", "data.synthetic.max_duration=12",
+        "data.synthetic.max_events=3", "features.min_frames=16", "features.max_frames=32",
+        "cluster.preprocess_actors=1", *extra])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    cfg = small_cfg()
+    root = tmp_path_factory.mktemp("corpus")
+    info = generate_corpus(str(root / "synth"), cfg.data.synthetic, progress=False)
+    return cfg, info
+
+
+def read_samples(rows):
+    """Every sample of the manifest's ok shards: local shards through the webdataset library,
+    S3 shards through fsspec + tarfile."""
+    samples = {}
+    for shard in mf.ok_shards(rows):
+        records = _iter_tar(shard) if storage.is_remote(shard) else wds.WebDataset([shard], shardshuffle=False)
+        for fields in records:
+            s = decode(fields)
+            assert s.video_id not in samples, "duplicate sample"
+            samples[s.video_id] = s
+    return samples
+
+
+def _iter_tar(shard):
+    fs, inner = storage.filesystem(shard)
+    groups: dict[str, dict] = {}
+    with tarfile.open(fileobj=io.BytesIO(fs.cat_file(inner))) as tar:
+        for m in tar:
+            key, field = m.name.split(".", 1)
+            groups.setdefault(key, {"__key__": key})[field] = tar.extractfile(m).read()
+    yield from groups.values()
+
+
+def check_against_annotations(rows, info, cfg):
+    ok = [r for r in rows if r["status"] == "ok"]
+    samples = read_samples(rows)
+    assert set(samples) == {r["video_id"] for r in ok}
+    for split, path in info.longvale.items():
+        ann = json.loads(Path(path).read_text())
+        for vid, a in ann.items():
+            s = samples[vid]
+            assert s.split == split and s.feature_hash == section_hash(cfg.features)
+            got = [(round(e.start, 3), round(e.end, 3), e.caption) for e in s.events]
+            want = [(round(t[0], 3), round(t[1], 3), c) for t, c in zip(a["timestamps"], a["sentences"])]
+            assert got == want
+            row = next(r for r in ok if r["video_id"] == vid)
+            assert row["num_segments"] == s.num_segments and row["num_events"] == len(s.events)
+    return samples
+
+
+def test_featurize_actor_is_a_pure_batch_function(corpus):
+    cfg, info = corpus
+    vid, path = sorted(info.videos.items())[0]
+    ann = json.loads(Path(info.longvale["train"]).read_text()).get(vid) or \
+        json.loads(Path(info.longvale["test"]).read_text())[vid]
+    events = [{"start": t[0], "end": t[1], "caption": c} for t, c in zip(ann["timestamps"], ann["sentences"])]
+    actor = FeaturizeVideos(cfg.to_json())
+    batch = {"video_id": np.array([vid, "nope"]), "uri": np.array([path, path + ".missing"]),
+             "duration": np.array([ann["duration"]] * 2), "events": np.array([json.dumps(events)] * 2),
+             "split": np.array(["train"] * 2), "source": np.array(["longvale"] * 2),
+             "clipped_events": np.array([0, 0]), "chunk": np.array(["c", "c"])}
+    out = actor(batch)
+    assert out["status"] == ["ok", "error"]
+    assert decode({k: out[k][0] for k in ("__key__", "meta.json", "times.npy", "visual.npy", "audio.npy")}).video_id == vid
+    assert "MediaError" in out["error"][1]
+
+
+def test_local_corpus_to_shards_and_manifest(ray_local, corpus, tmp_path):
+    cfg, info = corpus
+    anns = {s: (p, "longvale") for s, p in info.longvale.items()}
+    summary = run_preprocess(cfg, anns, info.video_dir, str(tmp_path / "out"), chunk_videos=3)
+    assert summary["ok"] == 5 and summary["failed"] == 0
+    rows = mf.read_table(mf.manifest_path(str(tmp_path / "out")))
+    assert len(rows) == 5 and all(r["status"] == "ok" for r in rows)
+    check_against_annotations(rows, info, cfg)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["features"] == json.loads(cfg.to_json())["features"]
+
+    # Re-running with the same config does nothing new and never duplicates a sample.
+    again = run_preprocess(cfg, anns, info.video_dir, str(tmp_path / "out"), chunk_videos=3)
+    assert again["ok"] == 5
+    rows2 = mf.read_table(mf.manifest_path(str(tmp_path / "out")))
+    assert [(r["video_id"], r["shard"]) for r in rows2] == [(r["video_id"], r["shard"]) for r in rows]
+    check_against_annotations(rows2, info, cfg)
+
+
+def test_killed_run_resumes_to_the_same_samples(ray_local, corpus, tmp_path):
+    cfg, info = corpus
+    anns = {s: (p, "longvale") for s, p in info.longvale.items()}
+    out = str(tmp_path / "out")
+    first = run_preprocess(cfg, anns, info.video_dir, out, chunk_videos=2, max_chunks=1)  # "killed" after 1 chunk
+    assert first["ok"] == 2
+    # Debris of a chunk that died before committing: shards without a manifest part.
+    debris = Path(out) / "shards" / "zz-dead-chunk" / "train"
+    debris.mkdir(parents=True)
+    shutil.copy(next((Path(out) / "shards").glob("*/*/*.tar")), debris / "partial.tar")
+    final = run_preprocess(cfg, anns, info.video_dir, out, chunk_videos=2)
+    assert final["ok"] == 5 and not (Path(out) / "shards" / "zz-dead-chunk").exists()
+    rows = mf.read_table(mf.manifest_path(out))
+    samples = check_against_annotations(rows, info, cfg)
+    assert len(samples) == 5
+
+
+def test_bad_inputs_become_explained_error_rows(ray_local, corpus, tmp_path):
+    cfg, info = corpus
+    vids = tmp_path / "videos"
+    vids.mkdir()
+    good_id, good_path = sorted(info.videos.items())[0]
+    shutil.copy(good_path, vids / f"{good_id}.mp4")
+    (vids / "zero.mp4").write_bytes(b"")
+    data = Path(good_path).read_bytes()
+    (vids / "truncated.mp4").write_bytes(data[: len(data) // 3])
+    (vids / "text.mp4").write_text("this is not a video\n" * 100)
+    write_mp4(vids / "silent.mp4", solid_frames(32, 32, 32, [(255, 0, 0)]), fps=8, audio=None)
+    write_mp4(vids / "tiny.mp4", solid_frames(32, 16, 16, [(0, 255, 0)]), fps=8, audio=tone(440, 4.0))
+    write_mp4(vids / "large.mp4", solid_frames(4, 1080, 1920, [(0, 0, 255)]), fps=2, audio=tone(440, 2.0))
+    write_mp4(vids / "vidéo avec espaces ü.mp4", solid_frames(32, 32, 32, [(9, 9, 9)]), fps=8, audio=tone(880, 4.0))
+    write_mp4(vids / "beyond.mp4", solid_frames(32, 32, 32, [(9, 9, 9)]), fps=8, audio=tone(880, 4.0))
+    ev = {"timestamps": [[0.5, 2.0]], "sentences": ["something"]}
+    good_ann = json.loads(Path(info.longvale["train"]).read_text()).get(good_id) or \
+        json.loads(Path(info.longvale["test"]).read_text())[good_id]
+    ann = {
+        good_id: good_ann,
+        "zero": {"duration": 4.0, **ev}, "truncated": {"duration": good_ann["duration"], **ev},
+        "text": {"duration": 4.0, **ev}, "missing": {"duration": 4.0, **ev},
+        "silent": {"duration": 4.0, **ev}, "tiny": {"duration": 4.0, **ev}, "large": {"duration": 2.0, **ev},
+        "vidéo avec espaces ü": {"duration": 4.0, **ev},
+        "beyond": {"duration": 30.0, "timestamps": [[20.0, 28.0]], "sentences": ["late"]},
+        "reversed": {"duration": 4.0, "timestamps": [[3.0, 1.0]], "sentences": ["x"]},
+    }
+    ann_path = tmp_path / "ann.json"
+    ann_path.write_text(json.dumps(ann, ensure_ascii=False))
+    # A duplicate id in a second annotation file (another split).
+    dup_path = tmp_path / "dup.json"
+    dup_path.write_text(json.dumps({"tiny": {"duration": 4.0, **ev}}))
+    summary = run_preprocess(cfg, {"train": (str(ann_path), "longvale"), "val": (str(dup_path), "longvale")},
+                             str(vids), str(tmp_path / "out"), chunk_videos=4)
+    rows = {r["video_id"]: r for r in mf.read_table(mf.manifest_path(str(tmp_path / "out")))}
+    ok = {v for v, r in rows.items() if r["status"] == "ok"}
+    assert ok == {good_id, "silent", "tiny", "large", "vidéo avec espaces ü"}, {v: r["error"] for v, r in rows.items()}
+    for vid in ("zero", "truncated", "text", "missing", "beyond", "reversed"):
+        assert rows[vid]["status"] == "error" and rows[vid]["error"], vid
+    assert "no video file" in rows["missing"]["error"]
+    assert "beyond the video" in rows["beyond"]["error"]
+    assert "annotation" in rows["reversed"]["error"]
+    assert summary["failed"] == 6 and summary["ok"] == 5
+    samples = read_samples(list(rows.values()))
+    assert samples["silent"].has_audio is False and not np.any(samples["silent"].audio)
+    assert samples["tiny"].has_audio is True
+
+
+def test_s3_in_and_out(ray_local, corpus, s3_server, tmp_path):
+    cfg, info = corpus
+    storage.upload_dir(info.video_dir, "s3://test/videos")
+    anns = {}
+    for split, path in info.longvale.items():
+        storage.write_bytes(f"s3://test/ann/{split}.json", Path(path).read_bytes())
+        anns[split] = (f"s3://test/ann/{split}.json", "longvale")
+    summary = run_preprocess(cfg, anns, "s3://test/videos", "s3://test/shards", chunk_videos=5)
+    assert summary["ok"] == 5 and summary["failed"] == 0
+    rows = mf.read_table("s3://test/shards/manifest.parquet")
+    assert all(r["shard"].startswith("s3://test/shards/shards/") for r in rows)
+    check_against_annotations(rows, info, cfg)
