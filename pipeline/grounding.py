@@ -1,0 +1,108 @@
+"""Grounding: event/segment vectors -> similarity logits -> soft targets and interval readout.
+
+    head = GroundingHead(d)                                  # LayerNorm-Linear-GELU-Linear
+    seg = segment_hidden(h, visual_index, audio_index)       # [T, d]
+    logits = similarity_logits(event_head(h_ev), segment_head(seg))   # [K, T] = <e, s> / sqrt(d)
+    targets = soft_targets(intervals, segment_times)          # 0.5 ** distance (1 inside)
+    loss = grounding_bce(logits, targets)
+    spans = readout(logits, segment_times, threshold=0.5, max_gap=2)  # [(start, end)] seconds
+
+Pure torch; used by pipeline/model.py in training and by the decoding engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class GroundingHead(nn.Module):
+    """LayerNorm -> Linear(d, d/2) -> GELU -> Linear(d/2, d)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim // 2), nn.GELU(), nn.Linear(dim // 2, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.to(self.net[1].weight.dtype))
+
+
+def segment_hidden(hidden: torch.Tensor, visual_index: torch.Tensor, audio_index: torch.Tensor | None) -> torch.Tensor:
+    """hidden [L, d], visual_index [T, V], audio_index [T, A] -> [T, d]: mean(visual) + mean(audio).
+
+    A = 0 (no audio track) contributes nothing.
+    """
+    seg = hidden[visual_index].mean(dim=1)
+    if audio_index is not None and audio_index.numel():
+        seg = seg + hidden[audio_index].mean(dim=1)
+    return seg
+
+
+def similarity_logits(events: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """events [K, d], segments [T, d] -> [K, T] = <e_i, s_t> / sqrt(d), in float32."""
+    return events.float() @ segments.float().T / math.sqrt(events.shape[-1])
+
+
+def interval_distance(intervals: torch.Tensor, segment_times: torch.Tensor) -> torch.Tensor:
+    """intervals [K, 2], segment_times [T, 2] -> [K, T] seconds from segment t to interval i.
+
+    0 when the segment overlaps the interval (positive overlap; the same "inside" as
+    aggregation's `interval_mask`); otherwise the distance from the segment's centre
+    (its timestamp) to the nearest interval bound, so a segment that merely touches
+    the interval is not "inside" it.
+    """
+    s, e = intervals[:, :1].float(), intervals[:, 1:].float()
+    a, b = segment_times[None, :, 0].float(), segment_times[None, :, 1].float()
+    overlap = (torch.minimum(e, b) - torch.maximum(s, a)) > 0
+    centre = (a + b) / 2
+    outside = torch.clamp(torch.maximum(s - centre, centre - e), min=0.0)
+    return torch.where(overlap, torch.zeros_like(outside), outside)
+
+
+def soft_targets(intervals: torch.Tensor, segment_times: torch.Tensor) -> torch.Tensor:
+    """[K, T] targets: 1 for segments inside (overlapping) interval i, else 0.5 ** distance seconds."""
+    return torch.pow(0.5, interval_distance(intervals, segment_times))
+
+
+def grounding_bce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean BCE-with-logits over all (event, segment) entries."""
+    return F.binary_cross_entropy_with_logits(logits.float(), targets.float())
+
+
+def _runs(keep: list[bool], max_gap: int) -> list[tuple[int, int]]:
+    """Index runs of kept segments, joining runs separated by <= max_gap dropped ones."""
+    runs: list[list[int]] = []
+    for t, k in enumerate(keep):
+        if not k:
+            continue
+        if runs and t - runs[-1][1] - 1 <= max_gap:
+            runs[-1][1] = t
+        else:
+            runs.append([t, t])
+    return [(a, b) for a, b in runs]
+
+
+def readout_one(logits: torch.Tensor, segment_times: torch.Tensor, threshold: float, max_gap: int) -> tuple[float, float]:
+    """logits [T] -> (start, end) seconds.
+
+    p = sigmoid(logits); keep t with p >= threshold * max(p); join runs across gaps of
+    <= max_gap segments; the run with the largest mass (sum of p over its kept segments)
+    wins; interval = [start of its first segment, end of its last segment].
+    """
+    p = torch.sigmoid(logits.float())
+    keep = (p >= threshold * p.max()).tolist()
+    best, best_mass = None, -1.0
+    for a, b in _runs(keep, max_gap):
+        mass = float((p[a : b + 1] * torch.tensor(keep[a : b + 1], dtype=p.dtype)).sum())
+        if mass > best_mass:
+            best, best_mass = (a, b), mass
+    a, b = best
+    return float(segment_times[a, 0]), float(segment_times[b, 1])
+
+
+def readout(logits: torch.Tensor, segment_times: torch.Tensor, threshold: float = 0.5, max_gap: int = 2) -> list[tuple[float, float]]:
+    """logits [K, T] -> K intervals (start, end) in seconds (see `readout_one`)."""
+    return [readout_one(row, segment_times, threshold, max_gap) for row in logits]
