@@ -1,0 +1,60 @@
+"""PadCaptioner training losses over `PadCaptioner.forward_train` outputs.
+
+    out = model.forward_train(batch)
+    losses = compute_losses(out, cfg.model)
+    losses.total.backward(); log(losses.components)
+
+Components (each a mean over its own rows, so the few planning tokens are not drowned
+by thousands of caption tokens):
+  lm         cross-entropy of the stage-1 labelled tokens: the planning tokens
+             (<G> ... <G>, <S>) and the responses of plain samples
+  branch_lm  cross-entropy of the caption branches, including the <eos> padding rows
+             when `model.eos_padding_loss` (the layout already set their labels)
+  grounding  BCE-with-logits of event/segment similarities against the soft targets,
+             weighted by `model.grounding_loss_weight` (default 5) in the total
+total = lm + branch_lm + grounding_loss_weight * grounding. A component without rows in
+the batch is 0 (and is still reported). Pure torch; no ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from pipeline.grounding import grounding_bce
+
+
+@dataclass
+class LossOutput:
+    total: torch.Tensor
+    components: dict[str, float]  # detached floats for logging
+
+
+def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if labels.numel() == 0:
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits.float(), labels)
+
+
+def compute_losses(out: dict, model_cfg) -> LossOutput:
+    """out: the dict of `PadCaptioner.forward_train`; returns the total and logged components."""
+    lm = _ce(out["text_logits"], out["text_labels"])
+    branch = _ce(out["branch_logits"], out["branch_labels"])
+    if out["grounding_logits"]:
+        logits = torch.cat([g.flatten() for g in out["grounding_logits"]])
+        targets = torch.cat([t.flatten() for t in out["grounding_targets"]])
+        grounding = grounding_bce(logits, targets)
+    else:
+        grounding = out["text_logits"].sum() * 0.0
+    total = lm + branch + model_cfg.grounding_loss_weight * grounding
+    comps = {"total": total, "lm": lm, "branch_lm": branch, "grounding": grounding}
+    components = {k: float(v.detach()) for k, v in comps.items()}
+    pad = out.get("branch_pad")
+    if pad is not None and pad.any():
+        with torch.no_grad():
+            components["branch_eos_pad_lm"] = float(_ce(out["branch_logits"][pad], out["branch_labels"][pad]))
+    components["lm_tokens"] = float(out["text_labels"].numel())
+    components["branch_tokens"] = float(out["branch_labels"].numel())
+    return LossOutput(total=total, components=components)
