@@ -98,7 +98,7 @@ class ModelConfig:
     """The PadCaptioner module: backbone, layout choices, grounding, aggregation, LoRA."""
 
     backbone: str = "tiny"  # preset name (tiny, qwen2.5-0.5b, qwen2.5-3b) or a local HF path
-    tokenizer: Literal["auto", "qwen", "bpe"] = "auto"  # auto: from the backbone path, else qwen
+    tokenizer: Literal["auto", "qwen", "bpe"] = "auto"  # auto: files in the backbone path, else bpe for tiny, else qwen
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     mask: Literal["factorized", "causal"] = "factorized"
@@ -116,8 +116,14 @@ class ModelConfig:
     lora_alpha: int = 32
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    train_backbone_embeddings: bool = False  # the new <G>/<S> rows always train
+    train_backbone_embeddings: bool = False  # the new <G>/<S> rows always train; random-init presets need this to learn text
     max_seq_len: int = 4096
+    backbone_seed: int = 0  # random init of preset backbones and of the new modules
+    visual_dim: int = 0  # Dv of the shard features; 0 = taken from the data when the model is built
+    audio_dim: int = 0  # Da of the shard features; 0 = likewise
+    max_segments: int = 512  # size of the segment-index (time) embedding
+    max_caption_tokens: int = 256  # training captions are cut to this many tokens (+ eos)
+    instruction: str = "Localize every event in the video and describe what is seen and heard in each one."
 
 
 @dataclass

@@ -1,0 +1,124 @@
+"""The HF causal-LM backbone of PadCaptioner: presets, loading, and the position adapter.
+
+    model, ref = load_backbone(cfg.model, vocab_size=len(tokenizer))
+    adapter = position_adapter(model.config)     # layout positions -> backbone position ids
+
+Backbones are the Qwen2 family (Qwen2 / Qwen2.5 LMs), either
+  * a preset with random weights, built from the real config numbers and seeded by
+    `model.backbone_seed` (tests, benchmarks, the embedded synthetic default):
+    `tiny` (hidden 64, 4 layers, 4 heads, 2 KV heads), `qwen2.5-0.5b`, `qwen2.5-3b`;
+  * or a local HF directory (`model.backbone` = path), loaded with local files only.
+`ref` ({"kind": "preset", "name", "seed"} or {"kind": "path", "path"}) is what a
+checkpoint records to rebuild the same base weights.
+
+Position adapter: the seam between the layout's 1D positions (pipeline/layout.py) and
+the backbone's RoPE. `Rope1D` (Qwen2) passes them through and rotates single q/k rows
+for the aggregation attention row; a Qwen2.5-VL-style 3D mRoPE adapter would build
+[3, B, L] ids from `position`, `segment` and `role` and implement the same two methods.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, Qwen2Config
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, rope_theta=10000.0, vocab_size=None),
+    # real Qwen2.5 numbers (config.json of Qwen/Qwen2.5-0.5B and -3B)
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, rope_theta=1000000.0, vocab_size=151936),
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, rope_theta=1000000.0, vocab_size=151936),
+}
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class BackboneError(ValueError):
+    """The backbone cannot be built or is not supported; the message says why."""
+
+
+def preset_config(name: str, vocab_size: int) -> Qwen2Config:
+    """A Qwen2Config for a preset; the vocabulary grows to hold `vocab_size` ids."""
+    if name not in PRESETS:
+        raise BackboneError(f"unknown backbone preset {name!r} (presets: {sorted(PRESETS)}; or give a local path)")
+    p = dict(PRESETS[name])
+    theta = p.pop("rope_theta")
+    vocab = max(p.pop("vocab_size") or 0, vocab_size)
+    return Qwen2Config(
+        **p, vocab_size=vocab, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": theta}, use_sliding_window=False,
+        hidden_act="silu", attention_dropout=0.0,
+    )
+
+
+def load_backbone(model_cfg, vocab_size: int) -> tuple[PreTrainedModel, dict]:
+    """Build (preset, seeded random init) or load (local path) the causal LM; see module doc."""
+    dtype = DTYPES[model_cfg.dtype]
+    name = model_cfg.backbone
+    if name in PRESETS:
+        config = preset_config(name, vocab_size)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(model_cfg.backbone_seed)
+            # from_config(attn_implementation=...) mutates the config it is given: pass a copy
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype,
+                                                     attn_implementation=model_cfg.attn_implementation)
+        ref = {"kind": "preset", "name": name, "seed": model_cfg.backbone_seed}
+    else:
+        path = Path(name)
+        if not (path / "config.json").exists():
+            raise BackboneError(f"backbone {name!r} is neither a preset ({sorted(PRESETS)}) nor a local HF model directory")
+        hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        if hf_cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise BackboneError(f"backbone model_type {hf_cfg.model_type!r} is not supported yet "
+                                f"(supported: {SUPPORTED_MODEL_TYPES}); it needs its own position adapter")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                     attn_implementation=model_cfg.attn_implementation)
+        if model.get_input_embeddings().weight.shape[0] < vocab_size:
+            model.resize_token_embeddings(vocab_size, mean_resizing=False)
+        ref = {"kind": "path", "path": str(path.resolve())}
+    position_adapter(model.config)  # fail early on unsupported backbones
+    return model, ref
+
+
+# --------------------------------------------------------------------------- position adapters
+
+
+class PositionAdapter(Protocol):
+    kind: str
+
+    def position_ids(self, position: torch.Tensor, segment: torch.Tensor, role: torch.Tensor) -> torch.Tensor:
+        """Layout positions [B, L] (+ segment / role [B, L]) -> the backbone's position ids."""
+
+    def rotate(self, decoder, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Apply the backbone's RoPE to x [..., N, head_dim] at position ids [N]."""
+
+
+class Rope1D:
+    """Qwen2 / Qwen2.5 LMs: 1D RoPE; position ids are the layout positions as they are."""
+
+    kind = "rope1d"
+
+    def position_ids(self, position: torch.Tensor, segment: torch.Tensor, role: torch.Tensor) -> torch.Tensor:
+        return position
+
+    def rotate(self, decoder, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        rotate_half = importlib.import_module(type(decoder).__module__).rotate_half
+        cos, sin = decoder.rotary_emb(x, position_ids[None])  # [1, N, head_dim]
+        cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+
+def position_adapter(hf_config) -> PositionAdapter:
+    """The adapter for a backbone config; unsupported types raise (no silent fallback)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return Rope1D()
+    raise BackboneError(f"no position adapter for model_type {model_type!r}: a 3D mRoPE backbone "
+                        "(qwen2_5_vl) needs an adapter implementing PositionAdapter")

@@ -1,0 +1,111 @@
+"""From shard samples to model batches: tokenise, lay out, jitter, pad.
+
+    ex = make_example(sample, prompt, ids, tokenizer, model_cfg, generator=g)   # dense
+    ex = make_example(sample, ..., response="a plain answer")                   # plain sample
+    ex = make_example(sample, ..., with_targets=False)                          # prefix only (decoding)
+    batch = collate([ex, ...])          # pipeline.layout.pack + the per-sample features
+
+`PadCaptioner.make_example` wraps `make_example` with the model's tokenizer and prompt.
+Bad input raises `ExampleError` naming the video and the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.aggregation import jitter_intervals
+from pipeline.layout import Layout, LayoutOptions, Packed, dense_layout, pack, plain_layout, prefix_layout
+from pipeline.schema import Sample
+
+
+class ExampleError(ValueError):
+    """A sample cannot become a training/decoding example; the message names it."""
+
+
+@dataclass
+class Example:
+    """One sample ready for the model.
+
+    layout         the token layout (pipeline/layout.py)
+    visual         float32 [T, V, Dv]
+    audio          float32 [T, A, Da]; A = 0 when the video has no audio track
+    segment_times  float32 [T, 2] seconds
+    intervals      float32 [K, 2] ground-truth intervals in event (= time) order
+    agg_intervals  float32 [K, 2] intervals the anchors aggregate over (jittered when training)
+    """
+
+    layout: Layout
+    visual: torch.Tensor
+    audio: torch.Tensor
+    segment_times: torch.Tensor
+    intervals: torch.Tensor
+    agg_intervals: torch.Tensor
+    duration: float
+    video_id: str
+
+
+@dataclass
+class Batch:
+    """A padded batch (`packed`, see pipeline.layout.Packed) and its examples' features."""
+
+    packed: Packed
+    examples: list[Example]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+def make_example(
+    sample: Sample,
+    prompt: tuple[Sequence[int], Sequence[int]],
+    ids: dict[str, int],
+    tokenizer,
+    model_cfg,
+    *,
+    generator: torch.Generator | None = None,
+    response: str | None = None,
+    with_targets: bool = True,
+    instruction_ids: Sequence[int] | None = None,
+) -> Example:
+    """Sample -> Example. Events are sorted by (start, end); captions are cut to
+    `max_caption_tokens`; with a generator, aggregation intervals get +-`aggregation_jitter`."""
+    vid = sample.video_id
+    visual = torch.from_numpy(sample.visual).float()
+    audio = torch.from_numpy(sample.audio).float()
+    if not sample.has_audio:
+        audio = audio[:, :0]
+    t, v, a = visual.shape[0], visual.shape[1], audio.shape[1]
+    if t > model_cfg.max_segments:
+        raise ExampleError(f"{vid}: {t} segments exceed model.max_segments={model_cfg.max_segments}")
+    if visual.shape[2] != model_cfg.visual_dim or (a and audio.shape[2] != model_cfg.audio_dim):
+        raise ExampleError(f"{vid}: feature dims {visual.shape[2]}/{sample.audio.shape[2]} do not match the model's "
+                           f"{model_cfg.visual_dim}/{model_cfg.audio_dim}")
+    preamble, instruction = prompt
+    if instruction_ids is not None:
+        instruction = instruction_ids
+    options = LayoutOptions.from_config(model_cfg)
+    events = sorted(sample.events, key=lambda e: (e.start, e.end)) if (with_targets and response is None) else []
+    if not with_targets:
+        layout = prefix_layout(preamble, instruction, t, v, a, options)
+    elif response is not None:
+        resp = tokenizer.encode(response, add_special_tokens=False)[: model_cfg.max_caption_tokens]
+        layout = plain_layout(preamble, instruction, t, v, a, resp, eos_id=ids["eos"], options=options)
+    else:
+        captions = [tokenizer.encode(e.caption, add_special_tokens=False)[: model_cfg.max_caption_tokens] for e in events]
+        layout = dense_layout(preamble, instruction, t, v, a, captions, g_id=ids["g"], s_id=ids["s"],
+                              eos_id=ids["eos"], options=options)
+    if len(layout) > model_cfg.max_seq_len:
+        raise ExampleError(f"{vid}: sequence of {len(layout)} tokens exceeds model.max_seq_len={model_cfg.max_seq_len}")
+    intervals = torch.tensor([[e.start, e.end] for e in events], dtype=torch.float32).reshape(-1, 2)
+    agg = jitter_intervals(intervals, sample.duration, model_cfg.aggregation_jitter, generator) if generator is not None else intervals.clone()
+    return Example(layout=layout, visual=visual, audio=audio,
+                   segment_times=torch.from_numpy(sample.segment_times).float(), intervals=intervals,
+                   agg_intervals=agg, duration=float(sample.duration), video_id=vid)
+
+
+def collate(examples: Sequence[Example]) -> Batch:
+    """Pad examples into one batch; every sample keeps its own mask (pipeline.layout.pack)."""
+    return Batch(packed=pack([ex.layout for ex in examples]), examples=list(examples))

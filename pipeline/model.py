@@ -1,0 +1,403 @@
+"""PadCaptioner: an HF Qwen2-family causal LM with audio-visual projectors, <G>/<S>, grounding and aggregation.
+
+    model = PadCaptioner(cfg.model, visual_dim=Dv, audio_dim=Da)
+    batch = collate([model.make_example(sample, generator=g) for sample in samples])
+    out = model.forward_train(batch)          # logits at labelled rows + grounding logits
+    loss = train.losses.compute_losses(out, cfg.model)
+    model.save_pretrained(dir); PadCaptioner.from_pretrained(dir)
+
+What it owns (and what trains): LoRA adapters (peft) on `lora_targets`; the visual and
+audio projectors (MLP Dv/Da -> d) plus a modality embedding and a segment-index (time)
+embedding; the rows of the two new tokens <G>, <S>; the event and segment grounding
+heads; the aggregation scorer (scoring_head mode). Everything else is frozen.
+
+New token rows: a separate small parameter `new_embed` [2, d] (and `new_out` [2, d] when
+the backbone's input and output embeddings are not tied) instead of a gradient hook on
+the full embedding. The frozen vocab-size matrix then gets no gradient and no optimizer
+state at all (a hook would leave it exposed to weight decay and cost two vocab x d Adam
+buffers), and checkpoints hold two rows, not the matrix. `embed_tokens` substitutes the
+rows for the <G>/<S> ids; `lm_logits` replaces those two logit columns.
+
+Forward (training), per padded batch (pipeline.layout.Packed), two stages:
+  1. columns [0, split): prefix + serial <G>s (or a whole plain sample), with a KV cache;
+     planning logits, event vectors (grounding layer, rows that predict each <G>),
+     segment vectors, and the aggregation layer's input states come from this pass;
+  2. columns [split, L): anchors (<G> embedding + aggregated feature) and branches,
+     attending to stage 1 through the cache with their own rows of the same mask.
+Stage 2 depends on stage 1 only through the cache, so the two stages equal one packed
+forward with the same mask (tested). Under gradient checkpointing (HF drops caches
+there) stage 2 reruns the full sequence instead. Logits are computed only at labelled
+rows. The mask is always an explicit additive float 4D mask.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model, load_peft_weights, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoTokenizer
+from transformers.cache_utils import DynamicCache
+
+from pipeline.aggregation import Aggregator, attention_row, interval_mask
+from pipeline.backbone import DTYPES, load_backbone, position_adapter
+from pipeline.batch import Batch, Example, collate, make_example
+from pipeline.config import ModelConfig, from_dict
+from pipeline.grounding import GroundingHead, readout, segment_hidden, similarity_logits, soft_targets
+from pipeline.layout import IGNORE, LayoutOptions, Role
+from pipeline.tokens import add_special_tokens, build_tokenizer, prompt_ids, special_ids
+
+FORMAT_VERSION = 1
+META_FILE = "padcaptioner.json"
+EXTRA_FILE = "extra.safetensors"
+
+
+class ModelError(ValueError):
+    """The model cannot be built / loaded as asked; the message says why."""
+
+
+class Projector(nn.Module):
+    """Linear(D, d) -> GELU -> Linear(d, d); the last layer starts at the LM's init scale."""
+
+    def __init__(self, in_dim: int, dim: int, init_std: float = 0.02):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(in_dim, dim), nn.GELU(), nn.Linear(dim, dim))
+        nn.init.normal_(self.net[2].weight, std=init_std)
+        nn.init.zeros_(self.net[2].bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.to(self.net[0].weight.dtype))
+
+
+class PadCaptioner(nn.Module):
+    """See the module docstring."""
+
+    def __init__(self, cfg: ModelConfig, tokenizer=None, *, visual_dim: int = 0, audio_dim: int = 0):
+        super().__init__()
+        cfg = copy.deepcopy(cfg)
+        cfg.visual_dim = visual_dim or cfg.visual_dim
+        cfg.audio_dim = audio_dim or cfg.audio_dim
+        if cfg.visual_dim <= 0 or cfg.audio_dim <= 0:
+            raise ModelError("model.visual_dim / model.audio_dim unknown: set them or pass the shard feature dims")
+        self.cfg = cfg
+        self.options = LayoutOptions.from_config(cfg)
+        self.tokenizer = add_special_tokens(tokenizer) if tokenizer is not None else build_tokenizer(cfg)
+        ids = special_ids(self.tokenizer)
+        self.ids = ids
+        self.g_id, self.s_id, self.eos_id, self.pad_id = ids["g"], ids["s"], ids["eos"], ids["pad"]
+        self.prompt = prompt_ids(self.tokenizer, cfg.instruction)
+
+        base, self.base_ref = load_backbone(cfg, vocab_size=len(self.tokenizer))
+        self.adapter = position_adapter(base.config)
+        n_layers = base.config.num_hidden_layers
+        self.aggregation_layer = n_layers // 2 if cfg.aggregation_layer == -1 else cfg.aggregation_layer
+        if not 0 <= self.aggregation_layer < n_layers:
+            raise ModelError(f"model.aggregation_layer={cfg.aggregation_layer} outside [0, {n_layers})")
+        if not -(n_layers + 1) <= cfg.grounding_layer <= n_layers:
+            raise ModelError(f"model.grounding_layer={cfg.grounding_layer} outside the {n_layers + 1} hidden states")
+        for p in base.parameters():
+            p.requires_grad_(False)
+        in_w = base.get_input_embeddings().weight
+        out_w = base.get_output_embeddings().weight
+        tied = in_w.data_ptr() == out_w.data_ptr()
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.lora_targets), bias="none")
+        with warnings.catch_warnings():  # peft 0.21 reads the deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            self.backbone = get_peft_model(base, lora)
+        if cfg.train_backbone_embeddings:
+            in_w.requires_grad_(True)
+            out_w.requires_grad_(True)
+
+        d = base.config.hidden_size
+        dtype = DTYPES[cfg.dtype]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.backbone_seed + 1)
+            noise = in_w.detach().float().std().item() * 0.1
+
+            def rows(w: torch.Tensor) -> nn.Parameter:
+                return nn.Parameter(w.detach().float().mean(0).repeat(2, 1) + noise * torch.randn(2, d))
+
+            self.new_embed = rows(in_w)
+            self.new_out = None if tied else rows(out_w)
+            self.visual_proj = Projector(cfg.visual_dim, d)
+            self.audio_proj = Projector(cfg.audio_dim, d)
+            self.modality_embed = nn.Embedding(2, d)
+            self.time_embed = nn.Embedding(cfg.max_segments, d)
+            nn.init.normal_(self.modality_embed.weight, std=0.02)
+            nn.init.normal_(self.time_embed.weight, std=0.02)
+            self.event_head = GroundingHead(d)
+            self.segment_head = GroundingHead(d)
+            self.aggregator = Aggregator(cfg.aggregation, d)
+        for name, module in self.named_children():
+            if name != "backbone":
+                module.to(dtype)
+        self.new_embed.data = self.new_embed.data.to(dtype)
+        if self.new_out is not None:
+            self.new_out.data = self.new_out.data.to(dtype)
+        self.register_buffer("new_ids", torch.tensor([self.g_id, self.s_id]), persistent=False)
+
+    # ------------------------------------------------------------------ pieces the engine uses
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The backbone's base model (Qwen2Model, LoRA injected): layers, norm, rotary_emb."""
+        return self.backbone.get_base_model().model
+
+    @property
+    def hf_config(self):
+        return self.backbone.get_base_model().config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.cfg.dtype]
+
+    @property
+    def device(self) -> torch.device:
+        return self.new_embed.device
+
+    @property
+    def lm_head(self):
+        """hidden [N, d] -> logits [N, V] with the <G>/<S> columns (`lm_logits`)."""
+        return self.lm_logits
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., d]; <G>/<S> from `new_embed`; negative ids (feature slots) give zeros' row 0."""
+        emb = self.decoder.embed_tokens(ids.clamp(min=0))
+        out = emb
+        for k in range(2):
+            hit = (ids == self.new_ids[k])[..., None]
+            out = torch.where(hit, self.new_embed[k].to(emb.dtype), out)
+        return out
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] -> [N, V]: frozen LM head, with the <G>/<S> columns from the new rows."""
+        base = self.backbone.get_base_model().lm_head(hidden)
+        out_rows = self.new_embed if self.new_out is None else self.new_out
+        new = hidden @ out_rows.to(hidden.dtype).T
+        return base.index_copy(-1, self.new_ids, new)
+
+    def additive(self, mask: torch.Tensor) -> torch.Tensor:
+        """A layout mask (0 / hidden) -> the same mask in the model dtype with finfo(dtype).min."""
+        return torch.where(mask == 0, 0.0, torch.finfo(self.dtype).min).to(self.dtype)
+
+    def position_ids(self, packed, cols: slice = slice(None)) -> torch.Tensor:
+        return self.adapter.position_ids(packed.position[:, cols], packed.segment[:, cols], packed.role[:, cols])
+
+    def feature_embeddings(self, ex: Example) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> visual [T*V, d], audio [T*A, d]: projector + modality + segment-index embeddings."""
+        dev = self.device
+        t = ex.visual.shape[0]
+        seg_v = torch.arange(t, device=dev).repeat_interleave(ex.visual.shape[1])
+        vis = self.visual_proj(ex.visual.to(dev).flatten(0, 1)) + self.modality_embed.weight[0] + self.time_embed(seg_v)
+        seg_a = torch.arange(t, device=dev).repeat_interleave(ex.audio.shape[1])
+        aud = self.audio_proj(ex.audio.to(dev).flatten(0, 1)) + self.modality_embed.weight[1] + self.time_embed(seg_a)
+        return vis, aud
+
+    def embed(self, packed, examples: list[Example], cols: slice = slice(None)) -> torch.Tensor:
+        """Input embeddings [B, n, d] of the batch columns `cols`: token rows, feature slots
+        spliced in; anchors get the bare <G> embedding (add `anchor_features` yourself)."""
+        ids = packed.input_ids[:, cols].to(self.device)
+        role = packed.role[:, cols].to(self.device)
+        slot = packed.slot[:, cols].to(self.device)
+        emb = self.embed_tokens(ids)
+        for b, ex in enumerate(examples):
+            is_v, is_a = role[b] == Role.VISUAL, role[b] == Role.AUDIO
+            if not (is_v.any() or is_a.any()):
+                continue
+            vis, aud = self.feature_embeddings(ex)
+            emb[b, is_v] = vis[slot[b, is_v]].to(emb.dtype)
+            emb[b, is_a] = aud[slot[b, is_a]].to(emb.dtype)
+        return emb
+
+    def embed_prefix(self, ex: Example) -> torch.Tensor:
+        """[1, split, d]: input embeddings of an example's stage-1 tokens (prefix [+ serial <G>s])."""
+        return self.embed(collate([ex]).packed, [ex], slice(0, ex.layout.split))
+
+    def run_decoder(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
+                    cache=None, output_hidden_states: bool = False):
+        """The backbone's base model with an explicit additive 4D mask (never None: HF would
+        read position drops as packed documents) -> BaseModelOutputWithPast."""
+        return self.decoder(inputs_embeds=embeds, attention_mask=self.additive(mask.to(self.device)),
+                            position_ids=position_ids.to(self.device), cache=cache, use_cache=cache is not None,
+                            output_hidden_states=output_hidden_states)
+
+    def event_vectors(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """[K, d] grounding-layer states at the rows that predict each <G> -> event vectors [K, d]."""
+        return self.event_head(hidden_rows)
+
+    def segment_vectors(self, hidden: torch.Tensor, visual_index: torch.Tensor, audio_index: torch.Tensor) -> torch.Tensor:
+        """grounding-layer states [S, d] -> segment vectors [T, d]."""
+        return self.segment_head(segment_hidden(hidden, visual_index, audio_index))
+
+    def grounding_logits(self, hidden: torch.Tensor, layout) -> torch.Tensor:
+        """Grounding-layer states [S, d] of one sample (layout indices) -> logits [K, T]."""
+        ev = self.event_vectors(hidden[layout.event_query_index.to(hidden.device)])
+        seg = self.segment_vectors(hidden, layout.visual_index.to(hidden.device), layout.audio_index.to(hidden.device))
+        return similarity_logits(ev, seg)
+
+    def ground(self, logits: torch.Tensor, segment_times: torch.Tensor) -> list[tuple[float, float]]:
+        """[K, T] logits -> K (start, end) intervals with the configured threshold and gap."""
+        return readout(logits, segment_times, self.cfg.grounding_threshold, self.cfg.grounding_max_gap)
+
+    def anchor_features(self, hidden_in: torch.Tensor, layout, segment_times: torch.Tensor, intervals: torch.Tensor,
+                        position_ids: torch.Tensor, key_visible: torch.Tensor):
+        """Aggregated features [K, d] (and the weights) for one sample.
+
+        hidden_in [S, d]: input states of layer `aggregation_layer` over the sample's stage-1
+        tokens (layout indices); position_ids [S]; key_visible bool [S]: keys the last
+        instruction token sees; intervals [K, 2] seconds.
+        """
+        inside = interval_mask(intervals.cpu(), segment_times.cpu()).to(hidden_in.device)
+        position_ids, key_visible = position_ids.to(hidden_in.device), key_visible.to(hidden_in.device)
+        row = None
+        if self.cfg.aggregation == "attention":
+            row = attention_row(self.decoder, self.aggregation_layer, self.adapter, hidden_in, position_ids,
+                                layout.instruction_end, key_visible)
+        return self.aggregator(hidden_in, layout.visual_index.to(hidden_in.device),
+                               layout.audio_index.to(hidden_in.device), inside, row)
+
+    def anchor_embeddings(self, hidden_in, layout, segment_times, intervals, position_ids, key_visible) -> torch.Tensor:
+        """[K, d]: <G> embedding + aggregated feature (see `anchor_features`)."""
+        feats, _ = self.anchor_features(hidden_in, layout, segment_times, intervals, position_ids, key_visible)
+        g = self.embed_tokens(torch.tensor([self.g_id], device=hidden_in.device))
+        return g + feats.to(g.dtype)
+
+    # ------------------------------------------------------------------ training forward
+
+    def make_example(self, sample, generator: torch.Generator | None = None, response: str | None = None,
+                     with_targets: bool = True) -> Example:
+        return make_example(sample, self.prompt, self.ids, self.tokenizer, self.cfg, generator=generator,
+                            response=response, with_targets=with_targets)
+
+    def forward_train(self, batch: Batch) -> dict:
+        """Two-stage forward (module docstring) -> dict of tensors for train/losses.py:
+
+        text_logits [N1, V], text_labels [N1]: stage-1 labelled rows (planning <G>/<S>, plain responses)
+        branch_logits [N2, V], branch_labels [N2], branch_pad bool [N2] (rows predicting <eos> padding)
+        grounding_logits / grounding_targets: lists of [K_b, T_b] (samples with events)
+        aggregation_weights: list (per sample with events) of {"visual"/"audio": [K, T*M]}
+        """
+        pk, exs = batch.packed, batch.examples
+        s = pk.split
+        dev = self.device
+        pos = self.position_ids(pk).to(dev)
+        labels = pk.labels.to(dev)
+        emb1 = self.embed(pk, exs, slice(0, s))
+        cache = DynamicCache(config=self.hf_config)
+        out1 = self.run_decoder(emb1, pk.mask[:, :, :s, :s], pos[:, :s], cache=cache, output_hidden_states=True)
+        hs = out1.hidden_states
+        rows1 = labels[:, :s] != IGNORE
+        out = {"text_logits": self.lm_logits(out1.last_hidden_state[rows1]), "text_labels": labels[:, :s][rows1],
+               "grounding_logits": [], "grounding_targets": [], "aggregation_weights": []}
+
+        hg, h_agg = hs[self.cfg.grounding_layer], hs[self.aggregation_layer]
+        anchor_feats = []
+        for b, ex in enumerate(exs):
+            lay = ex.layout
+            if lay.num_events == 0:
+                continue
+            out["grounding_logits"].append(self.grounding_logits(hg[b], lay))
+            out["grounding_targets"].append(soft_targets(ex.intervals, ex.segment_times).to(dev))
+            q = lay.instruction_end
+            keys = pk.mask[b, 0, q, :s].to(dev) == 0
+            feats, weights = self.anchor_features(h_agg[b], lay, ex.segment_times, ex.agg_intervals, pos[b, :s], keys)
+            anchor_feats.append((b, feats))
+            out["aggregation_weights"].append(weights)
+
+        empty = torch.zeros(0, dtype=torch.long, device=dev)
+        out.update(branch_logits=out1.last_hidden_state.new_zeros(0, out["text_logits"].shape[-1]),
+                   branch_labels=empty, branch_pad=empty.bool())
+        if pk.input_ids.shape[1] == s:
+            return out
+        emb2 = self.embed(pk, exs, slice(s, None))
+        for b, feats in anchor_feats:
+            k = exs[b].layout.num_events
+            emb2[b, :k] = emb2[b, :k] + feats.to(emb2.dtype)  # anchors are the first K stage-2 columns
+        if self.activation_checkpointing and self.training:  # HF drops caches under checkpointing
+            h2 = self.run_decoder(torch.cat([emb1, emb2], 1), pk.mask, pos).last_hidden_state[:, s:]
+        else:
+            h2 = self.run_decoder(emb2, pk.mask[:, :, s:, :], pos[:, s:], cache=cache).last_hidden_state
+        lab2 = labels[:, s:]
+        rows2 = lab2 != IGNORE
+        ids2 = pk.input_ids[:, s:].to(dev)
+        role2 = pk.role[:, s:].to(dev)
+        out.update(branch_logits=self.lm_logits(h2[rows2]), branch_labels=lab2[rows2],
+                   branch_pad=((ids2 == self.eos_id) & (role2 == Role.BRANCH))[rows2])
+        return out
+
+    # ------------------------------------------------------------------ parameters and checkpoints
+
+    def enable_activation_checkpointing(self) -> None:
+        """Checkpoint every decoder layer (non-reentrant); stage 2 then reruns the full sequence."""
+        self.backbone.get_base_model().activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return any(getattr(layer, "gradient_checkpointing", False) for layer in self.decoder.layers)
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.named_parameters() if p.requires_grad}
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """Everything PadCaptioner adds outside the backbone (projectors, heads, new rows, scorer)."""
+        state = {k: v for k, v in self.state_dict().items() if not k.startswith("backbone.")}
+        if self.cfg.train_backbone_embeddings:
+            base = self.backbone.get_base_model()
+            in_w, out_w = base.get_input_embeddings().weight, base.get_output_embeddings().weight
+            state["backbone_embed_tokens"] = in_w
+            if out_w.data_ptr() != in_w.data_ptr():  # tied: one matrix
+                state["backbone_lm_head"] = out_w
+        return state
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """dir/: padcaptioner.json (config + base reference), tokenizer/, adapter/ (peft), extra.safetensors."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        meta = {"format_version": FORMAT_VERSION, "model": dataclasses.asdict(self.cfg), "base": self.base_ref}
+        (path / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        self.tokenizer.save_pretrained(str(path / "tokenizer"))
+        self.backbone.save_pretrained(str(path / "adapter"), save_embedding_layers=False)
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.extra_state().items()}, str(path / EXTRA_FILE))
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **overrides) -> "PadCaptioner":
+        """Rebuild the base (preset + seed, or local path), then load tokenizer, LoRA and extras.
+
+        overrides: ModelConfig fields to change at load time (e.g. attn_implementation).
+        """
+        path = Path(path)
+        if not (path / META_FILE).exists():
+            raise ModelError(f"{path} is not a PadCaptioner checkpoint (no {META_FILE})")
+        meta = json.loads((path / META_FILE).read_text())
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ModelError(f"{path}: checkpoint format {meta.get('format_version')}, expected {FORMAT_VERSION}")
+        cfg = from_dict(ModelConfig, {**meta["model"], **overrides})
+        base = meta["base"]
+        if base["kind"] == "path" and cfg.backbone != base["path"] and not Path(cfg.backbone).exists():
+            raise ModelError(f"{path}: base model directory {cfg.backbone} is missing")
+        tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"), local_files_only=True)
+        model = cls(cfg, tokenizer=tokenizer)
+        adapter = load_peft_weights(str(path / "adapter"), device="cpu")
+        result = set_peft_model_state_dict(model.backbone, adapter)
+        if getattr(result, "unexpected_keys", None):
+            raise ModelError(f"{path}: adapter has unexpected keys {result.unexpected_keys[:3]}")
+        extra = load_file(str(path / EXTRA_FILE))
+        for key in ("backbone_embed_tokens", "backbone_lm_head"):
+            if key in extra:
+                base_model = model.backbone.get_base_model()
+                mod = base_model.get_input_embeddings() if key == "backbone_embed_tokens" else base_model.get_output_embeddings()
+                mod.weight.data.copy_(extra.pop(key))
+        missing, unexpected = model.load_state_dict(extra, strict=False)
+        missing = [k for k in missing if not k.startswith("backbone.")]
+        if missing or unexpected:
+            raise ModelError(f"{path}: extra weights mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        return model
