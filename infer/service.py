@@ -16,8 +16,9 @@ stream, its duration and resolution; over serve.max_duration_s or
 serve.max_frame_pixels is refused before decoding), then decode + encode
 features (`preprocess.featurize.Featurizer`). All of that runs in a thread pool
 under serve.decode_timeout_s, so the event loop stays free; the engine runs in
-its own single thread (one decode at a time per replica, the model is not shared
-between threads). Every problem caused by the request is a `RequestError` (4xx);
+its own single thread (one engine call at a time per replica, the model is not
+shared between threads); requests that arrive while it is busy are decoded
+together, up to serve.batch_videos per call (infer/batching.py). Every problem caused by the request is a `RequestError` (4xx);
 anything else is a server bug and propagates.
 """
 
@@ -37,6 +38,7 @@ from typing import Any, Callable, Protocol
 
 from pydantic import ValidationError
 
+from infer.batching import EngineBatcher
 from infer.errors import RequestError
 from infer.protocol import CaptionOptions, error_message
 from infer.uris import UriPolicy, materialize
@@ -143,7 +145,7 @@ class CaptionService:
         self.policy = UriPolicy(cfg.serve.allowed_roots, cfg.serve.allowed_http_hosts, cfg.data.video_extensions)
         workers = cfg.serve.decode_workers or max(1, cfg.serve.max_ongoing_requests)
         self._decode_pool = ThreadPoolExecutor(workers, thread_name_prefix="padcap-decode")
-        self._engine_pool = ThreadPoolExecutor(1, thread_name_prefix="padcap-engine")
+        self._batcher = EngineBatcher(cfg.serve.batch_videos or max(1, cfg.infer.videos_per_call))
         self._engines: collections.OrderedDict[tuple, Engine] = collections.OrderedDict()
         self.counters = collections.Counter()
         self.config_hash = section_hash({"model": dataclasses.asdict(cfg.model), "features": dataclasses.asdict(cfg.features)})
@@ -168,8 +170,8 @@ class CaptionService:
                 raise RequestError(422, "bad_options", f"options.{name}: {value} is over this server's limit of {cap} (infer.{name})")
         return options
 
-    def engine_for(self, options: CaptionOptions) -> Engine:
-        """The engine for these options' effective InferConfig (a small LRU; engines share the model)."""
+    def engine_for(self, options: CaptionOptions) -> tuple[tuple, Engine]:
+        """(key, engine) for these options' effective InferConfig (a small LRU; engines share the model)."""
         infer_cfg = dataclasses.replace(self.cfg.infer, **options.overrides())
         key = tuple(sorted(dataclasses.asdict(infer_cfg).items()))
         engine = self._engines.get(key)
@@ -179,7 +181,7 @@ class CaptionService:
             while len(self._engines) > MAX_CACHED_ENGINES:
                 self._engines.popitem(last=False)
         self._engines.move_to_end(key)
-        return engine
+        return key, engine
 
     # ------------------------------------------------------------------ requests
 
@@ -207,11 +209,10 @@ class CaptionService:
         except RequestError:
             self.counters["rejected"] += 1
             raise
-        engine = self.engine_for(opts)
+        key, engine = self.engine_for(opts)
         t1 = time.perf_counter()
-        results = await loop.run_in_executor(self._engine_pool, engine.caption, [sample])
+        result = await self._batcher.submit(key, engine, sample)
         timings["decode_s"] = time.perf_counter() - t1
-        result = results[0]
         for key, value in (getattr(result, "timings", None) or {}).items():
             timings.setdefault(f"engine_{key}" if not key.startswith("engine") else key, float(value))
         timings["total_s"] = time.perf_counter() - t0
@@ -290,4 +291,4 @@ class CaptionService:
 
     def close(self) -> None:
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
-        self._engine_pool.shutdown(wait=False, cancel_futures=True)
+        self._batcher.close()

@@ -1,0 +1,94 @@
+"""EngineBatcher (infer/batching.py): concurrent requests share engine calls, keys never mix.
+
+The engine here is a recording stand-in: these tests are about the queueing rule
+(which requests go into which call), not about decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from infer.batching import EngineBatcher
+
+
+class Recorder:
+    """caption(samples) -> [(tag, sample)]; the first call blocks until `gate` is set."""
+
+    def __init__(self, tag: str, gate: threading.Event | None = None, fail_on: object = None):
+        self.tag, self.gate, self.fail_on = tag, gate, fail_on
+        self.calls: list[list] = []
+
+    def caption(self, samples):
+        if self.gate is not None and not self.calls:
+            self.calls.append(list(samples))
+            self.gate.wait(10)
+        else:
+            self.calls.append(list(samples))
+        if self.fail_on in samples:
+            raise RuntimeError("bad batch")
+        return [(self.tag, s) for s in samples]
+
+
+def test_waiting_requests_are_batched_by_key():
+    gate = threading.Event()
+    a, b = Recorder("a", gate), Recorder("b")
+    batcher = EngineBatcher(max_batch=3)
+
+    async def scenario():
+        first = asyncio.ensure_future(batcher.submit("A", a, 0))
+        await asyncio.sleep(0.05)  # the engine is now busy with [0]
+        rest = [asyncio.ensure_future(batcher.submit("A" if i % 3 else "B", a if i % 3 else b, i)) for i in range(1, 8)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await first, await asyncio.gather(*rest)
+
+    first, rest = asyncio.run(scenario())
+    batcher.close()
+    assert first == ("a", 0)
+    assert rest == [("a", 1), ("a", 2), ("b", 3), ("a", 4), ("a", 5), ("b", 6), ("a", 7)]
+    assert a.calls == [[0], [1, 2, 4], [5, 7]]  # oldest first, same key, at most 3
+    assert b.calls == [[3, 6]]
+    assert sorted(batcher.batch_sizes) == [1, 2, 2, 3]
+
+
+def test_lone_request_is_decoded_at_once():
+    batcher = EngineBatcher(max_batch=8)
+    eng = Recorder("x")
+    assert asyncio.run(batcher.submit("k", eng, 1)) == ("x", 1)
+    assert asyncio.run(batcher.submit("k", eng, 2)) == ("x", 2)
+    assert eng.calls == [[1], [2]]
+    batcher.close()
+
+
+def test_engine_error_fails_only_its_batch_and_cancelled_requests_are_dropped():
+    gate = threading.Event()
+    eng = Recorder("e", gate, fail_on=2)
+    batcher = EngineBatcher(max_batch=2)
+
+    async def scenario():
+        first = asyncio.ensure_future(batcher.submit("k", eng, 0))
+        await asyncio.sleep(0.05)
+        gone = asyncio.ensure_future(batcher.submit("k", eng, 1))
+        bad = asyncio.ensure_future(batcher.submit("k", eng, 2))
+        late = asyncio.ensure_future(batcher.submit("k", eng, 3))
+        good = asyncio.ensure_future(batcher.submit("k", eng, 4))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        gate.set()
+        out = await asyncio.gather(first, bad, late, good, return_exceptions=True)
+        return out
+
+    first, bad, late, good = asyncio.run(scenario())
+    batcher.close()
+    assert first == ("e", 0)
+    assert isinstance(bad, RuntimeError) and isinstance(late, RuntimeError)  # [2, 3] failed together
+    assert good == ("e", 4)
+    assert eng.calls == [[0], [2, 3], [4]]  # 1 was cancelled before its batch
+
+
+def test_bad_batch_size():
+    with pytest.raises(ValueError):
+        EngineBatcher(0)
