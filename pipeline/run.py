@@ -96,8 +96,30 @@ def stage_synth(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     return {"videos": info.num_videos, "train": info.num_train, "test": info.num_test, "out": paths.synth}
 
 
+def preprocess_inputs(cfg: Config, paths: RunPaths) -> tuple[dict[str, tuple[str, str]], str]:
+    """(split -> (annotation file, format), video root) for the configured dataset."""
+    if cfg.data.dataset == "synthetic":
+        anns = {split: (storage.join(paths.synth, f"longvale_{split}.json"), "longvale") for split in ("train", "test")}
+        return anns, cfg.data.video_root or storage.join(paths.synth, "videos")
+    if not cfg.data.annotations or not cfg.data.video_root:
+        raise SystemExit(f"dataset {cfg.data.dataset}: set data.annotations (split -> file) and data.video_root")
+    return {s: (p, cfg.data.dataset) for s, p in cfg.data.annotations.items()}, cfg.data.video_root
+
+
+def stage_preprocess(cfg: Config, paths: RunPaths) -> dict[str, Any]:
+    from preprocess.job import run_preprocess
+
+    annotations, video_root = preprocess_inputs(cfg, paths)
+    summary = run_preprocess(cfg, annotations, video_root, paths.shards)
+    summary.pop("seconds", None)
+    return summary
+
+
 def _available_stages() -> list[Stage]:
-    stages = [Stage("synth", ("data",), stage_synth)]
+    stages = [
+        Stage("synth", ("data",), stage_synth),
+        Stage("preprocess", ("data", "features"), stage_preprocess, uses_ray=True),
+    ]
     return stages
 
 
@@ -122,7 +144,8 @@ def init_ray(cfg: Config) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        kwargs: dict[str, Any] = {"include_dashboard": False}
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind to 127.0.0.1
+        kwargs: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
         if cfg.cluster.num_cpus:
             kwargs["num_cpus"] = cfg.cluster.num_cpus
         ray.init(**kwargs)

@@ -151,7 +151,7 @@ def _run_chunk(cfg: Config, rows: list[dict[str, Any]], chunk: str, out_dir: str
     ).materialize()
     manifest_rows = ds.select_columns(list(mf.COLUMNS)).take_all()
 
-    ok = ds.filter(lambda r: r["status"] == "ok")
+    ok = ds.filter(expr="status == 'ok'")
     n_ok = sum(1 for r in manifest_rows if r["status"] == "ok")
     if n_ok:
         bytes_per_sample = max(1, ds.size_bytes() // max(1, len(manifest_rows)))
@@ -159,7 +159,7 @@ def _run_chunk(cfg: Config, rows: list[dict[str, Any]], chunk: str, out_dir: str
         for split in sorted({r["split"] for r in manifest_rows if r["status"] == "ok"}):
             target = storage.join(mf.shards_dir(out_dir), chunk, split)
             fs, inner = _pyarrow_fs(target)
-            part = ok.filter(lambda r, s=split: r["split"] == s).select_columns(WEBDATASET_COLUMNS)
+            part = ok.filter(expr=f"split == {split!r}").select_columns(WEBDATASET_COLUMNS)
             part = part.repartition(max(1, -(-part.count() // rows_per_shard)))
             part.write_webdataset(inner, filesystem=fs, encoder=None, min_rows_per_file=1,
                                   ray_remote_args={"runtime_env": {"env_vars": storage.forwarded_env()}})
