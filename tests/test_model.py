@@ -337,3 +337,29 @@ def test_local_backbone_directory_round_trip(tmp_path):
     m.save_pretrained(tmp_path / "ck")
     m2 = PadCaptioner.from_pretrained(tmp_path / "ck").eval()
     assert torch.equal(m2.forward_train(batch)["branch_logits"], ref)
+
+
+@torch.no_grad()
+def test_decoding_pieces_agree_with_training(model):
+    """The engine's path (prefix layout -> embed_prefix -> decoder -> anchor_embeddings) gives the
+    same prefix states and the same anchors as the training forward."""
+    smp = sample(intervals=((2, 5), (7, 10)))
+    train_ex = model.make_example(smp)
+    pre = model.make_example(smp, with_targets=False)
+    lay = pre.layout
+    assert lay.kind == "prefix" and len(lay) == train_ex.layout.prefix_len
+    emb = model.embed_prefix(pre)
+    pk = collate([pre]).packed
+    pos = model.position_ids(pk)
+    out = model.run_decoder(emb, pk.mask, pos, output_hidden_states=True)
+    h_in = out.hidden_states[model.aggregation_layer][0]
+    keys = pk.mask[0, 0, lay.instruction_end] == 0
+    anchors = model.anchor_embeddings(h_in, lay, pre.segment_times, train_ex.intervals, pos[0], keys)
+    tb = collate([train_ex])
+    emb_train, _ = full_hidden(model, tb)
+    s = train_ex.layout.split
+    assert torch.allclose(anchors, emb_train[0, s : s + 2], atol=ATOL)
+    # the planning step: the last prefix token's logits equal the training row that predicts <G>_1
+    first = model.lm_logits(out.last_hidden_state[0, -1:])
+    assert torch.allclose(first, model.forward_train(tb)["text_logits"][:1], atol=ATOL)
+    assert model.lm_head is not None and model.g_id != model.s_id and len(model.decoder.layers) == 4
