@@ -213,6 +213,10 @@ class CaptionService:
         t1 = time.perf_counter()
         result = await self._batcher.submit(key, engine, sample)
         timings["decode_s"] = time.perf_counter() - t1
+        error = getattr(result, "error", None)
+        if error:  # the engine refused this video (too many segments, too long a sequence, ...)
+            self.counters["rejected"] += 1
+            raise RequestError(422, "does_not_fit_model", f"the model cannot caption this video: {error}")
         for key, value in (getattr(result, "timings", None) or {}).items():
             timings.setdefault(f"engine_{key}" if not key.startswith("engine") else key, float(value))
         timings["total_s"] = time.perf_counter() - t0

@@ -1,0 +1,97 @@
+"""Load the model a serving replica (or a benchmark) decodes with: a saved PadCaptioner or the tiny smoke model.
+
+    engine_factory, card, cfg = load_engine(cfg, model_dir)
+    engine = engine_factory(cfg.infer)          # infer.engine.CaptionEngine(model, infer_cfg)
+
+model_dir = a directory written by `PadCaptioner.save_pretrained` (the training
+stage's <run_dir>/train/model). When it also holds the run's `config.json`, its
+`features` section replaces the serving config's: the encoders must produce what
+the model was trained on. model_dir = "" is the smoke mode: a fresh `tiny`
+random-init model (seeded by model.backbone_seed, so every replica and every
+test builds the same weights) sized to the configured feature encoders; the
+endpoint then works end to end but its captions are noise.
+
+The device is infer.device (auto = CUDA when available). Pure torch, no ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from infer.service import ModelCard
+from pipeline.config import Config, ConfigError, section_hash
+
+log = logging.getLogger("padcap.serve")
+CONFIG_FILE = "config.json"
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def feature_dims(cfg: Config) -> tuple[int, int]:
+    """(Dv, Da) that the configured encoders produce."""
+    from preprocess.encoders import get_audio_encoder, get_visual_encoder
+
+    return get_visual_encoder(cfg.features).dim, get_audio_encoder(cfg.features).dim
+
+
+def _trained_features(model_dir: Path, cfg: Config) -> Config:
+    path = model_dir / CONFIG_FILE
+    if not path.exists():
+        return cfg
+    try:
+        trained = Config.from_json(path.read_text())
+    except (ValueError, ConfigError) as e:
+        raise ValueError(f"{path}: not a readable run config ({e})") from e
+    if trained.features != cfg.features:
+        log.warning("using the features section the model was trained with (%s), not the serving config's", path)
+    return dataclasses.replace(cfg, features=trained.features)
+
+
+def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
+    """(PadCaptioner in eval mode on its device, its card, cfg with the matching features)."""
+    from pipeline.model import PadCaptioner
+
+    device = resolve_device(cfg.infer.device)
+    if model_dir:
+        path = Path(model_dir).expanduser().resolve()
+        cfg = _trained_features(path, cfg)
+        model = PadCaptioner.from_pretrained(path)
+        dv, da = feature_dims(cfg)
+        if (model.cfg.visual_dim, model.cfg.audio_dim) != (dv, da):
+            raise ValueError(f"{path}: the model takes features of dims ({model.cfg.visual_dim}, {model.cfg.audio_dim}) "
+                             f"but the configured encoders give ({dv}, {da}); serve with the features config it was trained on")
+        model_id = f"{path.name}-{section_hash(dataclasses.asdict(model.cfg), 8)}"
+        source = str(path)
+    else:
+        dv, da = feature_dims(cfg)
+        model_cfg = dataclasses.replace(cfg.model, backbone="tiny")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(model_cfg.backbone_seed)
+            model = PadCaptioner(model_cfg, visual_dim=dv, audio_dim=da)
+        model_id = f"tiny-random-seed{model_cfg.backbone_seed}"
+        source = "tiny (random init, smoke mode: captions are noise)"
+    model = model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    card = ModelCard(model_id=model_id, source=source, device=str(device),
+                     extra={"model_config_hash": section_hash(dataclasses.asdict(model.cfg))})
+    return model, card, cfg
+
+
+def load_engine(cfg: Config, model_dir: str) -> tuple[Callable[[Any], Any], ModelCard, Config]:
+    """(InferConfig -> CaptionEngine factory sharing one loaded model, card, cfg)."""
+    from infer.engine import CaptionEngine
+
+    model, card, cfg = load_model(cfg, model_dir)
+    return functools.partial(CaptionEngine, model), card, cfg
+

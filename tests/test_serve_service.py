@@ -1,0 +1,318 @@
+"""CaptionService called directly, and its FastAPI app over real HTTP on 127.0.0.1 (uvicorn, no Ray).
+
+The engine is the real CaptionEngine around the tiny PadCaptioner (random init,
+seeded) and the features come from the real featurizer on real synthetic mp4s.
+The hostile-request list (tests/support/serve_cases.py) runs here against the
+plain app; tests/test_serve_integration.py runs it again through Ray Serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from infer.errors import RequestError
+from infer.service import CaptionService
+from tests.support.serve_cases import (BOUNDARY, bad_requests, free_port, make_video_tree, post_json, post_upload, send,
+                                       serve_test_config, wait_healthy)
+from tests.support.serve_engine import direct_caption, synthetic_videos, tiny_engine
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    base = tmp_path_factory.mktemp("serve")
+    videos = synthetic_videos(base / "corpus")
+    return make_video_tree(base, videos[0])
+
+
+@pytest.fixture(scope="module")
+def parts(tree):
+    cfg = serve_test_config(tree)
+    factory, card, cfg = tiny_engine(cfg)
+    return factory, card, cfg
+
+
+@pytest.fixture(scope="module")
+def service(parts):
+    factory, card, cfg = parts
+    svc = CaptionService(cfg, factory, card)
+    yield svc
+    svc.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def _events(result) -> list[tuple[float, float, str]]:
+    if isinstance(result, dict):
+        return [(e["start"], e["end"], e["caption"]) for e in result["events"]]
+    return [(float(e.start), float(e.end), str(e.caption)) for e in result.events]
+
+
+def _well_formed(body: dict, duration_hint: float | None = None) -> None:
+    assert set(body) == {"video_id", "duration", "events", "timings", "model"}
+    assert body["duration"] > 0
+    for e in body["events"]:
+        assert set(e) == {"start", "end", "caption"}
+        assert 0.0 <= e["start"] <= e["end"] <= body["duration"] + 1e-6
+        assert isinstance(e["caption"], str)
+    assert {"probe_s", "features_s", "decode_s", "total_s"} <= set(body["timings"])
+    if duration_hint is not None:
+        assert abs(body["duration"] - duration_hint) < 0.5
+
+
+# ------------------------------------------------------------------------ the service, directly
+
+
+def test_uri_matches_engine_called_directly(service, parts, tree):
+    factory, _, cfg = parts
+    body = run(service.caption_uri(str(tree.good)))
+    _well_formed(body)
+    assert body["video_id"] == "good"
+    direct = direct_caption(factory, cfg, tree.good, "good")
+    assert _events(body) == _events(direct)
+    assert body["duration"] == pytest.approx(direct.duration)
+
+
+def test_upload_path_gives_the_same_events(service, tree):
+    by_uri = run(service.caption_uri(str(tree.good)))
+    by_file = run(service.caption_file(str(tree.good), "clip.mp4"))
+    assert by_file["video_id"] == "clip"
+    assert _events(by_file) == _events(by_uri)
+
+
+def test_options_reach_the_engine(service, parts, tree):
+    factory, _, cfg = parts
+    body = run(service.caption_uri(str(tree.good), {"max_events": 1, "max_branch_tokens": 3}))
+    assert len(body["events"]) <= 1
+    direct = direct_caption(factory, cfg, tree.good, "good", max_events=1, max_branch_tokens=3)
+    assert _events(body) == _events(direct)
+
+
+@pytest.mark.parametrize("options,fragment", [
+    ({"max_events": 0}, "options.max_events"),
+    ({"max_events": 9}, "over this server's limit of 8"),
+    ({"max_branch_tokens": 13}, "infer.max_branch_tokens"),
+    ({"top_p": 1.5}, "options.top_p"),
+    ({"seed": -1}, "options.seed"),
+    ({"temperature": "hot"}, "options.temperature"),
+    ({"beam_size": 4}, "options.beam_size: unknown field"),
+    ([1, 2], "options must be a JSON object"),
+])
+def test_bad_options_name_the_option(service, options, fragment):
+    with pytest.raises(RequestError) as info:
+        service.check_options(options)
+    assert info.value.status == 422 and fragment in info.value.message
+
+
+def test_refusals_come_before_any_decoding(service, tree):
+    calls = []
+    svc = CaptionService(service.cfg, service._engine_factory, service.card, featurizer=lambda p, a: calls.append(p))
+    try:
+        for uri, status in [(str(tree.files["link_out"]), 403), (str(tree.files["long"]), 422), (str(tree.files["big"]), 413),
+                            (str(tree.files["wide"]), 422), (str(tree.files["text"]), 422)]:
+            with pytest.raises(RequestError) as info:
+                run(svc.caption_uri(uri))
+            assert info.value.status == status, (uri, info.value.message)
+        assert calls == []  # every one was refused by the policy or the header probe
+    finally:
+        svc.close()
+
+
+def test_decoder_failures_are_422_with_the_clients_name(service, tree):
+    def boom(path, annotation):
+        raise RuntimeError(f"decoder exploded on {path}")
+
+    svc = CaptionService(service.cfg, service._engine_factory, service.card, featurizer=boom)
+    try:
+        with pytest.raises(RequestError) as info:
+            run(svc.caption_file(str(tree.good), "mine.mp4"))
+        assert info.value.status == 422
+        assert "mine.mp4" in info.value.message and str(tree.good) not in info.value.message
+    finally:
+        svc.close()
+
+
+def test_decode_timeout_is_a_422_and_frees_the_loop(service, tree):
+    import dataclasses
+
+    cfg = dataclasses.replace(service.cfg, serve=dataclasses.replace(service.cfg.serve, decode_timeout_s=0.5))
+    release = threading.Event()
+
+    def slow(path, annotation):
+        release.wait(10)
+        raise RuntimeError("released")
+
+    svc = CaptionService(cfg, service._engine_factory, service.card, featurizer=slow)
+    try:
+        async def scenario():
+            t0 = time.perf_counter()
+            task = asyncio.ensure_future(svc.caption_uri(str(tree.good)))
+            await asyncio.sleep(0.05)
+            ticks = time.perf_counter() - t0  # the loop is free while the decode thread blocks
+            with pytest.raises(RequestError) as info:
+                await task
+            return ticks, info.value, time.perf_counter() - t0
+
+        ticks, err, elapsed = run(scenario())
+        assert ticks < 0.4 and err.status == 422 and err.code == "decode_timeout" and elapsed < 5
+    finally:
+        release.set()
+        svc.close()
+
+
+def test_model_info_and_health(service):
+    info = service.model_info()
+    assert info["model"] and len(info["config_hash"]) == 12
+    assert info["decoding"]["max_events"] == 8
+    assert set(info["options"]) == {"max_events", "max_branch_tokens", "temperature", "top_p", "seed"}
+    assert service.health()["status"] == "ok"
+
+
+# ------------------------------------------------------------------------ the FastAPI app over HTTP
+
+
+@pytest.fixture(scope="module")
+def base_url(service):
+    import uvicorn
+
+    from infer.api import build_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(lambda: service), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, 30)
+    yield url
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_http_uri_and_upload(base_url, tree, service):
+    status, body, headers = post_json(base_url, {"video": str(tree.good), "options": {"max_events": 4}})
+    assert status == 200, body
+    _well_formed(body)
+    assert headers.get("x-request-id")
+    status2, body2, _ = post_upload(base_url, [("file", "good.mp4", "video/mp4", tree.good.read_bytes()),
+                                              ("options", None, "application/json", b'{"max_events": 4}')])
+    assert status2 == 200, body2
+    assert _events(body2) == _events(body) and body2["video_id"] == "good"
+
+
+def test_upload_file_name_is_only_a_label(base_url, tree, tmp_path):
+    status, body, _ = post_upload(base_url, [("file", "../../../../tmp/evil name.mp4", None, tree.good.read_bytes())])
+    assert status == 200, body
+    assert body["video_id"] == "evil_name"
+    assert not Path("/tmp/evil name.mp4").exists()
+
+
+BAD = None
+
+
+def _bad(tree):
+    global BAD
+    if BAD is None:
+        BAD = {c.name: c for c in bad_requests(tree)}
+    return BAD
+
+
+def test_at_least_twenty_kinds_of_bad_requests(tree):
+    assert len(_bad(tree)) >= 20
+
+
+def test_bad_requests_get_the_right_4xx(base_url, tree):
+    wrong = []
+    for case in _bad(tree).values():
+        status, body, headers = case.send(base_url)
+        ok = status == case.expected and (case.by_http_layer or (
+            isinstance(body, dict) and body["error"]["message"] and headers.get("x-request-id")))
+        if not ok:
+            wrong.append((case.name, case.expected, status, body))
+    assert not wrong, "\n".join(map(str, wrong))
+    status, body, _ = post_json(base_url, {"video": str(tree.good)})  # still serving
+    assert status == 200, body
+
+
+def test_client_disconnect_mid_upload_is_survived(base_url, tree):
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base_url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall((f"POST /v1/captions HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+                   f"Content-Length: 100000\r\n\r\n--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; "
+                   f"filename=\"a.mp4\"\r\n\r\n").encode() + tree.good.read_bytes()[:5000])
+        s.shutdown(socket.SHUT_WR)
+        reply = s.recv(65536)
+    assert not reply.startswith(b"HTTP/1.1 5")
+    status, body, _ = post_json(base_url, {"video": str(tree.good)})
+    assert status == 200, body
+
+
+def test_engine_failure_is_a_500_with_a_request_id(service, tree):
+    import uvicorn
+
+    from infer.api import build_app
+
+    class Broken:
+        def __init__(self, cfg):
+            pass
+
+        def caption(self, samples):
+            raise RuntimeError("engine bug")
+
+    svc = CaptionService(service.cfg, Broken, service.card)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(lambda: svc), host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 30)
+        status, body, headers = post_json(f"http://127.0.0.1:{port}", {"video": str(tree.good)})
+        assert status == 500 and body["error"]["code"] == "internal"
+        assert body["error"]["request_id"] == headers["x-request-id"] and "engine bug" not in json.dumps(body)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        svc.close()
+
+
+def test_openapi_and_info_routes(base_url):
+    status, spec, _ = send(base_url, "GET", "/openapi.json")
+    assert status == 200
+    post = spec["paths"]["/v1/captions"]["post"]
+    assert set(post["requestBody"]["content"]) == {"application/json", "multipart/form-data"}
+    assert "CaptionRequest" in spec["components"]["schemas"] and "CaptionOptions" in spec["components"]["schemas"]
+    assert {"/healthz", "/v1/model"} <= set(spec["paths"])
+    assert send(base_url, "GET", "/healthz")[0] == 200
+    status, info, _ = send(base_url, "GET", "/v1/model")
+    assert status == 200 and info["config_hash"]
+
+
+def test_python_client_and_cli(base_url, tree, capsys):
+    from infer.client import CaptionClient, CaptionError, main
+
+    client = CaptionClient(base_url)
+    by_uri = client.caption(uri=str(tree.good), options={"max_events": 2})
+    by_path = client.caption(path=tree.good, options={"max_events": 2})
+    assert _events(by_uri) == _events(by_path) and len(by_uri["events"]) <= 2
+    with pytest.raises(CaptionError) as info:
+        client.caption(uri=str(tree.files["link_out"]))
+    assert info.value.status == 403 and info.value.request_id
+    assert client.model()["model"] == client.health()["model"]
+    assert main([str(tree.good), "--url", base_url]) == 0
+    out = capsys.readouterr().out
+    assert "start" in out and "caption" in out and "timings:" in out
+    for e in by_uri["events"][:1]:
+        assert f"{e['start']:8.2f}" in out
+    assert main([str(tree.good), "--url", base_url, "--upload", "--option", "max_events=1", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["events"]) <= 1
+    assert main([str(tree.files["secret"]), "--url", base_url]) == 2
+    assert "403" in capsys.readouterr().err
