@@ -115,10 +115,50 @@ def stage_preprocess(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     return summary
 
 
+def stage_train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
+    from train.trainer import run_train
+
+    summary = run_train(cfg, paths.shards, paths.train)
+    # The features the model was trained on travel with it (infer/ and serving read them).
+    storage.write_json(storage.join(paths.model, "config.json"), cfg.to_dict())
+    return summary
+
+
+def _test_videos(paths: RunPaths) -> list[dict[str, str]]:
+    from preprocess import manifest as mf
+
+    rows = mf.read_table(mf.manifest_path(paths.shards))
+    return [{"video_id": r["video_id"], "uri": r["uri"]} for r in rows if r["split"] == "test" and r["uri"]]
+
+
+def stage_caption(cfg: Config, paths: RunPaths) -> dict[str, Any]:
+    from infer.batch import run_caption
+
+    return run_caption(cfg, _test_videos(paths), paths.model, paths.captions)
+
+
+def reference_annotations(cfg: Config, paths: RunPaths) -> tuple[str, str]:
+    """(test annotation file, its format) that the evaluate stage scores against."""
+    anns, _ = preprocess_inputs(cfg, paths)
+    if "test" not in anns:
+        raise SystemExit("evaluate: no `test` split in data.annotations")
+    return anns["test"]
+
+
+def stage_evaluate(cfg: Config, paths: RunPaths) -> dict[str, Any]:
+    from pipeline.evaluate import evaluate_run
+
+    ref, ref_format = reference_annotations(cfg, paths)
+    return evaluate_run(cfg, paths.captions, ref, ref_format, paths.eval)
+
+
 def _available_stages() -> list[Stage]:
     stages = [
         Stage("synth", ("data",), stage_synth),
         Stage("preprocess", ("data", "features"), stage_preprocess, uses_ray=True),
+        Stage("train", ("model", "train"), stage_train, uses_ray=True),
+        Stage("caption", ("infer",), stage_caption, uses_ray=True),
+        Stage("evaluate", ("eval",), stage_evaluate),
     ]
     return stages
 

@@ -1,0 +1,296 @@
+"""Offline mass captioning of a video archive with Ray Data.
+
+    python -m infer.batch --videos /data/archive            --model runs/default/train/model --out /data/captions
+    python -m infer.batch --videos 's3://bucket/videos/*.mp4' --model DIR --out s3://bucket/captions
+    python -m infer.batch --videos runs/default/preprocess/manifest.parquet --model DIR --out DIR
+
+Ray Data lists the videos, decodes and encodes them in a CPU actor pool
+(`preprocess.featurize.Featurizer`), captions them in an engine actor pool
+(`infer.engine.CaptionEngine`, several videos per call, GPUs per actor from
+`cluster.caption_gpus_per_actor`), and writes one row per video (id, uri,
+duration, events, timings, model id, config hash) as JSONL and Parquet, plus an
+error row with its reason for every video that failed.
+
+Work is committed in chunks (`parts/<chunk>.parquet`, written last): a re-run
+skips videos already captioned with the same model and config, and a run killed
+midway and restarted ends with every video exactly once. `captions.jsonl` and
+`captions.parquet` are the consolidation of all parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pipeline import storage  # noqa: E402
+from pipeline.config import Config, load_config, section_hash  # noqa: E402
+from pipeline.schema import FIELDS, KEY, decode, encode  # noqa: E402
+
+RESULT_COLUMNS: dict[str, pa.DataType] = {
+    "video_id": pa.string(),
+    "uri": pa.string(),
+    "status": pa.string(),  # ok | error
+    "error": pa.string(),
+    "duration": pa.float64(),
+    "events": pa.string(),  # JSON list of {start, end, caption}
+    "timings": pa.string(),  # JSON object
+    "model_id": pa.string(),
+    "config_hash": pa.string(),
+    "chunk": pa.string(),
+}
+SAMPLE_COLUMNS = [KEY, *FIELDS]
+
+
+@dataclass
+class _Annotation:
+    """What the featurizer needs to know about a video when captioning it: no events."""
+
+    video_id: str
+    duration: float | None = None
+    events: tuple = ()
+    split: str = ""
+    source: str = "archive"
+
+
+def caption_config_hash(cfg: Config) -> str:
+    """What makes a caption row reusable: the feature, model and decoding settings."""
+    return section_hash({"features": dataclasses.asdict(cfg.features), "model": dataclasses.asdict(cfg.model),
+                         "infer": dataclasses.asdict(cfg.infer)})
+
+
+# ----------------------------------------------------------------------------- listing
+
+
+def list_videos(spec: str, extensions: list[str]) -> list[dict[str, str]]:
+    """[{video_id, uri}] for a directory, a glob, an s3:// prefix or a preprocess manifest."""
+    if spec.endswith(".parquet"):
+        rows = pq.read_table(io.BytesIO(storage.read_bytes(spec))).to_pylist()
+        return [{"video_id": r["video_id"], "uri": r["uri"] or ""} for r in rows]
+    if any(ch in spec for ch in "*?["):
+        fs, inner = storage.filesystem(spec)
+        proto = spec.split("://", 1)[0] + "://" if storage.is_remote(spec) else ""
+        uris = sorted(proto + p if proto and not p.startswith(proto) else p for p in fs.glob(inner))
+    else:
+        uris = storage.list_files(spec, tuple(extensions))
+    out, seen = [], set()
+    for uri in uris:
+        vid = uri.rsplit("/", 1)[-1].rsplit(".", 1)[0]
+        if vid in seen:  # same stem twice (a.mp4 and a.mkv): keep the id unique
+            vid = uri.rsplit("/", 1)[-1]
+        seen.add(vid)
+        out.append({"video_id": vid, "uri": uri})
+    return out
+
+
+# ----------------------------------------------------------------------------- Ray Data stages
+
+
+class FeaturizeForCaption:
+    """CPU actor: uri -> encoded sample fields (or an error), encoders built once."""
+
+    def __init__(self, cfg_json: str):
+        from preprocess.featurize import Featurizer
+
+        self.featurizer = Featurizer(Config.from_json(cfg_json))
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {c: [] for c in ["video_id", "uri", "chunk", "status", "error", "seconds",
+                                                      *SAMPLE_COLUMNS]}
+        for i in range(len(batch["video_id"])):
+            vid, uri = str(batch["video_id"][i]), str(batch["uri"][i])
+            t0 = time.perf_counter()
+            fields: dict[str, Any] = {KEY: "", **{c: b"" for c in FIELDS}}
+            status, error = "ok", ""
+            try:
+                if not uri:
+                    raise FileNotFoundError("no uri for this video")
+                fields = encode(self.featurizer(uri, _Annotation(video_id=vid)))
+            except Exception as e:  # explained, never fatal
+                status, error = "error", f"{type(e).__name__}: {e}"
+            for c in SAMPLE_COLUMNS:
+                out[c].append(fields[c])
+            out["video_id"].append(vid)
+            out["uri"].append(uri)
+            out["chunk"].append(str(batch["chunk"][i]))
+            out["status"].append(status)
+            out["error"].append(error)
+            out["seconds"].append(time.perf_counter() - t0)
+        return out
+
+
+class CaptionVideos:
+    """Engine actor: decoded samples -> caption rows; the model is loaded once per actor."""
+
+    def __init__(self, cfg_json: str, model_dir: str):
+        from infer.engine import CaptionEngine
+        from infer.loading import load_model
+
+        cfg = Config.from_json(cfg_json)
+        model, card, cfg = load_model(cfg, model_dir)
+        self.engine = CaptionEngine(model, cfg.infer)
+        self.model_id = card.model_id
+        self.config_hash = caption_config_hash(cfg)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+        n = len(batch["video_id"])
+        rows = [{"video_id": str(batch["video_id"][i]), "uri": str(batch["uri"][i]), "chunk": str(batch["chunk"][i]),
+                 "status": str(batch["status"][i]), "error": str(batch["error"][i]), "duration": None,
+                 "events": "[]", "timings": "{}", "model_id": self.model_id, "config_hash": self.config_hash}
+                for i in range(n)]
+        todo = []
+        for i, row in enumerate(rows):
+            if row["status"] != "ok":
+                continue
+            try:
+                todo.append((i, decode({c: batch[c][i] for c in SAMPLE_COLUMNS})))
+            except Exception as e:
+                row.update(status="error", error=f"{type(e).__name__}: {e}")
+        if todo:
+            try:
+                results = self.engine.caption([s for _, s in todo])
+            except Exception:  # one bad video must not sink its batch: retry one by one
+                results = []
+                for i, s in todo:
+                    try:
+                        results.extend(self.engine.caption([s]))
+                    except Exception as e:
+                        results.append(e)
+            for (i, sample), res in zip(todo, results):
+                if isinstance(res, Exception):
+                    rows[i].update(status="error", error=f"{type(res).__name__}: {res}")
+                    continue
+                rows[i].update(duration=float(res.duration),
+                               events=json.dumps([{"start": e.start, "end": e.end, "caption": e.caption}
+                                                  for e in res.events], ensure_ascii=False),
+                               timings=json.dumps({**res.timings, "featurize_s": float(batch["seconds"][i])}))
+        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def _parts_dir(out: str) -> str:
+    return storage.join(out, "parts")
+
+
+def _read_parts(out: str) -> list[dict[str, Any]]:
+    rows = []
+    for p in storage.list_files(_parts_dir(out), (".parquet",)):
+        rows.extend(pq.read_table(io.BytesIO(storage.read_bytes(p))).to_pylist())
+    return rows
+
+
+def _write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
+    table = pa.Table.from_pylist([{c: r.get(c) for c in RESULT_COLUMNS} for r in rows], schema=pa.schema(RESULT_COLUMNS))
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    storage.write_bytes(path, buf.getvalue())
+
+
+def consolidate(out: str) -> list[dict[str, Any]]:
+    """Latest row per video across committed parts -> captions.parquet + captions.jsonl."""
+    latest: dict[str, dict[str, Any]] = {}
+    for row in _read_parts(out):
+        latest[row["video_id"]] = row
+    rows = sorted(latest.values(), key=lambda r: r["video_id"])
+    _write_parquet(storage.join(out, "captions.parquet"), rows)
+    lines = []
+    for r in rows:
+        rec = {**r, "events": json.loads(r["events"] or "[]"), "timings": json.loads(r["timings"] or "{}")}
+        lines.append(json.dumps(rec, ensure_ascii=False))
+    storage.write_bytes(storage.join(out, "captions.jsonl"), ("\n".join(lines) + "\n").encode("utf-8"))
+    return rows
+
+
+def read_results(out: str) -> list[dict[str, Any]]:
+    """The consolidated rows, events and timings parsed."""
+    rows = pq.read_table(io.BytesIO(storage.read_bytes(storage.join(out, "captions.parquet")))).to_pylist()
+    for r in rows:
+        r["events"] = json.loads(r["events"] or "[]")
+        r["timings"] = json.loads(r["timings"] or "{}")
+    return rows
+
+
+def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
+                chunk_videos: int = 64, max_chunks: int | None = None) -> dict[str, Any]:
+    """Caption every listed video not yet captioned with this model+config. Returns a summary."""
+    t_start = time.perf_counter()
+    items = list_videos(videos, cfg.data.video_extensions) if isinstance(videos, str) else list(videos)
+    from infer.loading import load_model
+
+    _, card, resolved = load_model(cfg, model_dir)  # resolves the features the model was trained on
+    model_id, config_hash = card.model_id, caption_config_hash(resolved)
+    done = {r["video_id"] for r in _read_parts(out)
+            if r["status"] == "ok" and r["model_id"] == model_id and r["config_hash"] == config_hash}
+    todo = [v for v in items if v["video_id"] not in done]
+    print(f"[caption] {len(items)} videos, {len(done)} already captioned with {model_id}, {len(todo)} to do", flush=True)
+    env = {"env_vars": storage.forwarded_env()}
+    chunks = [todo[i:i + chunk_videos] for i in range(0, len(todo), chunk_videos)]
+    n_ok = n_err = 0
+    for ci, rows in enumerate(chunks):
+        if max_chunks is not None and ci >= max_chunks:
+            break
+        t0 = time.perf_counter()
+        chunk = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        for r in rows:
+            r["chunk"] = chunk
+        ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 4 * cfg.cluster.preprocess_actors)))
+        ds = ds.map_batches(FeaturizeForCaption, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None)},
+                            batch_size=1, num_cpus=cfg.cluster.preprocess_cpus_per_actor, runtime_env=env,
+                            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)))
+        ds = ds.map_batches(CaptionVideos, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None),
+                                                                  "model_dir": model_dir},
+                            batch_size=max(1, cfg.infer.videos_per_call), num_cpus=cfg.cluster.caption_cpus_per_actor,
+                            num_gpus=cfg.cluster.caption_gpus_per_actor, runtime_env=env,
+                            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))
+        result = ds.take_all()
+        _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), result)  # the commit
+        ok = sum(r["status"] == "ok" for r in result)
+        n_ok, n_err = n_ok + ok, n_err + len(result) - ok
+        dt = time.perf_counter() - t0
+        print(f"[caption] chunk {ci + 1}/{len(chunks)}: {ok} done, {len(result) - ok} failed, "
+              f"{60.0 * len(result) / dt:.1f} videos/min", flush=True)
+    rows = consolidate(out)
+    total_ok = sum(r["status"] == "ok" for r in rows)
+    seconds = time.perf_counter() - t_start
+    print(f"[caption] {total_ok} captioned, {len(rows) - total_ok} failed; results in "
+          f"{storage.join(out, 'captions.jsonl')} and captions.parquet", flush=True)
+    return {"captioned": total_ok, "failed": len(rows) - total_ok, "this_run_ok": n_ok, "this_run_failed": n_err,
+            "model_id": model_id, "out": out, "videos_per_min": 60.0 * (n_ok + n_err) / seconds if seconds else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--videos", required=True, help="dir | glob | s3://prefix | manifest.parquet")
+    ap.add_argument("--model", default="", help="a saved PadCaptioner dir ('' = random tiny smoke model)")
+    ap.add_argument("--out", required=True, help="output dir or s3:// prefix")
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--chunk-videos", type=int, default=64)
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    ray.init(address=cfg.cluster.address or None, ignore_reinit_error=True)
+    summary = run_caption(cfg, args.videos, args.model, args.out, args.chunk_videos)
+    print(json.dumps(summary, indent=2))
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
