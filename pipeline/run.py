@@ -131,10 +131,34 @@ def _test_videos(paths: RunPaths) -> list[dict[str, str]]:
     return [{"video_id": r["video_id"], "uri": r["uri"]} for r in rows if r["split"] == "test" and r["uri"]]
 
 
+def _test_samples(paths: RunPaths, limit: int) -> list:
+    """Up to `limit` decoded test samples from the preprocess shards."""
+    from pipeline.schema import decode
+    from preprocess import manifest as mf
+
+    rows = mf.read_table(mf.manifest_path(paths.shards))
+    samples = []
+    for shard in mf.ok_shards(rows, "test"):
+        samples.extend(decode(fields) for fields in mf.iter_shard(shard))
+        if len(samples) >= limit:
+            break
+    return samples[:limit]
+
+
 def stage_caption(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     from infer.batch import run_caption
+    from infer.loading import load_model
+    from infer.speedup import measure_speedup
 
-    return run_caption(cfg, _test_videos(paths), paths.model, paths.captions)
+    summary = run_caption(cfg, _test_videos(paths), paths.model, paths.captions)
+    model, _, resolved = load_model(cfg, paths.model)
+    samples = _test_samples(paths, limit=3)
+    if samples:
+        speed = measure_speedup(model, samples, resolved.infer)
+        storage.write_json(storage.join(paths.captions, "speedup.json"), speed)
+        summary["decode_speedup_vs_monolithic"] = round(speed["speedup"], 2)
+        summary["speedup_videos"] = speed["videos"]
+    return summary
 
 
 def reference_annotations(cfg: Config, paths: RunPaths) -> tuple[str, str]:

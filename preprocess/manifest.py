@@ -118,10 +118,23 @@ def shard_keys(shard_path: str) -> list[str]:
     return keys
 
 
+def iter_shard(shard_path: str):
+    """The WebDataset field dicts of one tar (local or remote), in file order."""
+    fs, inner = storage.filesystem(shard_path)
+    groups: dict[str, dict[str, Any]] = {}
+    with fs.open(inner, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, field = member.name.split(".", 1)
+            groups.setdefault(key, {KEY: key})[field] = tar.extractfile(member).read()
+    yield from groups.values()
+
+
 def ok_shards(rows: list[dict[str, Any]], split: str | None = None) -> list[str]:
     """The shard files holding the ok samples (of one split), sorted."""
     return sorted({r["shard"] for r in rows if r["status"] == "ok" and (split is None or r["split"] == split)})
 
 
-__all__ = ["COLUMNS", "KEY", "consolidate", "committed_parts", "empty_row", "manifest_path", "ok_shards",
+__all__ = ["COLUMNS", "KEY", "consolidate", "committed_parts", "empty_row", "iter_shard", "manifest_path", "ok_shards",
            "read_table", "remove_uncommitted", "shard_keys", "shards_dir", "write_table"]

@@ -3,10 +3,8 @@ bad inputs as explained error rows, and resume after a run killed midway."""
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -45,22 +43,12 @@ def read_samples(rows):
     S3 shards through fsspec + tarfile."""
     samples = {}
     for shard in mf.ok_shards(rows):
-        records = _iter_tar(shard) if storage.is_remote(shard) else wds.WebDataset([shard], shardshuffle=False)
+        records = mf.iter_shard(shard) if storage.is_remote(shard) else wds.WebDataset([shard], shardshuffle=False)
         for fields in records:
             s = decode(fields)
             assert s.video_id not in samples, "duplicate sample"
             samples[s.video_id] = s
     return samples
-
-
-def _iter_tar(shard):
-    fs, inner = storage.filesystem(shard)
-    groups: dict[str, dict] = {}
-    with tarfile.open(fileobj=io.BytesIO(fs.cat_file(inner))) as tar:
-        for m in tar:
-            key, field = m.name.split(".", 1)
-            groups.setdefault(key, {"__key__": key})[field] = tar.extractfile(m).read()
-    yield from groups.values()
 
 
 def check_against_annotations(rows, info, cfg):
