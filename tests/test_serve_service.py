@@ -316,3 +316,47 @@ def test_python_client_and_cli(base_url, tree, capsys):
     assert len(json.loads(capsys.readouterr().out)["events"]) <= 1
     assert main([str(tree.files["secret"]), "--url", base_url]) == 2
     assert "403" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ model loading
+
+
+def test_saved_checkpoint_serves_like_the_model_that_saved_it(parts, tree, tmp_path):
+    import dataclasses
+
+    from infer.loading import load_engine, load_model
+
+    _, _, cfg = parts
+    model, _, _ = load_model(cfg, "")
+    model.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text(cfg.to_json())
+    factory, card, cfg2 = load_engine(cfg, str(tmp_path / "ckpt"))
+    assert card.model_id.startswith("ckpt-") and card.source == str(tmp_path / "ckpt")
+    svc = CaptionService(cfg2, factory, card)
+    try:
+        body = run(svc.caption_uri(str(tree.good)))
+        direct = direct_caption(parts[0], cfg, tree.good, "good")
+        assert _events(body) == _events(direct)
+    finally:
+        svc.close()
+    other = dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, n_mels=16))
+    (tmp_path / "ckpt" / "config.json").unlink()
+    with pytest.raises(ValueError, match="features of dims"):
+        load_model(other, str(tmp_path / "ckpt"))
+
+
+def test_video_the_model_cannot_take_is_a_422(parts, tree):
+    import dataclasses
+
+    from infer.loading import load_engine
+
+    _, _, cfg = parts
+    small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=4))
+    factory, card, small = load_engine(small, "")
+    svc = CaptionService(small, factory, card)
+    try:
+        with pytest.raises(RequestError) as info:
+            run(svc.caption_uri(str(tree.good)))
+        assert info.value.status == 422 and info.value.code == "does_not_fit_model"
+    finally:
+        svc.close()
