@@ -134,21 +134,30 @@ class TrainConfig:
     use_gpu: bool = False
     gpus_per_worker: float = 1.0
     cpus_per_worker: float = 1.0
-    backend: Literal["ddp", "deepspeed"] = "ddp"
+    backend: Literal["auto", "ddp", "deepspeed"] = "auto"  # auto: deepspeed on GPU, ddp (gloo) on CPU
     zero_stage: int = 2
     max_steps: int = 300
     batch_size: int = 2  # per worker
     grad_accum: int = 1
     lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * this at max_steps
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
     weight_decay: float = 0.0
     warmup_steps: int = 20
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # 0 = no clipping
     bf16: bool = True  # autocast on GPU only
     gradient_checkpointing: bool = False
-    checkpoint_every: int = 100
-    val_every: int = 100
-    val_samples: int = 16
+    checkpoint_every: int = 100  # 0 = only at the end
+    keep_checkpoints: int = 2  # newest checkpoints kept in storage
+    val_every: int = 100  # 0 = only at the end
+    val_samples: int = 16  # held-out samples for the periodic validation (0 = all)
+    eval_samples: int = 0  # held-out samples for the end-of-stage evaluation (0 = all)
+    train_split: str = "train"
+    val_split: str = "test"  # the held-out split (validation and the end-of-stage evaluation)
+    shuffle_buffer: int = 64  # per-worker streaming shuffle buffer (records)
     log_every: int = 10
+    torch_threads: int = 0  # intra-op threads per worker; 0 = cpus_per_worker
     max_failures: int = 1
     seed: int = 0
 

@@ -1,0 +1,284 @@
+"""Training data: shard records -> Samples fitted to the model -> padded Batches.
+
+    records = read_shard_records(shard_paths, stats)       # local or s3:// tars, raw bytes per field
+    source = InMemoryEpochs(list(records), seed=0)          # or the Ray Data shard (train/trainer.py)
+    batches = Batcher(model, batch_size=2, stats=stats, generator=g)
+    for batch in batches(source.epoch(0)): ...
+
+A record is one WebDataset sample as a dict of raw bytes (`__key__`, meta.json,
+times.npy, visual.npy, audio.npy), exactly what `ray.data.read_webdataset(...,
+decoder=None)` hands back per row; `pipeline.schema.decode` turns it into a Sample.
+A record that does not decode or validate, or that cannot become an example, is
+skipped and counted in `DataStats` (with the first reasons kept), never fatal.
+
+Samples longer than `model.max_seq_len` tokens (or with more segments than
+`model.max_segments`) are shortened by `fit_segments`: whole segments are dropped
+evenly over the video (a segment's visual and audio tokens go together, so the
+layout is never cut in the middle), and every event is re-mapped onto the kept
+segments' times (`remap_interval`). Pure python/numpy/torch; no ray.
+"""
+
+from __future__ import annotations
+
+import random
+import tarfile
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from pipeline import storage
+from pipeline.batch import Batch, ExampleError, collate
+from pipeline.schema import FIELDS, KEY, Event, Sample, SchemaError, decode
+
+MAX_REASONS = 20  # distinct skip reasons kept for the report
+
+
+@dataclass
+class DataStats:
+    """What happened to the records one worker read."""
+
+    records: int = 0  # records seen
+    used: int = 0  # became examples
+    skipped: int = 0  # corrupt / invalid / unusable records
+    truncated: int = 0  # samples shortened by fit_segments
+    reasons: Counter = field(default_factory=Counter)
+
+    def skip(self, reason: str) -> None:
+        self.skipped += 1
+        if reason in self.reasons or len(self.reasons) < MAX_REASONS:
+            self.reasons[reason] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"records": self.records, "used": self.used, "skipped": self.skipped, "truncated": self.truncated,
+                "skip_reasons": dict(self.reasons)}
+
+
+# --------------------------------------------------------------------------- reading shards
+
+
+def _group_tar(fileobj, url: str) -> Iterator[dict[str, Any]]:
+    """Stream a tar, grouping consecutive members by key (the name before the first dot)."""
+    current: dict[str, Any] | None = None
+    with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
+        for member in tar:
+            if not member.isreg():
+                continue
+            name = member.name.rsplit("/", 1)[-1]
+            if "." not in name:
+                continue
+            key, suffix = name.split(".", 1)
+            data = tar.extractfile(member).read()
+            if current is None or current[KEY] != key:
+                if current is not None:
+                    yield current
+                current = {KEY: key, "__url__": url}
+            current[suffix] = data
+    if current is not None:
+        yield current
+
+
+def read_shard_records(paths: Sequence[str], stats: DataStats | None = None) -> Iterator[dict[str, Any]]:
+    """Raw records of WebDataset tars (local paths or s3:// URIs), in file order.
+
+    A tar that is unreadable or truncated contributes the records before the damage;
+    the damage is counted as one skipped record with the reason, and reading goes on.
+    """
+    for path in paths:
+        fs, inner = storage.filesystem(path)
+        try:
+            with fs.open(inner, "rb") as f:
+                yield from _group_tar(f, path)
+        except (tarfile.TarError, OSError, EOFError) as e:
+            if stats is not None:
+                stats.skip(f"unreadable shard {path.rsplit('/', 1)[-1]}: {type(e).__name__}: {e}")
+
+
+def decode_record(record: dict[str, Any]) -> Sample:
+    """Raw record -> validated Sample; SchemaError (with the key) for anything malformed."""
+    fields = {k: record[k] for k in (KEY, *FIELDS) if k in record}
+    try:
+        return decode({k: (bytes(v) if isinstance(v, (bytearray, memoryview, np.ndarray)) else v) for k, v in fields.items()})
+    except SchemaError:
+        raise
+    except Exception as e:  # bad npy bytes, bad JSON, wrong types in meta
+        raise SchemaError(f"record {record.get(KEY, '?')!r}: {type(e).__name__}: {e}") from None
+
+
+def read_samples(paths: Sequence[str], limit: int = 0, stats: DataStats | None = None) -> list[Sample]:
+    """Decoded samples of some shards (validation / evaluation sets); corrupt records skipped."""
+    stats = stats if stats is not None else DataStats()
+    out: list[Sample] = []
+    for rec in read_shard_records(paths, stats):
+        stats.records += 1
+        try:
+            out.append(decode_record(rec))
+        except SchemaError as e:
+            stats.skip(str(e))
+            continue
+        if limit and len(out) >= limit:
+            break
+    return out
+
+
+# --------------------------------------------------------------------------- epochs and shuffling
+
+
+def shuffle_buffer(items: Iterable[Any], size: int, rng: random.Random) -> Iterator[Any]:
+    """Streaming shuffle: fill a buffer of `size`, emit a random element per new one (size <= 1: as is)."""
+    if size <= 1:
+        yield from items
+        return
+    buf: list[Any] = []
+    for item in items:
+        buf.append(item)
+        if len(buf) >= size:
+            i = rng.randrange(len(buf))
+            buf[i], buf[-1] = buf[-1], buf[i]
+            yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+class InMemoryEpochs:
+    """Epochs over a list of records: a seeded permutation per epoch (deterministic, so a
+    resumed run sees the same batches as an uninterrupted one). `rank`/`world` take every
+    world-th record, so several in-process workers split the data without overlap."""
+
+    def __init__(self, records: Sequence[Any], seed: int = 0, rank: int = 0, world: int = 1):
+        self.records = list(records)[rank::world]
+        self.seed = seed
+
+    def epoch(self, index: int) -> Iterator[Any]:
+        order = list(range(len(self.records)))
+        random.Random(self.seed * 1_000_003 + index).shuffle(order)
+        return (self.records[i] for i in order)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+# --------------------------------------------------------------------------- fitting a sample to the model
+
+
+def sequence_length(prompt_lens: tuple[int, int], num_segments: int, visual: int, audio: int,
+                    caption_lens: Sequence[int]) -> int:
+    """Tokens of a dense training layout (pipeline.layout.dense_layout), without building it.
+
+    preamble + T * (V + A) + instruction + K serial <G> + K anchors + K * (N - 1) branch inputs,
+    N = max caption length + 1 (<eos>).
+    """
+    k = len(caption_lens)
+    n = max((c + 1 for c in caption_lens), default=0)
+    return prompt_lens[0] + num_segments * (visual + audio) + prompt_lens[1] + (2 * k + k * (n - 1) if k else 0)
+
+
+def keep_indices(num_segments: int, keep: int) -> np.ndarray:
+    """[keep] indices of segments spread evenly over [0, T): the centre of each of `keep` equal bins."""
+    if not 1 <= keep <= num_segments:
+        raise ValueError(f"keep must be in [1, {num_segments}], got {keep}")
+    return np.floor((np.arange(keep) + 0.5) * num_segments / keep).astype(np.int64)
+
+
+def remap_interval(start: float, end: float, times: np.ndarray) -> tuple[float, float]:
+    """An interval onto kept segments [T', 2]: the span of the kept segments it overlaps
+    (positive overlap), else the kept segment whose centre is nearest to its centre."""
+    a, b = times[:, 0].astype(np.float64), times[:, 1].astype(np.float64)
+    overlap = (np.minimum(end, b) - np.maximum(start, a)) > 0
+    if overlap.any():
+        idx = np.nonzero(overlap)[0]
+        return float(a[idx[0]]), float(b[idx[-1]])
+    i = int(np.argmin(np.abs((a + b) / 2 - (start + end) / 2)))
+    return float(a[i]), float(b[i])
+
+
+def drop_segments(sample: Sample, keep: int) -> Sample:
+    """Keep `keep` of the T segments, spread evenly; events re-mapped to the kept times.
+
+    visual [T, V, Dv] -> [keep, V, Dv], audio likewise, segment_times [keep, 2] (the kept
+    segments' own times; the gaps are the dropped ones). Event order and captions stay.
+    """
+    t = sample.num_segments
+    if keep >= t:
+        return sample
+    idx = keep_indices(t, keep)
+    times = np.ascontiguousarray(sample.segment_times[idx])
+    events = []
+    for e in sample.events:
+        s, en = remap_interval(e.start, e.end, times)
+        events.append(Event(s, en, e.caption, e.visual_caption, e.audio_caption))
+    return replace(sample, segment_times=times, visual=np.ascontiguousarray(sample.visual[idx]),
+                   audio=np.ascontiguousarray(sample.audio[idx]), events=events)
+
+
+def fit_segments(sample: Sample, prompt_lens: tuple[int, int], caption_lens: Sequence[int], max_seq_len: int,
+                 max_segments: int) -> tuple[Sample, bool]:
+    """(sample, truncated): drop segments evenly until the layout fits `max_seq_len` tokens and
+    at most `max_segments` segments. ExampleError when even one segment does not fit."""
+    t, v = sample.num_segments, sample.visual.shape[1]
+    a = sample.audio.shape[1] if sample.has_audio else 0
+    if sequence_length(prompt_lens, t, v, a, caption_lens) <= max_seq_len and t <= max_segments:
+        return sample, False
+    fixed = sequence_length(prompt_lens, 0, v, a, caption_lens)
+    keep = min(t, max_segments, (max_seq_len - fixed) // (v + a))
+    if keep < 1:
+        raise ExampleError(f"{sample.video_id}: prompt and {len(caption_lens)} captions take {fixed} tokens, "
+                           f"no segment fits in model.max_seq_len={max_seq_len}")
+    return drop_segments(sample, keep), True
+
+
+def fit_to_model(sample: Sample, model) -> tuple[Sample, bool]:
+    """`fit_segments` with the model's tokenizer, prompt and limits."""
+    cfg = model.cfg
+    lens = [min(len(model.tokenizer.encode(e.caption, add_special_tokens=False)), cfg.max_caption_tokens)
+            for e in sample.events]
+    return fit_segments(sample, (len(model.prompt[0]), len(model.prompt[1])), lens, cfg.max_seq_len, cfg.max_segments)
+
+
+# --------------------------------------------------------------------------- batches
+
+
+class Batcher:
+    """Records (raw dicts or Samples) -> Batches of `batch_size` examples.
+
+    Each record is decoded, fitted (`fit_to_model`) and laid out by the model's
+    `make_example` (with `generator`, aggregation intervals are jittered); failures are
+    counted in `stats` and skipped. The last partial batch of an iterable is yielded
+    unless `drop_last`.
+    """
+
+    def __init__(self, model, batch_size: int, stats: DataStats | None = None, generator=None, drop_last: bool = False):
+        self.model = model
+        self.batch_size = batch_size
+        self.stats = stats if stats is not None else DataStats()
+        self.generator = generator
+        self.drop_last = drop_last
+
+    def example(self, record: Any):
+        """One record -> Example, or None (counted) when it is unusable."""
+        self.stats.records += 1
+        try:
+            sample = record if isinstance(record, Sample) else decode_record(record)
+            sample, cut = fit_to_model(sample, self.model)
+            ex = self.model.make_example(sample, generator=self.generator)
+        except (SchemaError, ExampleError, ValueError) as e:
+            self.stats.skip(str(e)[:300])
+            return None
+        self.stats.truncated += int(cut)
+        self.stats.used += 1
+        return ex
+
+    def __call__(self, records: Iterable[Any]) -> Iterator[Batch]:
+        pending = []
+        for rec in records:
+            ex = self.example(rec)
+            if ex is None:
+                continue
+            pending.append(ex)
+            if len(pending) == self.batch_size:
+                yield collate(pending)
+                pending = []
+        if pending and not self.drop_last:
+            yield collate(pending)

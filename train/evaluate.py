@@ -1,0 +1,234 @@
+"""Validation numbers of the training stage (teacher-forced, and free-running through the engine).
+
+    counts = EvalCounts()
+    counts += batch_counts(model, batch, model.forward_train(batch))   # teacher-forced, per batch
+    summary(counts)   # planning_acc, grounding_f1@0.5, token_acc, colour/shape/motion/sound acc, attr_acc
+    counts = engine_counts(samples, results, parse)                     # free-running (infer/ engine)
+
+Definitions (all on held-out videos):
+  planning_acc      fraction of videos whose greedy planning gives the true K. Teacher-forced:
+                    the K+1 planning rows, each read as argmax over {<G>, <S>}, must say
+                    <G> x K then <S>; given the true prefix this IS greedy planning.
+  grounding_f1@0.5  per video precision / recall of the read-out intervals against the
+                    references with the strict tIoU > 0.5 (pipeline.metrics.tiou); the mean
+                    P and mean R over videos give F1. Teacher-forced: one interval per true event.
+  token_acc         teacher-forced argmax accuracy over the caption-branch tokens (the real
+                    caption tokens and each branch's real <eos>; <eos> padding excluded).
+  <attr>_acc        per reference event, the attribute word (synthetic grammar, via a parser
+                    such as preprocess.synthetic.parse_caption) is right. Teacher-forced: every
+                    token spelling the word in the reference is the argmax at its row (a
+                    parser over the argmax string would be fooled: with tied embeddings an
+                    untrained model echoes its input token, i.e. the reference shifted by one).
+                    Free-running: the parsed attribute of the prediction with the highest tIoU
+                    to the reference equals the reference's (none overlapping = wrong).
+  attr_acc          mean of the colour, shape and sound accuracies.
+Counts are sums (`EvalCounts.tensor()` all-reduces across ranks). Pure torch; no ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from pipeline.layout import IGNORE
+
+ATTRIBUTES = ("colour", "shape", "motion", "sound")
+HEADLINE_ATTRIBUTES = ("colour", "shape", "sound")
+TIOU = 0.5
+
+
+@dataclass
+class EvalCounts:
+    """Sums over videos / events / tokens (floats, so they travel in one tensor)."""
+
+    videos: float = 0.0
+    planning_correct: float = 0.0
+    precision_sum: float = 0.0
+    recall_sum: float = 0.0
+    tokens: float = 0.0
+    tokens_correct: float = 0.0
+    events: float = 0.0
+    colour: float = 0.0
+    shape: float = 0.0
+    motion: float = 0.0
+    sound: float = 0.0
+
+    def __iadd__(self, other: "EvalCounts") -> "EvalCounts":
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "EvalCounts":
+        return cls(*[float(v) for v in t.tolist()])
+
+
+def summary(c: EvalCounts, prefix: str = "") -> dict[str, float]:
+    """Counts -> the reported numbers (see the module doc)."""
+    div = lambda a, b: a / b if b else 0.0  # noqa: E731
+    p, r = div(c.precision_sum, c.videos), div(c.recall_sum, c.videos)
+    out = {
+        "planning_acc": div(c.planning_correct, c.videos),
+        "grounding_precision@0.5": p,
+        "grounding_recall@0.5": r,
+        "grounding_f1@0.5": 2 * p * r / (p + r) if p + r > 0 else 0.0,
+        "token_acc": div(c.tokens_correct, c.tokens),
+        **{f"{a}_acc": div(getattr(c, a), c.events) for a in ATTRIBUTES},
+        "videos": c.videos,
+        "events": c.events,
+    }
+    out["attr_acc"] = float(np.mean([out[f"{a}_acc"] for a in HEADLINE_ATTRIBUTES]))
+    return {prefix + k: v for k, v in out.items()}
+
+
+def detection(pred: np.ndarray, ref: np.ndarray, t: float = TIOU) -> tuple[float, float, np.ndarray]:
+    """(precision, recall, tIoU matrix [P, R]) of one video with the strict tIoU > t."""
+    from pipeline.metrics.tiou import tiou_matrix
+
+    iou = tiou_matrix(pred, ref)
+    if iou.size == 0:
+        return 0.0, 0.0, iou
+    hit = iou > t
+    return float(hit.any(1).mean()), float(hit.any(0).mean()), iou
+
+
+def _attr_hits(pred_text: str | None, ref_text: str, parse: Callable[[str], dict]) -> dict[str, float]:
+    ref = parse(ref_text)
+    got = parse(pred_text) if pred_text is not None else {}
+    return {a: float(got.get(a) is not None and got.get(a) == ref.get(a)) for a in ATTRIBUTES}
+
+
+def attribute_token_spans(token_texts: list[str], parse: Callable[[str], dict]) -> dict[str, list[int]]:
+    """Token indices that spell each attribute word of a reference caption.
+
+    token_texts: the caption's tokens decoded one by one (their concatenation is the text).
+    The attribute value comes from `parse`; its first whole-word occurrence in the visual part
+    (colour, shape, motion: before "Audio:") or the audio part (sound) is located and the
+    tokens overlapping it are returned. Attributes not found are left out.
+    """
+    import re
+
+    text = "".join(token_texts)
+    low = text.lower()
+    cut = low.find("audio:")
+    values = parse(text)
+    bounds = np.cumsum([0] + [len(t) for t in token_texts])
+    spans: dict[str, list[int]] = {}
+    for a in ATTRIBUTES:
+        word = values.get(a)
+        if not word:
+            continue
+        lo, hi = (cut, len(low)) if (a == "sound" and cut >= 0) else (0, cut if cut >= 0 else len(low))
+        m = re.compile(r"\b" + re.escape(word) + r"\b").search(low, lo, hi)
+        if m is None:
+            continue
+        spans[a] = [j for j in range(len(token_texts)) if bounds[j] < m.end() and bounds[j + 1] > m.start()]
+    return spans
+
+
+def _branch_rows(batch, out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sample index, event, step) of every row of out['branch_logits'] (same order)."""
+    pk = batch.packed
+    s = pk.split
+    rows = pk.labels[:, s:] != IGNORE
+    b_idx, c_idx = rows.nonzero(as_tuple=True)
+    return b_idx, pk.event[:, s:][b_idx, c_idx], pk.step[:, s:][b_idx, c_idx]
+
+
+@torch.no_grad()
+def batch_counts(model, batch, out: dict, parse: Callable[[str], dict] | None = None) -> EvalCounts:
+    """Teacher-forced counts of one batch from `model.forward_train(batch)` outputs."""
+    c = EvalCounts()
+    pk, exs = batch.packed, batch.examples
+    s = pk.split
+    tok = model.tokenizer
+
+    # planning: K + 1 labelled stage-1 rows per dense sample, in batch order
+    rows1 = (pk.labels[:, :s] != IGNORE).sum(1).tolist()
+    text = out["text_logits"].float()
+    says_g = (text[:, model.g_id] > text[:, model.s_id]).cpu()
+    start = 0
+    for b, ex in enumerate(exs):
+        n = rows1[b]
+        if ex.layout.kind == "dense":
+            k = ex.layout.num_events
+            pred = says_g[start:start + n]
+            c.videos += 1
+            c.planning_correct += float(bool(pred[:k].all()) and not bool(pred[k]))
+        start += n
+
+    # grounding: one read-out interval per true event
+    dense = [ex for ex in exs if ex.layout.num_events > 0]
+    for ex, logits in zip(dense, out["grounding_logits"]):
+        pred = np.asarray(model.ground(logits.detach().float().cpu(), ex.segment_times), dtype=np.float64)
+        p, r, _ = detection(pred, ex.intervals.numpy().astype(np.float64))
+        c.precision_sum += p
+        c.recall_sum += r
+
+    # caption tokens
+    logits2, labels2 = out["branch_logits"], out["branch_labels"]
+    if labels2.numel():
+        pred_ids = logits2.argmax(-1).cpu()
+        labels2 = labels2.cpu()
+        real = ~out["branch_pad"].cpu()
+        c.tokens += float(real.sum())
+        c.tokens_correct += float(((pred_ids == labels2) & real).sum())
+        if parse is not None:
+            b_idx, ev, step = _branch_rows(batch, out)
+            for b, ex in enumerate(exs):
+                for i in range(ex.layout.num_events):
+                    sel = torch.nonzero((b_idx == b) & (ev == i) & real).flatten()
+                    sel = sel[torch.argsort(step[sel])]
+                    ref_ids = labels2[sel].tolist()
+                    right = (pred_ids[sel] == labels2[sel]).tolist()
+                    spans = attribute_token_spans([tok.decode([t]) for t in ref_ids], parse)
+                    c.events += 1
+                    for a in ATTRIBUTES:
+                        span = spans.get(a)
+                        if span:
+                            setattr(c, a, getattr(c, a) + float(all(right[j] for j in span)))
+    return c
+
+
+def engine_counts(samples: list, results: list[list[tuple[float, float, str]]],
+                  parse: Callable[[str], dict] | None = None) -> EvalCounts:
+    """Free-running counts: `results[i]` = the predicted (start, end, caption) events of samples[i]."""
+    c = EvalCounts()
+    for sample, pred_events in zip(samples, results):
+        refs = sorted(sample.events, key=lambda e: (e.start, e.end))
+        c.videos += 1
+        c.planning_correct += float(len(pred_events) == len(refs))
+        pred = np.asarray([[s, e] for s, e, _ in pred_events], dtype=np.float64).reshape(-1, 2)
+        ref = np.asarray([[e.start, e.end] for e in refs], dtype=np.float64).reshape(-1, 2)
+        p, r, iou = detection(pred, ref)
+        c.precision_sum += p
+        c.recall_sum += r
+        if parse is None:
+            continue
+        for j, ev in enumerate(refs):
+            best = None
+            if iou.shape[0]:
+                i = int(np.argmax(iou[:, j]))
+                best = pred_events[i][2] if iou[i, j] > 0 else None
+            hits = _attr_hits(best, ev.caption, parse)
+            c.events += 1
+            for a, h in hits.items():
+                setattr(c, a, getattr(c, a) + h)
+    return c
+
+
+def engine_events(result: Any) -> list[tuple[float, float, str]]:
+    """The (start, end, caption) events of one engine result (object with `.events` of
+    objects/dicts with start/end/caption, or such a list / dict itself)."""
+    events = result.get("events") if isinstance(result, dict) else getattr(result, "events", result)
+    out = []
+    for e in events or []:
+        get = (lambda k: e[k]) if isinstance(e, dict) else (lambda k: getattr(e, k))
+        out.append((float(get("start")), float(get("end")), str(get("caption"))))
+    return out
