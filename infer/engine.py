@@ -140,7 +140,7 @@ class CaptionEngine:
         self.model = model
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        if model.device != self.device:
+        if model.device.type != self.device.type:
             model.to(self.device)
         model.eval()
         use_cascade_attention(model)

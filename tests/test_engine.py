@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -234,3 +235,24 @@ def test_engine_on_cuda_matches_cpu_reference(model, video):
     assert got.tokens == ref.tokens
     for a, b in zip(got.branch_logits, ref.branch_logits):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
+
+
+def test_decode_benchmark_smoke(capsys, monkeypatch):
+    """bench/decode.py end to end on a short prefix: every mode generates the same tokens,
+    the step counts are sum(len) / max(len), and the JSON has what the GPU run reports."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_decode", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = bench.main(["--prefix", "96", "--lengths", "3,1,2", "--repeats", "1"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
+    modes = out["modes"]
+    assert {m: modes[m]["steps"] for m in modes} == {"monolithic": 6, "branch_sequential": 6, "parallel_copy": 3, "engine": 3}
+    assert all(modes[m]["tokens"] == 6 and modes[m].get("tokens_equal_engine", True) for m in modes)
+    assert out["targets"]["ideal_step_ratio"] == 2.0 and "engine_speedup_met" in out["targets"]
+    assert out["floor"]["floor_ms_per_step"] > 0 and out["floor"]["weight_bytes"] > 0
