@@ -74,7 +74,7 @@ class Preset:
 
 
 PRESETS = {
-    "cpu-small": Preset(BENCH_BACKBONE, budget_s=100.0),
+    "cpu-small": Preset(BENCH_BACKBONE, budget_s=110.0),
     "qwen2.5-0.5b": Preset("qwen2.5-0.5b", repeats=2),
     "qwen2.5-3b": Preset("qwen2.5-3b", device="cuda", dtype="bfloat16", repeats=5, budget_s=100.0),
 }
