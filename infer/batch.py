@@ -176,6 +176,9 @@ class CaptionVideos:
                 if isinstance(res, Exception):
                     rows[i].update(status="error", error=f"{type(res).__name__}: {res}")
                     continue
+                if getattr(res, "error", None):  # the engine refused this video (does not fit the model)
+                    rows[i].update(status="error", error=f"engine: {res.error}")
+                    continue
                 rows[i].update(duration=float(res.duration),
                                events=json.dumps([{"start": e.start, "end": e.end, "caption": e.caption}
                                                   for e in res.events], ensure_ascii=False),
