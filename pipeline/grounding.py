@@ -92,7 +92,7 @@ def readout_one(logits: torch.Tensor, segment_times: torch.Tensor, threshold: fl
     <= max_gap segments; the run with the largest mass (sum of p over its kept segments)
     wins; interval = [start of its first segment, end of its last segment].
     """
-    p = torch.sigmoid(logits.float())
+    p = torch.sigmoid(logits.float()).cpu()  # [T] is small: one transfer, then plain host work
     keep = (p >= threshold * p.max()).tolist()
     best, best_mass = None, -1.0
     for a, b in _runs(keep, max_gap):
