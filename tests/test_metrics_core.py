@@ -249,3 +249,18 @@ def test_unreadable_input_raises_input_error(tmp_path):
         load_inputs(str(bad), REF)
     with pytest.raises(InputError):
         load_inputs({"results": {}}, str(tmp_path / "missing.json"), ref_format="longvale")
+
+
+def test_references_without_any_valid_video_raise():
+    with pytest.raises(InputError, match="swapped"):
+        load_inputs({"results": {}}, {"results": {"v1": [{"timestamp": [0, 1], "sentence": "x"}]}})
+
+
+def test_missing_policy_zero_is_densevid_only():
+    from pipeline.metrics import evaluate
+
+    for protocol in ("soda", "etbench", "padcaptioner"):
+        with pytest.raises(ValueError, match="densevid"):
+            evaluate({"results": {}}, REF, protocol, missing="zero")
+    with pytest.raises(ValueError, match="unknown protocol"):
+        evaluate({"results": {}}, REF, "bleu")

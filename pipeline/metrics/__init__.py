@@ -57,8 +57,8 @@ def _missing_policy(protocol: str, missing: str | None) -> str | None:
         if missing not in (None, "skip"):
             raise ValueError("padcaptioner reports densevid's LongVALE variant (videos without predictions skipped); use --protocol densevid for 'zero'")
         return "skip"
-    if missing is not None:
-        raise ValueError(f"the {protocol} protocol fixes how videos without predictions count (see REFERENCE.md); missing= applies to densevid only")
+    if missing not in (None, "skip"):  # soda / etbench leave such videos out (etbench then scales P, R)
+        raise ValueError(f"the {protocol} protocol leaves videos without predictions out (REFERENCE.md); missing='zero' applies to densevid only")
     return None
 
 
@@ -100,7 +100,8 @@ def evaluate(
     """Score predictions against references with one protocol.
 
     pred / ref: paths or loaded objects in any form `pipeline.metrics.io` reads (or an
-    EvalInput as `pred`). missing: densevid only, "skip" (default) or "zero".
+    EvalInput as `pred`). missing: "skip" (default) or "zero"; "zero" is densevid-only
+    (the other protocols always leave videos without predictions out).
     scorers: reuse an open `Scorers` (its JVM) across calls; else one is opened and closed.
     Returns a JSON-ready dict: protocol, variant, metrics, per_threshold, counts,
     components (padcaptioner), videos (status + problems per video), problems.

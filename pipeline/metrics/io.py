@@ -378,6 +378,8 @@ def load_inputs(pred: Any, ref: Any, ref_format: str | None = None, max_predicti
             problems.append({"video_id": vid, "source": "reference", "problem": "no valid reference event; video not evaluated"})
         else:
             refs[vid] = video
+    if not refs:
+        raise InputError(f"no {rfmt} reference video with a valid event (are --pred and --ref swapped?)")
     problems.extend(pred_problems)
     preds: dict[str, PredVideo] = {}
     for vid in refs:
