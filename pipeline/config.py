@@ -156,6 +156,8 @@ class TrainConfig:
     train_split: str = "train"
     val_split: str = "test"  # the held-out split (validation and the end-of-stage evaluation)
     shuffle_buffer: int = 64  # per-worker streaming shuffle buffer (records)
+    augment_crop: float = 0.0  # random temporal crop: up to this fraction of the segments cut at each end (in gaps)
+    augment_noise: float = 0.0  # std of Gaussian noise added to the features when training
     log_every: int = 10
     torch_threads: int = 0  # intra-op threads per worker; 0 = cpus_per_worker
     max_failures: int = 1

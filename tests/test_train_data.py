@@ -197,3 +197,35 @@ def test_batcher_collates_padded_batches_with_jitter(model):
     plain = next(Batcher(model, 1)(samples_n(1)))
     assert torch.equal(plain.examples[0].agg_intervals, plain.examples[0].intervals)
     assert len(list(Batcher(model, 2, drop_last=True)(samples_n(3)))) == 1
+
+
+# --------------------------------------------------------------------------- augmentation
+
+
+def test_random_crop_cuts_only_between_events_and_shifts_times():
+    from train.data import Augment, crop_cuts, feature_noise, random_crop
+
+    s = sample(num_segments=20, intervals=((2.0, 5.0), (8.0, 11.0), (15.0, 18.0)))
+    starts, ends = crop_cuts(s.segment_times, s.events, 0.5)
+    assert starts == [0, 1, 2, 5, 6, 7, 8] and ends == [11, 12, 13, 14, 15, 18, 19, 20]
+    rng = np.random.default_rng(0)
+    seen_k = set()
+    for _ in range(40):
+        c = random_crop(s, 0.5, rng)
+        assert c.segment_times[0, 0] == 0.0 and c.duration == pytest.approx(float(c.segment_times[-1, 1]))
+        assert 1 <= len(c.events) <= 3 and c.visual.shape[0] == c.num_segments == c.audio.shape[0]
+        seen_k.add(len(c.events))
+        x0 = [e.caption for e in s.events].index(c.events[0].caption)
+        shift = s.events[x0].start - c.events[0].start
+        for e in c.events:  # whole events, same captions, same length, same offset
+            orig = next(o for o in s.events if o.caption == e.caption)
+            assert (e.start + shift, e.end + shift) == pytest.approx((orig.start, orig.end))
+        t0 = int(round(shift))
+        assert np.array_equal(c.visual, s.visual[t0:t0 + c.num_segments])
+    assert len(seen_k) >= 2  # the event count changes, too
+    assert random_crop(s, 0.0, rng) is s
+    noisy = feature_noise(s, 0.1, np.random.default_rng(1))
+    assert 0.05 < float(np.abs(noisy.visual.astype(np.float32) - s.visual).mean()) < 0.15
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a, b = Augment(0.3, 0.05, g1)(s), Augment(0.3, 0.05, g2)(s)
+    assert np.array_equal(a.visual, b.visual) and a.num_segments == b.num_segments  # seeded by the generator

@@ -56,6 +56,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     ha = ckpt.read_history(full_ctx.latest_checkpoint())
     hb = ckpt.read_history(ctx.latest_checkpoint())
     assert [h["step"] for h in hb] == [1, 2, 3, 4, 5, 6]
+    assert [h["resumes"] for h in hb] == [0, 0, 0, 1, 1, 1]
     for a, b in zip(ha, hb):
         for k in LOSSES:
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (a["step"], k)

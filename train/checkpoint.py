@@ -43,6 +43,7 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     records_in_epoch: int = 0  # records of `epoch` already consumed
+    resumes: int = 0  # how many times this run was resumed from a checkpoint
     history: list[dict[str, Any]] = field(default_factory=list)
     data_stats: dict[str, Any] = field(default_factory=dict)
 
@@ -88,7 +89,7 @@ def save_checkpoint(path: str | Path, *, model, state: TrainState, config_json: 
     (path / CONFIG_FILE).write_text(config_json)
     payload = {
         "step": state.step, "epoch": state.epoch, "records_in_epoch": state.records_in_epoch,
-        "data_stats": state.data_stats,
+        "data_stats": state.data_stats, "resumes": state.resumes,
         "trainable": {k: v.detach().cpu().clone() for k, v in model.trainable_parameters().items()},
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -119,7 +120,7 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None) 
         scheduler.load_state_dict(payload["scheduler"])
     history = json.loads((path / HISTORY_FILE).read_text()) if (path / HISTORY_FILE).exists() else []
     return TrainState(step=payload["step"], epoch=payload["epoch"], records_in_epoch=payload["records_in_epoch"],
-                      history=history, data_stats=payload.get("data_stats") or {})
+                      history=history, data_stats=payload.get("data_stats") or {}, resumes=payload.get("resumes", 0))
 
 
 def read_history(path: str | Path) -> list[dict[str, Any]]:

@@ -237,20 +237,99 @@ def fit_to_model(sample: Sample, model) -> tuple[Sample, bool]:
     return fit_segments(sample, (len(model.prompt[0]), len(model.prompt[1])), lens, cfg.max_seq_len, cfg.max_segments)
 
 
+# --------------------------------------------------------------------------- augmentation
+
+
+def crop_cuts(times: np.ndarray, events: Sequence[Event], max_fraction: float) -> tuple[list[int], list[int]]:
+    """Valid (start, end) cut indices: keep segments [c, d); no event may straddle a cut.
+
+    start cuts c in [0, max_fraction * T], end cuts d in [T - max_fraction * T, T]; a cut
+    is valid when no event has start < cut time < end (events stay whole or go whole).
+    """
+    t = times.shape[0]
+    span = int(max_fraction * t)
+
+    def clear(x: float) -> bool:
+        return not any(e.start < x - 1e-6 and x + 1e-6 < e.end for e in events)
+
+    starts = [c for c in range(0, min(span, t - 1) + 1) if c == 0 or clear(float(times[c, 0]))]
+    ends = [d for d in range(max(t - span, 1), t + 1) if d == t or clear(float(times[d - 1, 1]))]
+    return starts, ends
+
+
+def random_crop(sample: Sample, max_fraction: float, rng: np.random.Generator) -> Sample:
+    """A random temporal window of the video, cut only in gaps between events.
+
+    Up to `max_fraction` of the segments go at each end; events outside the window are
+    dropped (so K changes too), the rest keep their captions; times are shifted so the
+    window starts at 0. Returns the sample unchanged when no window keeps an event.
+    Changing absolute positions and counts keeps a small model from memorising captions
+    by *when* an event happens in a training video.
+    """
+    if max_fraction <= 0 or sample.num_segments < 2:
+        return sample
+    times = sample.segment_times
+    starts, ends = crop_cuts(times, sample.events, max_fraction)
+    for _ in range(8):
+        c, d = int(rng.choice(starts)), int(rng.choice(ends))
+        if d - c < 1:
+            continue
+        x0, x1 = float(times[c, 0]), float(times[d - 1, 1])
+        kept = [e for e in sample.events if e.start >= x0 - 1e-6 and e.end <= x1 + 1e-6]
+        if not kept and sample.events:
+            continue
+        events = [Event(max(0.0, e.start - x0), min(x1 - x0, e.end - x0), e.caption, e.visual_caption, e.audio_caption)
+                  for e in kept]
+        return replace(sample, segment_times=np.ascontiguousarray(times[c:d] - x0, dtype=times.dtype),
+                       visual=np.ascontiguousarray(sample.visual[c:d]), audio=np.ascontiguousarray(sample.audio[c:d]),
+                       events=events, duration=x1 - x0)
+    return sample
+
+
+def feature_noise(sample: Sample, std: float, rng: np.random.Generator) -> Sample:
+    """Gaussian noise on the visual (and real audio) features."""
+    if std <= 0:
+        return sample
+    vis = (sample.visual.astype(np.float32) + rng.normal(0, std, sample.visual.shape)).astype(sample.visual.dtype)
+    aud = sample.audio
+    if sample.has_audio:
+        aud = (aud.astype(np.float32) + rng.normal(0, std, aud.shape)).astype(aud.dtype)
+    return replace(sample, visual=vis, audio=aud)
+
+
+class Augment:
+    """Training-time augmentation (`train.augment_crop`, `train.augment_noise`), drawing its
+    randomness from a torch Generator (the one the loop checkpoints)."""
+
+    def __init__(self, crop: float, noise: float, generator):
+        self.crop, self.noise, self.generator = crop, noise, generator
+
+    def __call__(self, sample: Sample) -> Sample:
+        if self.crop <= 0 and self.noise <= 0:
+            return sample
+        import torch
+
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+        rng = np.random.default_rng(seed)
+        return feature_noise(random_crop(sample, self.crop, rng), self.noise, rng)
+
+
 # --------------------------------------------------------------------------- batches
 
 
 class Batcher:
     """Records (raw dicts or Samples) -> Batches of `batch_size` examples.
 
-    Each record is decoded, fitted (`fit_to_model`) and laid out by the model's
+    Each record is decoded, augmented (training: `augment`), fitted (`fit_to_model`) and laid out by the model's
     `make_example` (with `generator`, aggregation intervals are jittered); failures are
     counted in `stats` and skipped. The last partial batch of an iterable is yielded
     unless `drop_last`.
     """
 
-    def __init__(self, model, batch_size: int, stats: DataStats | None = None, generator=None, drop_last: bool = False):
+    def __init__(self, model, batch_size: int, stats: DataStats | None = None, generator=None, drop_last: bool = False,
+                 augment=None):
         self.model = model
+        self.augment = augment
         self.batch_size = batch_size
         self.stats = stats if stats is not None else DataStats()
         self.generator = generator
@@ -261,6 +340,8 @@ class Batcher:
         self.stats.records += 1
         try:
             sample = record if isinstance(record, Sample) else decode_record(record)
+            if self.augment is not None:
+                sample = self.augment(sample)
             sample, cut = fit_to_model(sample, self.model)
             ex = self.model.make_example(sample, generator=self.generator)
         except (SchemaError, ExampleError, ValueError) as e:

@@ -45,7 +45,7 @@ from pipeline.config import Config
 from pipeline.layout import Role
 from pipeline.model import PadCaptioner
 from train import checkpoint as ckpt
-from train.data import Batcher, DataStats
+from train.data import Augment, Batcher, DataStats
 from train.evaluate import EvalCounts, batch_counts, summary
 from train.losses import compute_losses
 from train.optim import build_optimizer, build_scheduler
@@ -345,7 +345,7 @@ def _save(ctx, backend, model, state: ckpt.TrainState, cfg: Config, generator, m
 
 def _log_line(rec: dict[str, Any]) -> str:
     parts = [f"step {rec['step']}", *(f"{k} {rec[k]:.4f}" for k in LOSS_KEYS if k in rec),
-             f"lr {rec['lr']:.2e}", f"tok/s {rec['tokens_per_s']:.0f}"]
+             f"lr {rec['lr']:.2e}", f"tok/s {rec['tokens_per_s']:.0f}", f"{rec['elapsed_s']:.0f}s"]
     return "[train] " + "  ".join(parts)
 
 
@@ -373,12 +373,14 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
                                      scheduler=backend.scheduler if is_ddp else None)
         backend.load(Path(resume))
         ckpt.load_rank_state(resume, ctx.rank, generator)
+        state.resumes += 1
         if ctx.rank == 0:
             print(f"[train] resumed from {resume} at step {state.step} (epoch {state.epoch}, "
                   f"{state.records_in_epoch} records into it)", flush=True)
 
     val_samples = usable_samples(model, val_samples[: tc.val_samples or None])
-    batcher = Batcher(model, tc.batch_size, stats=stats, generator=generator)
+    batcher = Batcher(model, tc.batch_size, stats=stats, generator=generator,
+                      augment=Augment(tc.augment_crop, tc.augment_noise, generator))
     stream = BatchStream(data, batcher, state, ctx)
     autocast = on_gpu and tc.bf16 and backend.name == "ddp"
     last_metrics: dict[str, Any] = {}
@@ -397,7 +399,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
         dt = time.perf_counter() - t0
         rec = {"step": state.step, **{k: float(sums[i]) / ctx.world_size for i, k in enumerate(LOSS_KEYS)},
                "lr": lr, "grad_norm": grad_norm, "tokens": float(sums[-1]), "tokens_per_s": float(sums[-1]) / dt,
-               "step_s": dt, "epoch": state.epoch}
+               "step_s": dt, "epoch": state.epoch, "resumes": state.resumes, "elapsed_s": time.perf_counter() - t_start}
         state.history.append(rec)
         last = state.step == tc.max_steps
         if (tc.val_every and state.step % tc.val_every == 0) or last:

@@ -1,0 +1,292 @@
+"""The training stage on Ray Train: shards -> TorchTrainer(train_loop) -> model + learning curve.
+
+    summary = run_train(cfg, shards_dir="runs/default/preprocess", out_dir="runs/default/train")
+    python -m train.trainer --shards runs/default/preprocess --out runs/default/train [--set k=v ...]
+
+Data: the ok shards of `train.train_split` from the preprocess manifest are read by
+`ray.data.read_webdataset(decoder=None)` (raw bytes per field; local paths or s3://
+through a pyarrow PyFileSystem over our fsspec one, AWS_* forwarded to the read tasks),
+materialised once, and split across workers (`get_dataset_shard("train")`); each worker
+shuffles its stream with a seeded buffer per epoch and decodes/collates it with
+train/data.py. Held-out samples (`train.val_split`) are read by every worker directly.
+
+Ray Train: `TorchTrainer` with `ScalingConfig` from train.num_workers / use_gpu /
+cpus_per_worker / gpus_per_worker, `RunConfig(storage_path=out_dir/ray)` (local or
+s3://), `FailureConfig(max_failures)`, `CheckpointConfig(num_to_keep)`. The run is named
+after a hash of the config sections training depends on, so re-running the same
+config resumes its latest checkpoint and a changed config starts fresh. A worker that
+dies is restarted by Ray Train from the latest checkpoint (tested by killing one:
+PADCAP_TRAIN_CRASH_AT_STEP / PADCAP_TRAIN_CRASH_MARKER / PADCAP_TRAIN_CRASH_RANK make a
+worker `os._exit` once, at that step, while the marker file does not exist).
+
+After training (driver): the final checkpoint's model/ -> `<out>/model` (loadable by
+`PadCaptioner.from_pretrained`), history.json + learning_curve.png (train/plots.py), and
+the held-out evaluation (train/heldout.py) whose numbers are printed and returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+import torch
+from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pipeline import storage  # noqa: E402
+from pipeline.config import Config, load_config  # noqa: E402
+from preprocess import manifest as mf  # noqa: E402
+from train import checkpoint as ckpt  # noqa: E402
+from train.data import read_samples, shuffle_buffer  # noqa: E402
+from train.loop import resolve_backend, train_loop  # noqa: E402
+
+CRASH_ENV = ("PADCAP_TRAIN_CRASH_AT_STEP", "PADCAP_TRAIN_CRASH_MARKER", "PADCAP_TRAIN_CRASH_RANK")
+FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME", *CRASH_ENV)
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class RayContext:
+    """The loop's context inside a Ray Train worker."""
+
+    def __init__(self):
+        import ray.train.torch as rtt
+
+        c = ray.train.get_context()
+        self.rank = c.get_world_rank()
+        self.world_size = c.get_world_size()
+        self.local_rank = c.get_local_rank()
+        self.device = rtt.get_device()
+        self._restored: tempfile.TemporaryDirectory | None = None
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
+        if checkpoint_dir:
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir),
+                             checkpoint_dir_name=f"checkpoint_{int(metrics['step']):07d}")
+        else:
+            ray.train.report(metrics)
+
+    def latest_checkpoint(self) -> str | None:
+        found = ray.train.get_checkpoint()
+        if found is None:
+            return None
+        self._restored = tempfile.TemporaryDirectory(prefix="padcap-restore-")
+        return found.to_directory(self._restored.name)
+
+    def on_step(self, step: int) -> None:
+        """Fault injection for the kill-restart test (off unless PADCAP_TRAIN_CRASH_AT_STEP is set)."""
+        at = os.environ.get("PADCAP_TRAIN_CRASH_AT_STEP")
+        if not at or step != int(at):
+            return
+        rank = int(os.environ.get("PADCAP_TRAIN_CRASH_RANK", "1" if self.world_size > 1 else "0"))
+        marker = os.environ.get("PADCAP_TRAIN_CRASH_MARKER", "")
+        if self.rank != rank or not marker or os.path.exists(marker):
+            return
+        Path(marker).write_text(f"rank {self.rank} exited at step {step}\n")
+        print(f"[train] fault injection: rank {self.rank} exits at step {step}", flush=True)
+        os._exit(1)
+
+
+class RayEpochs:
+    """Epochs over this worker's Ray Data shard, shuffled by a seeded buffer per epoch."""
+
+    def __init__(self, iterator, seed: int, buffer: int, rank: int):
+        self.iterator, self.seed, self.buffer, self.rank = iterator, seed, buffer, rank
+
+    def epoch(self, index: int):
+        rng = random.Random((self.seed * 1_000_003 + index) * 1009 + self.rank)
+        return shuffle_buffer(self.iterator.iter_rows(), self.buffer, rng)
+
+
+def _set_dist_env(ctx: RayContext) -> None:
+    """DeepSpeed reads the usual launcher variables; Ray Train's process group has them implicitly."""
+    os.environ.setdefault("RANK", str(ctx.rank))
+    os.environ.setdefault("WORLD_SIZE", str(ctx.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
+
+
+def train_worker(config: dict[str, Any]) -> None:
+    """train_loop_per_worker: everything a worker does."""
+    cfg = Config.from_json(config["cfg"])
+    ctx = RayContext()
+    _set_dist_env(ctx)
+    parse = None
+    if cfg.data.dataset == "synthetic":
+        from preprocess.synthetic import parse_caption as parse
+    val = read_samples(config["val_shards"], limit=cfg.train.val_samples)
+    data = RayEpochs(ray.train.get_dataset_shard("train"), cfg.train.seed, cfg.train.shuffle_buffer, ctx.rank)
+    train_loop(cfg, ctx, data, val, visual_dim=config["visual_dim"], audio_dim=config["audio_dim"], parse=parse)
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def _pyarrow_fs(path: str):
+    """(pyarrow filesystem or None, path for it): s3:// goes through our fsspec filesystem
+    (so AWS_ENDPOINT_URL reaches it); local paths need none."""
+    if not storage.is_remote(path):
+        return None, os.path.abspath(path)
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    fs, inner = storage.filesystem(path)
+    return PyFileSystem(FSSpecHandler(fs)), inner
+
+
+def train_run_name(cfg: Config) -> str:
+    """The Ray Train run name: a hash of what the trained weights depend on."""
+    parts = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("data", "features", "model", "train")}
+    return "padcap-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def split_shards(shards_dir: str, split: str) -> list[str]:
+    rows = mf.read_table(mf.manifest_path(shards_dir))
+    return mf.ok_shards(rows, split)
+
+
+def read_train_dataset(paths: list[str], cfg: Config):
+    """Ray Data: raw WebDataset records (bytes per field) of the training shards, materialised."""
+    fs, _ = _pyarrow_fs(paths[0])
+    inner = [_pyarrow_fs(p)[1] for p in paths]
+    ds = ray.data.read_webdataset(inner, filesystem=fs, decoder=None, num_cpus=0.25,
+                                  runtime_env={"env_vars": storage.forwarded_env()})
+    ds = ds.materialize()
+    ds.context.enable_progress_bars = False  # no bar per epoch from the workers' split coordinator
+    return ds
+
+
+def worker_env(cfg: Config) -> dict[str, str]:
+    env = {**storage.forwarded_env(), **{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
+    if resolve_backend(cfg.train, cfg.train.use_gpu) == "deepspeed":
+        if not cfg.train.use_gpu:
+            env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
+    n = cfg.train.torch_threads or max(1, int(cfg.train.cpus_per_worker))
+    env.setdefault("OMP_NUM_THREADS", str(n))
+    env.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # the loop prints once per line, not twice
+    return env
+
+
+def build_trainer(cfg: Config, shards_dir: str, out_dir: str) -> TorchTrainer:
+    tc = cfg.train
+    train_paths = split_shards(shards_dir, tc.train_split)
+    val_paths = split_shards(shards_dir, tc.val_split)
+    if not train_paths:
+        raise SystemExit(f"no ok shards of split {tc.train_split!r} in {mf.manifest_path(shards_dir)}")
+    probe = read_samples(train_paths[:1], limit=1)
+    if not probe:
+        raise SystemExit(f"{train_paths[0]}: no readable sample")
+    dv, da = probe[0].visual.shape[2], probe[0].audio.shape[2]
+    resources = {"CPU": tc.cpus_per_worker}
+    if tc.use_gpu:
+        resources["GPU"] = tc.gpus_per_worker
+    ray_dir = storage.join(out_dir, "ray")
+    fs, path = _pyarrow_fs(ray_dir)
+    if fs is None:
+        os.makedirs(path, exist_ok=True)
+    return TorchTrainer(
+        train_worker,
+        train_loop_config={"cfg": cfg.to_json(indent=None), "val_shards": val_paths, "visual_dim": int(dv),
+                           "audio_dim": int(da)},
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(name=train_run_name(cfg), storage_path=path, storage_filesystem=fs,
+                             failure_config=FailureConfig(max_failures=tc.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=max(1, tc.keep_checkpoints)),
+                             worker_runtime_env={"env_vars": worker_env(cfg)}),
+        datasets={"train": read_train_dataset(train_paths, cfg)},
+    )
+
+
+def _publish(local_dir: Path, dest: str) -> str:
+    """Copy a local directory to `dest` (local or s3://), replacing what was there."""
+    if storage.is_remote(dest):
+        storage.upload_dir(str(local_dir), dest)
+        return dest
+    import shutil
+
+    if os.path.exists(dest):
+        shutil.rmtree(dest)
+    shutil.copytree(local_dir, dest)
+    return os.path.abspath(dest)
+
+
+def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
+    """The `train` stage: train on Ray, publish the model, plot, evaluate held-out. -> summary."""
+    from train.heldout import evaluate_heldout
+    from train.plots import learning_curve
+
+    t0 = time.perf_counter()
+    storage.makedirs(out_dir)
+    trainer = build_trainer(cfg, shards_dir, out_dir)
+    result = trainer.fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"training ended without a checkpoint ({result.error})")
+    train_seconds = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="padcap-final-") as tmp:
+        local = Path(result.checkpoint.to_directory(os.path.join(tmp, "ckpt")))
+        history = ckpt.read_history(local)
+        state = torch.load(local / ckpt.STATE_FILE, map_location="cpu", weights_only=False)
+        model_path = _publish(local / ckpt.MODEL_DIR, storage.join(out_dir, "model"))
+        plot_local = Path(tmp) / "learning_curve.png"
+        learning_curve(history, plot_local, title=f"PadCaptioner training ({cfg.model.backbone}, mask={cfg.model.mask})")
+        storage.write_bytes(storage.join(out_dir, "learning_curve.png"), plot_local.read_bytes())
+        storage.write_json(storage.join(out_dir, "history.json"), history)
+        heldout = evaluate_heldout(cfg, local / ckpt.MODEL_DIR, split_shards(shards_dir, cfg.train.val_split))
+    last = history[-1] if history else {}
+    vals = [h for h in history if "val_grounding_f1@0.5" in h]
+    summary = {
+        "steps": state["step"],
+        "backend": resolve_backend(cfg.train, cfg.train.use_gpu),
+        "workers": cfg.train.num_workers,
+        "final_loss": {k: round(last.get(k, float("nan")), 4) for k in ("total", "lm", "branch_lm", "grounding")},
+        "val": {k[4:]: round(v, 4) for k, v in (vals[-1] if vals else {}).items() if k.startswith("val_")},
+        "heldout": heldout,
+        "train_seconds": round(train_seconds, 1),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "data": state.get("data_stats", {}),
+        "model": model_path,
+        "plot": storage.join(out_dir, "learning_curve.png"),
+        "checkpoint": result.checkpoint.path,
+    }
+    storage.write_json(storage.join(out_dir, "summary.json"), summary)
+    print("[train] held-out " + json.dumps(heldout), flush=True)
+    print(f"[train] model {model_path}; learning curve {summary['plot']}", flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "cluster/configs/default.yaml"))
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--shards", required=True, help="preprocess output dir (manifest.parquet + shards/)")
+    ap.add_argument("--out", required=True, help="training output dir (local or s3://)")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    if not ray.is_initialized():
+        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+        kwargs: dict[str, Any] = {"address": address} if address else {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+        if not address and cfg.cluster.num_cpus:
+            kwargs["num_cpus"] = cfg.cluster.num_cpus
+        ray.init(**kwargs)
+    summary = run_train(cfg, args.shards, args.out)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
