@@ -140,6 +140,8 @@ class CaptionEngine:
         self.model = model
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu" and cfg.cpu_threads > 0:
+            torch.set_num_threads(cfg.cpu_threads)  # process-wide: an engine owns its process (actor, replica)
         if model.device.type != self.device.type:
             model.to(self.device)
         model.eval()

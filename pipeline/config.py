@@ -177,6 +177,9 @@ class InferConfig:
     decoder: Literal["parallel", "monolithic"] = "parallel"
     videos_per_call: int = 4
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # torch intra-op threads when decoding on the CPU (0 = torch's default). On small shared
+    # boxes an oversubscribed OpenMP team stalls the K-row steps (measured 4x slower on 2 cores).
+    cpu_threads: int = 0
 
 
 @dataclass

@@ -209,6 +209,7 @@ def init_ray(cfg: Config) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind to 127.0.0.1
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance
         kwargs: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
         if cfg.cluster.num_cpus:
             kwargs["num_cpus"] = cfg.cluster.num_cpus
