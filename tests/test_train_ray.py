@@ -49,7 +49,9 @@ def shards(ray_local, tmp_path_factory):
 
 
 def check_outputs(summary, out_dir, steps):
-    assert summary["steps"] == steps
+    assert summary["steps"] == steps and summary["loss_total"] > 0
+    assert any(row.startswith("held-out") for row in summary["table"])
+    summary = storage.read_json(summary["details"])  # the full record
     model = PadCaptioner.from_pretrained(_local(storage.join(out_dir, "model"), out_dir))
     assert model.trainable_parameters()
     assert storage.exists(storage.join(out_dir, "learning_curve.png"))
@@ -82,6 +84,7 @@ def test_ddp_two_workers_s3_in_and_out(ray_local, shards, s3_server):
                     "train.backend=ddp")
     summary = run_train(cfg, "s3://test/train-shards", "s3://test/train-out")
     hist = check_outputs(summary, "s3://test/train-out", 4)
+    summary = storage.read_json(summary["details"])
     assert summary["backend"] == "ddp" and summary["workers"] == 2
     assert [h["step"] for h in hist if "val_token_acc" in h] == [2, 4]
     assert summary["checkpoint"].startswith("test/train-out/ray/") and summary["checkpoint"].endswith("checkpoint_0000004")
@@ -97,6 +100,7 @@ def test_deepspeed_zero2_on_cpu_two_workers(ray_local, shards, tmp_path):
                     "train.zero_stage=2", "train.grad_accum=2")
     summary = run_train(cfg, shards, str(tmp_path / "out"))
     check_outputs(summary, str(tmp_path / "out"), 3)
+    summary = storage.read_json(summary["details"])
     assert summary["backend"] == "deepspeed"
     final = Path(summary["checkpoint"])
     parts = sorted(p.name for p in (final / ckpt.DEEPSPEED_DIR / ckpt.DS_TAG).iterdir())
@@ -116,6 +120,8 @@ def test_killed_worker_restarts_from_the_latest_checkpoint(ray_local, shards, tm
     summary = run_train(cfg, shards, str(tmp_path / "out"))
     assert marker.read_text().startswith("rank 1 exited at step 3")  # the first attempt really died
     hist = check_outputs(summary, str(tmp_path / "out"), 5)
+    summary = storage.read_json(summary["details"])
+    assert summary["resumes"] == 1
     # attempt 2 resumed from the step-2 checkpoint: its steps 3.. continue the saved history
     state = torch.load(Path(summary["checkpoint"]) / ckpt.STATE_FILE, weights_only=False)
     assert state["step"] == 5

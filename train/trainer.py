@@ -225,6 +225,20 @@ def _publish(local_dir: Path, dest: str) -> str:
     return os.path.abspath(dest)
 
 
+def heldout_table(heldout: dict[str, Any]) -> list[str]:
+    """Rows for the driver's final table: the held-out numbers, both decoding modes."""
+    rows = []
+    for mode in ("free_running", "teacher_forced"):
+        d = heldout.get(mode) or {}
+        if "unavailable" in d:
+            rows.append(f"held-out {mode}: unavailable ({d['unavailable']})")
+        elif d:
+            rows.append(f"held-out {mode} ({heldout.get('videos', 0)} videos): planning {d['planning_acc']:.2f}  "
+                        f"F1@0.5 {d['grounding_f1@0.5']:.2f}  colour {d['colour_acc']:.2f}  shape {d['shape_acc']:.2f}  "
+                        f"sound {d['sound_acc']:.2f}  motion {d['motion_acc']:.2f}")
+    return rows
+
+
 def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
     """The `train` stage: train on Ray, publish the model, plot, evaluate held-out. -> summary."""
     from train.heldout import evaluate_heldout
@@ -249,12 +263,14 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
         heldout = evaluate_heldout(cfg, local / ckpt.MODEL_DIR, split_shards(shards_dir, cfg.train.val_split))
     last = history[-1] if history else {}
     vals = [h for h in history if "val_grounding_f1@0.5" in h]
-    summary = {
+    val = {k[4:]: round(v, 4) for k, v in (vals[-1] if vals else {}).items() if k.startswith("val_")}
+    details = {
         "steps": state["step"],
         "backend": resolve_backend(cfg.train, cfg.train.use_gpu),
         "workers": cfg.train.num_workers,
+        "resumes": state.get("resumes", 0),
         "final_loss": {k: round(last.get(k, float("nan")), 4) for k in ("total", "lm", "branch_lm", "grounding")},
-        "val": {k[4:]: round(v, 4) for k, v in (vals[-1] if vals else {}).items() if k.startswith("val_")},
+        "val": val,
         "heldout": heldout,
         "train_seconds": round(train_seconds, 1),
         "seconds": round(time.perf_counter() - t0, 1),
@@ -263,9 +279,18 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
         "plot": storage.join(out_dir, "learning_curve.png"),
         "checkpoint": result.checkpoint.path,
     }
-    storage.write_json(storage.join(out_dir, "summary.json"), summary)
-    print("[train] held-out " + json.dumps(heldout), flush=True)
-    print(f"[train] model {model_path}; learning curve {summary['plot']}", flush=True)
+    storage.write_json(storage.join(out_dir, "summary.json"), details)
+    summary = {k: details[k] for k in ("steps", "backend", "workers", "train_seconds", "model", "plot")}
+    summary.update({f"loss_{k}": v for k, v in details["final_loss"].items()})
+    summary.update({f"val_{k}": val[k] for k in ("planning_acc", "grounding_f1@0.5", "token_acc", "attr_acc") if k in val})
+    summary["heldout_mode"] = heldout.get("headline", "none")
+    summary.update({f"heldout_{k}": heldout[k] for k in ("planning_acc", "grounding_f1@0.5", "colour_acc", "shape_acc",
+                                                          "sound_acc", "attr_acc") if k in heldout})
+    summary["table"] = heldout_table(heldout)
+    summary["details"] = storage.join(out_dir, "summary.json")
+    for row in summary["table"]:
+        print(f"[train] {row}", flush=True)
+    print(f"[train] model {model_path}; learning curve {summary['plot']}; details {summary['details']}", flush=True)
     return summary
 
 
