@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -57,6 +58,21 @@ def _trained_features(model_dir: Path, cfg: Config) -> Config:
     return dataclasses.replace(cfg, features=trained.features)
 
 
+def weights_fingerprint(model_dir: Path, length: int = 8) -> str:
+    """Content hash of every file in a saved model directory (weights, configs, tokenizer).
+
+    It names *these* weights: a retrained model saved to the same directory gets a new id,
+    so captions written with the old one (infer/batch.py resume) are never taken for its own.
+    """
+    h = hashlib.sha256()
+    for f in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(model_dir)).encode() + b"\0")
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:length]
+
+
 def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
     """(PadCaptioner in eval mode on its device, its card, cfg with the matching features)."""
     from pipeline.model import PadCaptioner
@@ -70,7 +86,7 @@ def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
         if (model.cfg.visual_dim, model.cfg.audio_dim) != (dv, da):
             raise ValueError(f"{path}: the model takes features of dims ({model.cfg.visual_dim}, {model.cfg.audio_dim}) "
                              f"but the configured encoders give ({dv}, {da}); serve with the features config it was trained on")
-        model_id = f"{path.name}-{section_hash(dataclasses.asdict(model.cfg), 8)}"
+        model_id = f"{path.name}-{weights_fingerprint(path)}"
         source = str(path)
     else:
         dv, da = feature_dims(cfg)

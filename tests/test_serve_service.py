@@ -345,6 +345,24 @@ def test_saved_checkpoint_serves_like_the_model_that_saved_it(parts, tree, tmp_p
         load_model(other, str(tmp_path / "ckpt"))
 
 
+def test_model_id_names_the_weights_not_the_directory(parts, tmp_path):
+    """A model retrained into the same directory must not inherit the old id (caption resume keys on it)."""
+    import torch
+
+    from infer.loading import load_model
+
+    _, _, cfg = parts
+    model, _, _ = load_model(cfg, "")
+    model.save_pretrained(tmp_path / "ckpt")
+    first = load_model(cfg, str(tmp_path / "ckpt"))[1].model_id
+    assert load_model(cfg, str(tmp_path / "ckpt"))[1].model_id == first  # same bytes, same id
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(1.0)  # saved with the adapter
+    model.save_pretrained(tmp_path / "ckpt")
+    second = load_model(cfg, str(tmp_path / "ckpt"))[1].model_id
+    assert second.startswith("ckpt-") and second != first
+
+
 def test_video_the_model_cannot_take_is_a_422(parts, tree):
     import dataclasses
 
