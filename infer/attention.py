@@ -56,6 +56,7 @@ class CascadeKV:
     prefix_k, prefix_v: [Hkv, Lp, D]   (one copy per video, never expanded)
     branch_k, branch_v: [K, Hkv, Lb, D] (Lb = anchor + tokens so far, incl. this step)
     backend: the backend name the cache was built with.
+    prefix_splits: KV chunks of the prefix part (torch backends; None = auto).
     """
 
     prefix_k: torch.Tensor
@@ -63,6 +64,7 @@ class CascadeKV:
     branch_k: torch.Tensor
     branch_v: torch.Tensor
     backend: Backend = "auto"
+    prefix_splits: int | None = None  # None = auto_prefix_splits
 
 
 # ----------------------------------------------------------------------------------
@@ -194,16 +196,23 @@ def merge_lse(
     return o, (torch.logaddexp(lse_a.float(), lse_b.float()) if with_lse else None)
 
 
+SPLIT_MIN_PREFIX = 8192  # CUDA: below this a split costs more launches than it saves
+SPLIT_CHUNK = 2048
+
+
 def auto_prefix_splits(prefix_len: int, device: torch.device) -> int:
     """How many KV chunks the prefix part is split into (flash-decoding style).
 
-    On CUDA a packed prefix block has only Hkv (e.g. 2) query heads, so one kernel would
-    occupy a couple of SMs; splitting the prefix into chunks of >= 512 keys (at most 64)
-    and merging by LSE spreads it over the GPU. CPU kernels parallelise fine: 1.
+    On CUDA a packed prefix block has only Hkv (e.g. 2) query heads, so one kernel
+    occupies a couple of SMs; for a long prefix, chunks of SPLIT_CHUNK keys (at most 64)
+    merged by LSE spread it over the GPU. A short prefix is read in microseconds by those
+    SMs, while a split adds about ten kernel launches per layer (expand, cat, softmax,
+    weighted sum): a decode step there is launch-bound, so it is not split. CPU kernels
+    parallelise over the query rows fine: 1. `infer.attention_prefix_splits` overrides.
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or prefix_len < SPLIT_MIN_PREFIX:
         return 1
-    return max(1, min(64, prefix_len // 512))
+    return max(1, min(64, prefix_len // SPLIT_CHUNK))
 
 
 # ----------------------------------------------------------------------------------
@@ -395,7 +404,8 @@ def padcap_cascade_attention(
         if dropout:
             raise ValueError("cascade attention is inference-only (dropout must be 0)")
         out = cascade_attention(
-            query, key.prefix_k, key.prefix_v, key.branch_k, key.branch_v, scale=scaling, backend=key.backend
+            query, key.prefix_k, key.prefix_v, key.branch_k, key.branch_v, scale=scaling, backend=key.backend,
+            prefix_splits=key.prefix_splits,
         )
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -134,6 +134,8 @@ class CaptionEngine:
                              f"(got {cfg.max_events}, {cfg.max_branch_tokens})")
         if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
             raise ValueError(f"need infer.temperature >= 0 and 0 < infer.top_p <= 1 (got {cfg.temperature}, {cfg.top_p})")
+        if cfg.attention_prefix_splits < 0:
+            raise ValueError(f"infer.attention_prefix_splits must be >= 0 (0 = auto), got {cfg.attention_prefix_splits}")
         if cfg.decoder == "parallel" and model.options.mask != "factorized":
             raise ValueError(f"parallel decoding needs a model trained with the factorized mask (model.mask="
                              f"{model.options.mask!r}); use infer.decoder=monolithic")
@@ -162,7 +164,8 @@ class CaptionEngine:
             return monolithic(self.model, sample, self.cfg, control)
         timer = StageTimer(self.device)
         example = prepare_example(self.model, sample)
-        cache = CascadeCache(self.model.hf_config, backend=self.cfg.attention_backend)
+        cache = CascadeCache(self.model.hf_config, backend=self.cfg.attention_backend,
+                             prefix_splits=self.cfg.attention_prefix_splits)
         front = run_front(self.model, example, cache, self.cfg.max_events, control, timer)
         tokens, logits, steps = decode_lockstep(self.model, front, self.chooser(sample.video_id),
                                                 self.cfg.max_branch_tokens, control)

@@ -40,9 +40,10 @@ class CascadeLayer(DynamicLayer):
     branch_keys, branch_values: [K, Hkv, cap, D] preallocated, first `branch_len` valid
     """
 
-    def __init__(self, backend: Backend = "auto", **kwargs):
+    def __init__(self, backend: Backend = "auto", prefix_splits: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.backend = backend
+        self.prefix_splits = prefix_splits
         self.branch_keys: torch.Tensor | None = None
         self.branch_values: torch.Tensor | None = None
         self.branch_len = 0
@@ -136,6 +137,7 @@ class CascadeLayer(DynamicLayer):
             branch_k=self.branch_keys[:, :, :end],
             branch_v=self.branch_values[:, :, :end],
             backend=self.backend,
+            prefix_splits=self.prefix_splits,
         )
         return kv, kv
 
@@ -178,15 +180,17 @@ class CascadeCache(Cache):
 
     Build with the model's config; use with a model whose attn_implementation is
     "padcap_cascade" (`infer.attention.register()` first). `backend` picks the cascade
-    kernel ("auto" | "sdpa" | "math" | "flash").
+    kernel ("auto" | "sdpa" | "math" | "flash"); `prefix_splits` the prefix KV chunks of
+    the torch backends (None or 0 = auto, see infer.attention.auto_prefix_splits).
     """
 
-    def __init__(self, config, backend: Backend = "auto"):
+    def __init__(self, config, backend: Backend = "auto", prefix_splits: int | None = None):
         text_config = config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(text_config)
         if any(lt != "full_attention" for lt in layer_types):
             raise NotImplementedError(f"CascadeCache supports full-attention layers only, got {sorted(set(layer_types))}")
-        super().__init__(layers=[CascadeLayer(backend=backend) for _ in layer_types])
+        splits = prefix_splits or None
+        super().__init__(layers=[CascadeLayer(backend=backend, prefix_splits=splits) for _ in layer_types])
         self.backend = backend
 
     @property

@@ -174,6 +174,9 @@ class InferConfig:
     top_p: float = 1.0
     seed: int = 0
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    # KV chunks the shared prefix is split into per cascade step with the torch backends
+    # (flash-decoding style; 0 = auto: `infer.attention.auto_prefix_splits`). flash-attn splits by itself.
+    attention_prefix_splits: int = 0
     decoder: Literal["parallel", "monolithic"] = "parallel"
     videos_per_call: int = 4
     device: Literal["auto", "cpu", "cuda"] = "auto"

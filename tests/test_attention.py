@@ -100,6 +100,16 @@ def test_split_prefix_equals_unsplit(splits, Lp):
         torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
+def test_auto_prefix_splits_only_for_long_prefixes_on_cuda():
+    from infer.attention import SPLIT_MIN_PREFIX, auto_prefix_splits
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert auto_prefix_splits(1 << 20, cpu) == 1
+    assert auto_prefix_splits(SPLIT_MIN_PREFIX - 1, cuda) == 1  # launch-bound: one kernel
+    assert auto_prefix_splits(SPLIT_MIN_PREFIX, cuda) > 1
+    assert auto_prefix_splits(1 << 22, cuda) == 64
+
+
 def test_cascade_empty_prefix_and_lse():
     q, pk, pv, bk, bv = random_inputs(3, 4, 2, 1, Lp=0, Lb=5)
     out, lse = cascade_attention(q, pk, pv, bk, bv, scale=0.25, backend="sdpa", return_lse=True)

@@ -98,6 +98,16 @@ def test_k5_very_unequal_lengths(model, video):
     assert len(set(got.intervals)) > 1  # and are grounded differently
 
 
+def test_split_prefix_engine_equals_references(model, video):
+    """infer.attention_prefix_splits > 1 (the long-prefix CUDA path) run through the whole engine."""
+    import dataclasses
+
+    ctl = DecodeControl(num_events=3, lengths=[4, 9, 2], trace=True)
+    check_against_references(model, video, ctl, cfg=dataclasses.replace(CPU, attention_prefix_splits=3))
+    with pytest.raises(ValueError, match="attention_prefix_splits"):
+        CaptionEngine(model, dataclasses.replace(CPU, attention_prefix_splits=-1))
+
+
 def test_branch_that_ends_at_its_first_token(model, video):
     """Two branches emit <eos> from their anchor: they leave right after the anchor forward."""
     ctl = DecodeControl(num_events=3, lengths=[1, 5, 1], trace=True)
