@@ -1,6 +1,7 @@
 #!/bin/bash
 # The device check of a session lent a GPU (one call of the device tool, ~6 min on an H200):
 #   run: bash bench/gpu_check.sh   carry: .gpuwheels (transformers + peft wheels for the device python)
+#   make the wheels once: .venv/bin/pip download --no-deps -d .gpuwheels transformers==5.24.0 peft==0.21.2
 # GPU-marked tests, then bench/decode.py on the Qwen2.5-3B shape with the auto prefix splits (0)
 # and with the prefix split in 4 (the rule before 8349016), results under $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpuwheels/*.whl || exit 3
