@@ -158,9 +158,6 @@ class TrainConfig:
     shuffle_buffer: int = 64  # per-worker streaming shuffle buffer (records)
     augment_crop: float = 0.0  # random temporal crop: up to this fraction of the segments cut at each end (in gaps)
     augment_noise: float = 0.0  # std of Gaussian noise added to the features when training
-    # Probability that a training sample's anchors and caption branches do not see the prefix's
-    # audio-visual tokens (train/data.py `hide_prefix_features`): they must read their anchor.
-    branch_prefix_dropout: float = 0.0
     log_every: int = 10
     torch_threads: int = 0  # intra-op threads per worker; 0 = cpus_per_worker
     max_failures: int = 1

@@ -229,38 +229,3 @@ def test_random_crop_cuts_only_between_events_and_shifts_times():
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     a, b = Augment(0.3, 0.05, g1)(s), Augment(0.3, 0.05, g2)(s)
     assert np.array_equal(a.visual, b.visual) and a.num_segments == b.num_segments  # seeded by the generator
-
-
-def test_branch_prefix_dropout_hides_only_av_prefix_from_stage_two(model):
-    """train.branch_prefix_dropout: the chosen sample's anchors/branches lose the audio-visual
-    prefix columns; its stage-1 rows and the other sample are untouched; a branch still sees
-    its anchor and the text."""
-    from train.data import hide_prefix_features
-
-    batch = next(Batcher(model, 2)([sample(), sample()]))
-    before = batch.packed.mask.clone()
-    hide_prefix_features(batch, [1])
-    pk, s = batch.packed, batch.packed.split
-    after = pk.mask
-    assert torch.equal(after[0], before[0]) and torch.equal(after[1, :, :s], before[1, :, :s])
-    av = (pk.role[1, :s] == Role.VISUAL) | (pk.role[1, :s] == Role.AUDIO)
-    branch_rows = torch.nonzero(pk.role[1] == Role.BRANCH).flatten()
-    assert branch_rows.numel() and (before[1, 0][branch_rows][:, :s][:, av] == 0).all()  # visible before
-    assert (after[1, 0][branch_rows][:, :s][:, av] != 0).all()  # hidden after
-    text = torch.nonzero(pk.role[1, :s] == Role.INSTRUCTION).flatten()
-    assert (after[1, 0][branch_rows][:, text] == 0).all()
-    anchors = torch.nonzero(pk.role[1] == Role.ANCHOR).flatten()
-    ev = pk.event[1]
-    for r in branch_rows.tolist():
-        own = anchors[ev[anchors] == ev[r]]
-        assert (after[1, 0, r, own] == 0).all()
-
-
-def test_batcher_applies_prefix_dropout_with_its_generator(model):
-    g = torch.Generator().manual_seed(0)
-    always = Batcher(model, 2, generator=g, prefix_dropout=1.0)
-    never = Batcher(model, 2, generator=g, prefix_dropout=0.0)
-    b1, b0 = next(always([sample(), sample()])), next(never([sample(), sample()]))
-    assert not torch.equal(b1.packed.mask, b0.packed.mask)
-    loss_rows = b1.packed.labels[:, b1.packed.split:] != -100
-    assert loss_rows.any()  # the hidden prefix leaves the caption labels in place

@@ -380,8 +380,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
 
     val_samples = usable_samples(model, val_samples[: tc.val_samples or None])
     batcher = Batcher(model, tc.batch_size, stats=stats, generator=generator,
-                      augment=Augment(tc.augment_crop, tc.augment_noise, generator),
-                      prefix_dropout=tc.branch_prefix_dropout)
+                      augment=Augment(tc.augment_crop, tc.augment_noise, generator))
     stream = BatchStream(data, batcher, state, ctx)
     autocast = on_gpu and tc.bf16 and backend.name == "ddp"
     last_metrics: dict[str, Any] = {}
