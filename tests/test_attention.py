@@ -101,12 +101,12 @@ def test_split_prefix_equals_unsplit(splits, Lp):
 
 
 def test_auto_prefix_splits_only_for_long_prefixes_on_cuda():
-    from infer.attention import SPLIT_MIN_PREFIX, auto_prefix_splits
+    from infer.attention import SPLIT_CHUNK, SPLIT_MIN_PREFIX, auto_prefix_splits
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert auto_prefix_splits(1 << 20, cpu) == 1
     assert auto_prefix_splits(SPLIT_MIN_PREFIX - 1, cuda) == 1  # launch-bound: one kernel
-    assert auto_prefix_splits(SPLIT_MIN_PREFIX, cuda) > 1
+    assert auto_prefix_splits(SPLIT_MIN_PREFIX, cuda) == SPLIT_MIN_PREFIX // SPLIT_CHUNK > 1
     assert auto_prefix_splits(1 << 22, cuda) == 64
 
 

@@ -69,6 +69,15 @@ class EvalCounts:
         return cls(*[float(v) for v in t.tolist()])
 
 
+def caption_parser(cfg) -> Callable[[str], dict] | None:
+    """The attribute parser for `cfg.data.dataset` (the synthetic grammar's), or None."""
+    if cfg.data.dataset == "synthetic":
+        from preprocess.synthetic import parse_caption
+
+        return parse_caption
+    return None
+
+
 def summary(c: EvalCounts, prefix: str = "") -> dict[str, float]:
     """Counts -> the reported numbers (see the module doc)."""
     div = lambda a, b: a / b if b else 0.0  # noqa: E731

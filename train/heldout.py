@@ -28,18 +28,10 @@ import torch
 
 from pipeline.config import Config
 from train.data import Batcher, read_samples
-from train.evaluate import EvalCounts, batch_counts, engine_counts, engine_events, summary
+from train.evaluate import EvalCounts, batch_counts, caption_parser, engine_counts, engine_events, summary
 
 HEADLINE = ("planning_acc", "grounding_f1@0.5", "token_acc", "colour_acc", "shape_acc", "motion_acc", "sound_acc",
             "attr_acc")
-
-
-def _parser(cfg: Config):
-    if cfg.data.dataset == "synthetic":
-        from preprocess.synthetic import parse_caption
-
-        return parse_caption
-    return None
 
 
 @torch.no_grad()
@@ -84,7 +76,7 @@ def evaluate_heldout(cfg: Config, model_dir: str | Path, shard_paths: list[str])
     if not samples:
         return {"videos": 0, "note": "no held-out samples"}
     model = PadCaptioner.from_pretrained(model_dir).eval()
-    parse = _parser(cfg)
+    parse = caption_parser(cfg)
     tf = teacher_forced(model, samples, parse)
     try:
         fr = free_running(model, cfg, samples, parse)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -49,10 +48,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeline import storage  # noqa: E402
-from pipeline.config import Config, load_config  # noqa: E402
+from pipeline.config import Config, load_config, section_hash  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
 from train.data import read_samples, shuffle_buffer  # noqa: E402
+from train.evaluate import caption_parser  # noqa: E402
 from train.loop import resolve_backend, train_loop  # noqa: E402
 
 CRASH_ENV = ("PADCAP_TRAIN_CRASH_AT_STEP", "PADCAP_TRAIN_CRASH_MARKER", "PADCAP_TRAIN_CRASH_RANK")
@@ -126,12 +126,10 @@ def train_worker(config: dict[str, Any]) -> None:
     cfg = Config.from_json(config["cfg"])
     ctx = RayContext()
     _set_dist_env(ctx)
-    parse = None
-    if cfg.data.dataset == "synthetic":
-        from preprocess.synthetic import parse_caption as parse
     val = read_samples(config["val_shards"], limit=cfg.train.val_samples)
     data = RayEpochs(ray.train.get_dataset_shard("train"), cfg.train.seed, cfg.train.shuffle_buffer, ctx.rank)
-    train_loop(cfg, ctx, data, val, visual_dim=config["visual_dim"], audio_dim=config["audio_dim"], parse=parse)
+    train_loop(cfg, ctx, data, val, visual_dim=config["visual_dim"], audio_dim=config["audio_dim"],
+               parse=caption_parser(cfg))
 
 
 # --------------------------------------------------------------------------- driver side
@@ -150,8 +148,7 @@ def _pyarrow_fs(path: str):
 
 def train_run_name(cfg: Config) -> str:
     """The Ray Train run name: a hash of what the trained weights depend on."""
-    parts = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("data", "features", "model", "train")}
-    return "padcap-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+    return "padcap-" + section_hash({k: dataclasses.asdict(getattr(cfg, k)) for k in ("data", "features", "model", "train")})
 
 
 def split_shards(shards_dir: str, split: str) -> list[str]:
@@ -302,12 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="training output dir (local or s3://)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    if not ray.is_initialized():
-        address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-        kwargs: dict[str, Any] = {"address": address} if address else {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
-        if not address and cfg.cluster.num_cpus:
-            kwargs["num_cpus"] = cfg.cluster.num_cpus
-        ray.init(**kwargs)
+    from pipeline.run import init_ray
+
+    init_ray(cfg)  # the driver's rule: RAY_ADDRESS / cluster.address, else a private local instance
     summary = run_train(cfg, args.shards, args.out)
     print(json.dumps(summary, indent=2))
     return 0
