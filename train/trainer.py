@@ -56,6 +56,7 @@ from train.evaluate import caption_parser  # noqa: E402
 from train.loop import resolve_backend, train_loop  # noqa: E402
 
 CRASH_ENV = ("PADCAP_TRAIN_CRASH_AT_STEP", "PADCAP_TRAIN_CRASH_MARKER", "PADCAP_TRAIN_CRASH_RANK")
+CRASH_DELAY_S = 5.0
 FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME", *CRASH_ENV)
 
 
@@ -100,6 +101,11 @@ class RayContext:
             return
         Path(marker).write_text(f"rank {self.rank} exited at step {step}\n")
         print(f"[train] fault injection: rank {self.rank} exits at step {step}", flush=True)
+        # The Ray Train controller collects reported checkpoints by polling the workers; a
+        # worker that dies within a poll of its last report can take that checkpoint with it
+        # (seen once in CI: the restart began at step 0). Wait out a few polls, as a real
+        # crash long after its last checkpoint would.
+        time.sleep(CRASH_DELAY_S)
         os._exit(1)
 
 
