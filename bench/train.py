@@ -37,7 +37,7 @@ from pipeline.config import Config, ModelConfig, TrainConfig  # noqa: E402
 from pipeline.layout import Role  # noqa: E402
 from pipeline.schema import Event, Sample, encode  # noqa: E402
 
-DV, DA = 9, 34  # pixels / mel encoder dims of the default preset
+DV, DA = 14, 34  # pixels / mel encoder dims of the default preset
 CAPTIONS = ("Visual: a red circle moves up. Audio: a high beep.", "Visual: a set of blue stripes grows. Audio: silence.",
             "Visual: an orange square moves to the left. Audio: a rising chirp.",
             "Visual: a green triangle blinks. Audio: white noise.")

@@ -77,6 +77,9 @@ class Stage:
     sections: tuple[str, ...]
     fn: Callable[[Config, RunPaths], dict[str, Any]]
     uses_ray: bool = False
+    # versions of the code that shapes the outputs beyond the config (generator, encoders):
+    # part of the hash, so outputs of an older version are redone
+    code: Callable[[Config], dict[str, Any]] | None = None
 
 
 # ----------------------------------------------------------------------------- stages
@@ -176,10 +179,22 @@ def stage_evaluate(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     return evaluate_run(cfg, paths.captions, ref, ref_format, paths.eval)
 
 
+def _synth_code(cfg: Config) -> dict[str, Any]:
+    from preprocess.synthetic import GENERATOR_VERSION
+
+    return {"generator": GENERATOR_VERSION}
+
+
+def _preprocess_code(cfg: Config) -> dict[str, Any]:
+    from preprocess.encoders import encoder_versions
+
+    return encoder_versions(cfg.features)
+
+
 def _available_stages() -> list[Stage]:
     stages = [
-        Stage("synth", ("data",), stage_synth),
-        Stage("preprocess", ("data", "features"), stage_preprocess, uses_ray=True),
+        Stage("synth", ("data",), stage_synth, code=_synth_code),
+        Stage("preprocess", ("data", "features"), stage_preprocess, uses_ray=True, code=_preprocess_code),
         Stage("train", ("model", "train"), stage_train, uses_ray=True),
         Stage("caption", ("infer",), stage_caption, uses_ray=True),
         Stage("evaluate", ("eval",), stage_evaluate),
@@ -195,7 +210,10 @@ STAGE_ORDER = ("synth", "preprocess", "train", "caption", "evaluate")
 
 def stage_hash(cfg: Config, stage: Stage, upstream: str) -> str:
     parts = {name: dataclasses.asdict(getattr(cfg, name)) for name in stage.sections}
-    blob = json.dumps({"up": upstream, "stage": stage.name, "cfg": parts}, sort_keys=True).encode()
+    doc = {"up": upstream, "stage": stage.name, "cfg": parts}
+    if stage.code is not None:
+        doc["code"] = stage.code(cfg)
+    blob = json.dumps(doc, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -72,6 +72,15 @@ def get_audio_encoder(cfg: FeaturesConfig) -> "AudioEncoder":
     return AUDIO_ENCODERS[cfg.audio_encoder](cfg)
 
 
+def encoder_versions(cfg: FeaturesConfig) -> dict[str, str]:
+    """{"visual": "pixels@2", "audio": "mel@1"}: what the configured encoders are, for stage hashes."""
+    out = {}
+    for kind, name, registry in (("visual", cfg.visual_encoder, VISUAL_ENCODERS), ("audio", cfg.audio_encoder, AUDIO_ENCODERS)):
+        cls = registry.get(name)
+        out[kind] = f"{name}@{cls.version}" if cls is not None else name
+    return out
+
+
 def resolve_device(name: str) -> torch.device:
     """auto -> cuda if available else cpu; cuda without CUDA is an error."""
     if name == "auto":
@@ -122,9 +131,14 @@ def pool_frames_to_segments(
 
 
 class VisualEncoder:
-    """Frames -> `tokens` vectors of size `dim` per frame; subclasses set both in __init__."""
+    """Frames -> `tokens` vectors of size `dim` per frame; subclasses set both in __init__.
+
+    `version` changes whenever the same config would give different features, so shards
+    written by an older encoder are redone (it is part of the preprocess stage hash).
+    """
 
     name = ""
+    version = 1
     dim: int
     tokens: int
 
@@ -151,9 +165,10 @@ class VisualEncoder:
 
 
 class AudioEncoder:
-    """Mono audio -> a frame sequence, pooled onto the segments; subclasses set `dim`."""
+    """Mono audio -> a frame sequence, pooled onto the segments; subclasses set `dim` (`version`: as VisualEncoder)."""
 
     name = ""
+    version = 1
     dim: int
 
     def __init__(self, cfg: FeaturesConfig):
@@ -189,11 +204,20 @@ def _gaussian_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
     return F.conv2d(F.pad(x, (0, 0, radius, radius), mode="replicate"), k.view(1, 1, -1, 1))
 
 
+def _gradients(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., H, W] -> (d/dx, d/dy), central differences; zero on the border rows / columns."""
+    ix = torch.zeros_like(x)
+    iy = torch.zeros_like(x)
+    ix[..., :, 1:-1] = 0.5 * (x[..., :, 2:] - x[..., :, :-2])
+    iy[..., 1:-1, :] = 0.5 * (x[..., 2:, :] - x[..., :-2, :])
+    return ix, iy
+
+
 @register_visual("pixels")
 class PixelsEncoder(VisualEncoder):
     """Weight-free patch statistics: a g x g grid (g = sqrt(visual_tokens_per_frame)) per frame.
 
-    Per patch (dim 9), all mapped to about [-1, 1] by fixed scalings (no per-video
+    Per patch (dim 12), all mapped to about [-1, 1] by fixed scalings (no per-video
     statistics, so colours compare across videos):
       0-2  mean R, G, B                    2*m - 1
       3-5  std R, G, B                     4*s - 1
@@ -202,9 +226,22 @@ class PixelsEncoder(VisualEncoder):
            blurred grey image, pooled over the patch; pixels per frame scaled by the
            patch size: tanh(4*dx/patch_w), tanh(4*dy/patch_h). x grows rightwards,
            y downwards. The first frame of a video has zero change and motion.
+      9    edge energy: 2*tanh(EDGE_GAIN * e) - 1, e = the patch mean of the colour
+           gradient energy |grad R|^2 + |grad G|^2 + |grad B|^2 on the blurred frame
+      10-13 edge orientation histogram (HOG-like): the fraction of that energy whose
+           edge runs horizontally, along the rising diagonal, vertically, along the
+           falling diagonal (soft bins of the doubled angle of each pixel's colour
+           structure tensor); all ~0.25 on flat patches. Contrast-invariant and
+           non-negative, so it survives averaging over patches and frames: squares
+           and stripes put their energy in the horizontal/vertical bins, triangles in
+           the horizontal and both diagonal bins, circles spread it over all four
+           (the means and stds alone confuse shape with size and position).
     """
 
+    version = 2  # 2: + edge energy and orientation histogram (dim 9 -> 14)
     LK_REG = 1e-3  # ridge on the 2x2 LK system (flat patches give ~zero motion)
+    EDGE_GAIN = 150.0  # the edge energy of a patch crossed by one full-contrast edge is ~0.005-0.01
+    EDGE_EPS = 1e-4  # patches with less energy read as flat (uniform histogram)
 
     def __init__(self, cfg: FeaturesConfig):
         super().__init__(cfg)
@@ -213,7 +250,7 @@ class PixelsEncoder(VisualEncoder):
             raise ValueError(f"pixels needs a square visual_tokens_per_frame (1, 4, 9, ...), got {cfg.visual_tokens_per_frame}")
         self.grid = g
         self.tokens = g * g
-        self.dim = 9
+        self.dim = 14
 
     def encode_batch(self, frames: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         b, h, w, _ = frames.shape
@@ -229,10 +266,7 @@ class PixelsEncoder(VisualEncoder):
         cur_g = _gaussian_blur(x.mean(1, keepdim=True), sigma)
         prev_g = _gaussian_blur(prev.mean(1, keepdim=True), sigma)
         avg = 0.5 * (cur_g + prev_g)
-        ix = torch.zeros_like(avg)
-        iy = torch.zeros_like(avg)
-        ix[..., :, 1:-1] = 0.5 * (avg[..., :, 2:] - avg[..., :, :-2])
-        iy[..., 1:-1, :] = 0.5 * (avg[..., 2:, :] - avg[..., :-2, :])
+        ix, iy = _gradients(avg)
         it = cur_g - prev_g
         sxx, syy, sxy = (F.adaptive_avg_pool2d(v, g) for v in (ix * ix, iy * iy, ix * iy))
         bx, by = (-F.adaptive_avg_pool2d(v, g) for v in (ix * it, iy * it))
@@ -251,10 +285,30 @@ class PixelsEncoder(VisualEncoder):
                 2 * torch.tanh(4 * rms) - 1,
                 torch.tanh(4 * dx * g / w),
                 torch.tanh(4 * dy * g / h),
+                self._orientation(x, sigma),
             ],
             dim=1,
-        )  # [B, 9, g, g]
-        return feats.flatten(2).transpose(1, 2)  # [B, g*g, 9], row-major patches
+        )  # [B, 14, g, g]
+        return feats.flatten(2).transpose(1, 2)  # [B, g*g, 14], row-major patches
+
+    def _orientation(self, x: torch.Tensor, sigma: float) -> torch.Tensor:
+        """frames [B, 3, H, W] in [0, 1] -> [B, 5, g, g]: edge energy + 4-bin orientation histogram."""
+        b, c, h, w = x.shape
+        xb = _gaussian_blur(x.reshape(b * c, 1, h, w), sigma).reshape(b, c, h, w)
+        ix, iy = _gradients(xb)
+        jxx, jyy, jxy = ((v).sum(1, keepdim=True) for v in (ix * ix, iy * iy, ix * iy))  # per pixel [B, 1, H, W]
+        energy = jxx + jyy
+        # doubled angle of the dominant gradient direction; an edge runs across its gradient,
+        # so phi = 0 is a vertical edge and phi = pi a horizontal one
+        phi = torch.atan2(2 * jxy, jxx - jyy)
+        centres = torch.tensor([math.pi, math.pi / 2, 0.0, -math.pi / 2], dtype=x.dtype, device=x.device)
+        weights = torch.cos(phi - centres.view(1, 4, 1, 1)).clamp_min(0)  # [B, 4, H, W]; sums to 1..1.41
+        weights = weights / weights.sum(1, keepdim=True)
+        g = self.grid
+        e = F.adaptive_avg_pool2d(energy, g)
+        hist = F.adaptive_avg_pool2d(weights * energy, g)
+        hist = (hist + 0.25 * self.EDGE_EPS) / (e + self.EDGE_EPS)
+        return torch.cat([2 * torch.tanh(self.EDGE_GAIN * e) - 1, hist], dim=1)
 
 
 # --------------------------------------------------------------------------- mel

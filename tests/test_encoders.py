@@ -21,6 +21,7 @@ from preprocess.encoders import (
     register_visual,
 )
 from preprocess.media import DecodedVideo, decode_video, frame_schedule
+from preprocess.synthetic_media import _shape_mask
 from tests.support.mp4 import moving_square, solid_frames, tone, write_mp4
 
 
@@ -104,16 +105,42 @@ def clips(tmp_path_factory):
 def test_pixels_shape_and_colours(clips):
     cfg = FeaturesConfig()
     enc = get_visual_encoder(cfg)
-    assert (enc.dim, enc.tokens) == (9, 4)
+    assert (enc.dim, enc.tokens) == (14, 4)
     red = enc.encode(decode_video(clips["red"], cfg))
     green = enc.encode(decode_video(clips["green"], cfg))
-    assert red.shape == (32, 8, 9) and red.dtype == np.float16
+    assert red.shape == (32, 8, 14) and red.dtype == np.float16
     rgb_red = (red[..., :3].astype(np.float32).mean((0, 1)) + 1) / 2 * 255
     rgb_green = (green[..., :3].astype(np.float32).mean((0, 1)) + 1) / 2 * 255
     np.testing.assert_allclose(rgb_red, (230, 20, 20), atol=10)
     np.testing.assert_allclose(rgb_green, (20, 200, 40), atol=10)
     assert np.abs(red[..., 3:6].astype(np.float32) + 1).max() < 0.1  # flat colour: ~zero std
-    assert np.abs(red[..., 6:].astype(np.float32) - [-1, 0, 0]).max() < 0.05  # static: no change, no motion
+    assert np.abs(red[..., 6:9].astype(np.float32) - [-1, 0, 0]).max() < 0.05  # static: no change, no motion
+    edges = red[..., 9:].astype(np.float32)  # flat frames: no edge energy, a uniform orientation histogram
+    assert np.abs(edges - [-1, 0.25, 0.25, 0.25, 0.25]).max() < 0.05
+
+
+@pytest.mark.parametrize("shape", ["square", "stripes", "circle", "triangle"])
+def test_pixels_edge_orientation_tells_shapes_apart(tmp_path, shape):
+    """The orientation histogram (channels 10-13: horizontal, rising, vertical, falling edges)
+    of a centred shape after a real mp4 round trip, summed over the four patches."""
+    h = w = 64
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32) + 0.5
+    frame = np.full((h, w, 3), 30, np.uint8)
+    frame[_shape_mask(shape, xx, yy, w / 2, h / 2, 0.55 * w)] = (40, 200, 60)
+    path = write_mp4(tmp_path / f"{shape}.mp4", np.repeat(frame[None], 16, 0), fps=8)
+    cfg = FeaturesConfig()
+    v = get_visual_encoder(cfg).encode(decode_video(str(path), cfg)).astype(np.float32)
+    energy = v[..., 9].mean()
+    hor, rise, ver, fall = v[..., 10:14].mean((0, 1))
+    assert energy > -0.5  # a full-contrast outline crosses every patch
+    if shape == "square":  # sides only: horizontal and vertical, and the two balanced
+        assert min(hor, ver) > 2 * max(rise, fall) and abs(hor - ver) < 0.1
+    elif shape == "stripes":  # five horizontal bands
+        assert hor > 0.5 and hor > 3 * max(rise, ver, fall)
+    elif shape == "circle":  # every orientation, the diagonals as strong as the axes
+        assert min(hor, rise, ver, fall) > 0.15 and abs(rise - fall) < 0.05
+    else:  # triangle: the slanted sides put more energy on the diagonals than a square's corners do
+        assert min(rise, fall) > 0.15 and ver > hor / 2
 
 
 def test_pixels_motion_direction(clips):

@@ -1,6 +1,6 @@
 """The PadCaptioner training loop: plain torch, run by Ray Train workers or in-process.
 
-    summary = train_loop(cfg, ctx, data, val_samples, visual_dim=9, audio_dim=34)
+    summary = train_loop(cfg, ctx, data, val_samples, visual_dim=14, audio_dim=34)
 
 `ctx` (a `LoopContext`) is all the loop knows about its surroundings: rank, world size,
 device, `report(metrics, checkpoint_dir)` (every rank calls it the same number of
