@@ -217,7 +217,7 @@ def _gradients(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class PixelsEncoder(VisualEncoder):
     """Weight-free patch statistics: a g x g grid (g = sqrt(visual_tokens_per_frame)) per frame.
 
-    Per patch (dim 12), all mapped to about [-1, 1] by fixed scalings (no per-video
+    Per patch (dim 14), all mapped to about [-1, 1] by fixed scalings (no per-video
     statistics, so colours compare across videos):
       0-2  mean R, G, B                    2*m - 1
       3-5  std R, G, B                     4*s - 1
@@ -296,7 +296,7 @@ class PixelsEncoder(VisualEncoder):
         b, c, h, w = x.shape
         xb = _gaussian_blur(x.reshape(b * c, 1, h, w), sigma).reshape(b, c, h, w)
         ix, iy = _gradients(xb)
-        jxx, jyy, jxy = ((v).sum(1, keepdim=True) for v in (ix * ix, iy * iy, ix * iy))  # per pixel [B, 1, H, W]
+        jxx, jyy, jxy = (v.sum(1, keepdim=True) for v in (ix * ix, iy * iy, ix * iy))  # per pixel [B, 1, H, W]
         energy = jxx + jyy
         # doubled angle of the dominant gradient direction; an edge runs across its gradient,
         # so phi = 0 is a vertical edge and phi = pi a horizontal one
