@@ -33,11 +33,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.config import Config, ModelConfig, TrainConfig  # noqa: E402
+from pipeline.config import Config, FeaturesConfig, ModelConfig, TrainConfig  # noqa: E402
 from pipeline.layout import Role  # noqa: E402
 from pipeline.schema import Event, Sample, encode  # noqa: E402
 
-DV, DA = 14, 34  # pixels / mel encoder dims of the default preset
+from preprocess.encoders import get_audio_encoder, get_visual_encoder  # noqa: E402
+
+# feature dims of the default encoders (pixels / mel), so the benchmark's batch matches real shards
+DV, DA = get_visual_encoder(FeaturesConfig()).dim, get_audio_encoder(FeaturesConfig()).dim
 CAPTIONS = ("Visual: a red circle moves up. Audio: a high beep.", "Visual: a set of blue stripes grows. Audio: silence.",
             "Visual: an orange square moves to the left. Audio: a rising chirp.",
             "Visual: a green triangle blinks. Audio: white noise.")

@@ -74,11 +74,8 @@ def get_audio_encoder(cfg: FeaturesConfig) -> "AudioEncoder":
 
 def encoder_versions(cfg: FeaturesConfig) -> dict[str, str]:
     """{"visual": "pixels@2", "audio": "mel@1"}: what the configured encoders are, for stage hashes."""
-    out = {}
-    for kind, name, registry in (("visual", cfg.visual_encoder, VISUAL_ENCODERS), ("audio", cfg.audio_encoder, AUDIO_ENCODERS)):
-        cls = registry.get(name)
-        out[kind] = f"{name}@{cls.version}" if cls is not None else name
-    return out
+    visual, audio = VISUAL_ENCODERS[cfg.visual_encoder], AUDIO_ENCODERS[cfg.audio_encoder]
+    return {"visual": f"{visual.name}@{visual.version}", "audio": f"{audio.name}@{audio.version}"}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,4 +1,4 @@
-"""pipeline/run.py stage hashes: config sections, upstream, and the code versions that shape outputs."""
+"""Stage hashes (pipeline/run.py) and the Ray Train run name: config sections, upstream, code versions."""
 
 from __future__ import annotations
 
@@ -34,3 +34,14 @@ def test_synth_hash_follows_the_generator_version(monkeypatch):
     base = stage_hash(cfg, STAGES["synth"], "")
     monkeypatch.setattr(synthetic, "GENERATOR_VERSION", synthetic.GENERATOR_VERSION + 1)
     assert stage_hash(cfg, STAGES["synth"], "") != base
+
+
+def test_train_run_name_follows_config_and_encoder_version(monkeypatch):
+    from train.trainer import train_run_name
+
+    base = train_run_name(Config())
+    assert train_run_name(Config()) == base
+    assert train_run_name(apply_overrides(Config(), ["train.lr=0.1"])) != base
+    assert train_run_name(apply_overrides(Config(), ["infer.max_events=3"])) == base  # decoding only
+    monkeypatch.setattr(PixelsEncoder, "version", PixelsEncoder.version + 1)
+    assert train_run_name(Config()) != base  # no resuming from checkpoints trained on older features

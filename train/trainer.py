@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:
 from pipeline import storage  # noqa: E402
 from pipeline.config import Config, load_config, section_hash  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
+from preprocess.encoders import encoder_versions  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
 from train.data import read_samples, shuffle_buffer  # noqa: E402
 from train.evaluate import caption_parser  # noqa: E402
@@ -153,8 +154,10 @@ def _pyarrow_fs(path: str):
 
 
 def train_run_name(cfg: Config) -> str:
-    """The Ray Train run name: a hash of what the trained weights depend on."""
-    return "padcap-" + section_hash({k: dataclasses.asdict(getattr(cfg, k)) for k in ("data", "features", "model", "train")})
+    """The Ray Train run name: a hash of what the trained weights depend on (incl. the feature
+    encoders' versions), so a run never resumes from checkpoints trained on other features."""
+    parts = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("data", "features", "model", "train")}
+    return "padcap-" + section_hash({**parts, "encoders": encoder_versions(cfg.features)})
 
 
 def split_shards(shards_dir: str, split: str) -> list[str]:
