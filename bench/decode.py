@@ -15,7 +15,10 @@ Prints JSON: per mode the wall time per video (prefill + planning + grounding +
 decode), the decode time, ms per generated token, ms per decode step, steps, and the
 ratio to monolithic; the ideal step ratio sum(len) / max(len); the memory-bandwidth
 floor per step (bytes of the weights read per step + KV bytes, over the bandwidth:
-REFERENCE.md section 4) and the targets.
+REFERENCE.md section 4); the roofline per step of the engine and the single chain
+(bytes over the bandwidth or FLOPs over the measured GEMM peak, whichever is larger,
+for the linear layers and for the attention), the speedup it allows on this device, and
+how far each decoder runs above it; and the targets.
 
 Presets
   cpu-small      (default) a small Qwen2 shape (hidden 512, 8 layers, 8/2 heads,
@@ -152,6 +155,60 @@ def floors(model, lengths: list[int], shared_len: int, bandwidth_gbs: float | No
                    floor_ms_per_token=to_ms(sum(engine)) / sum(lengths),
                    monolithic_floor_ms_per_step=to_ms(statistics.mean(chain)))
     return out
+
+
+def roofline(model, lengths: list[int], shared_len: int, bandwidth_gbs: float, peak_gflops: float) -> dict:
+    """Roofline time per step (ms) of each decoder, and the speedup it allows the engine.
+
+    A step is two kinds of work, each bounded by max(bytes / bandwidth, FLOPs / peak):
+    the linear layers (the weights read once, 2 FLOPs per weight per query row) and
+    the attention (the KV it reads, 4 * Hq * D FLOPs per query row and visible key per
+    layer). A K-row engine step reads the weights once but does K rows of arithmetic, so
+    where the peak FLOP rate is low against the bandwidth (a CPU core) the K rows are
+    not free, and `speedup_bound` = ideal step ratio x monolithic / engine roofline
+    falls below the ideal; where they are (a GPU) it is the ideal.
+    """
+    c = model.hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w, kv = weight_bytes(model), kv_bytes_per_token(model)
+    lin_flops_per_row = 2 * w / model.dtype.itemsize
+    attn_flops_per_key = 4 * c.num_attention_heads * head_dim * c.num_hidden_layers  # one query row, one key
+    bw, peak = bandwidth_gbs * 1e9, peak_gflops * 1e9
+
+    def step_ms(rows: int, kv_read: int, keys_seen: int) -> float:  # keys_seen: summed over the rows
+        lin = max(w / bw, rows * lin_flops_per_row / peak)
+        attn = max(kv_read * kv / bw, keys_seen * attn_flops_per_key / peak)
+        return (lin + attn) * 1e3
+
+    engine = []
+    for j in range(max(lengths)):  # step j: n active branches, each sees the shared prefix + its j + 1 tokens
+        n = sum(1 for ln in lengths if ln > j)
+        engine.append(step_ms(n, shared_len + n * (j + 1), n * (shared_len + j + 1)))
+    chain = [step_ms(1, shared_len + i + 1, shared_len + i + 1) for i in range(sum(lengths))]
+    ideal = sum(lengths) / max(lengths)
+    eng, mono = statistics.mean(engine), statistics.mean(chain)
+    return {"peak_gflops": round(peak_gflops, 1), "machine_balance_flop_per_byte": round(peak / bw, 1),
+            "engine_ms_per_step": round(eng, 3), "monolithic_ms_per_step": round(mono, 3),
+            "speedup_bound": round(ideal * mono / eng, 3)}
+
+
+def measure_peak_gflops(device: torch.device, dtype: torch.dtype) -> float:
+    """Matmul throughput in GFLOP/s for `dtype` on `device` (the best of a few square GEMMs)."""
+    n = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    times = []
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(4 if device.type == "cuda" else 1):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / (4 if device.type == "cuda" else 1))
+    del a, b
+    return 2 * n**3 / min(times[1:]) / 1e9
 
 
 def measure_bandwidth(device: torch.device, mb: int = 512) -> float:
@@ -324,6 +381,10 @@ def main(argv=None) -> dict:
     eng = result["modes"].get("engine", {})
     if floor.get("floor_ms_per_step") and "ms_per_step" in eng:
         floor["engine_ms_per_step_over_floor"] = round(eng["ms_per_step"] / floor["floor_ms_per_step"], 2)
+    roof = roofline(model, lengths, prefix_len + k, bw or measured, measure_peak_gflops(device, model.dtype))
+    for mode, key in (("engine", "engine_ms_per_step"), ("monolithic", "monolithic_ms_per_step")):
+        if "ms_per_step" in result["modes"].get(mode, {}):  # how far each decoder runs from its own roofline
+            roof[f"{mode}_measured_over_roofline"] = round(result["modes"][mode]["ms_per_step"] / roof[key], 2)
     c = model.hf_config
     out = {"preset": args.preset, "device": str(device), "device_name": name, "dtype": preset.dtype,
            "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -331,7 +392,7 @@ def main(argv=None) -> dict:
                      "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads, "vocab": c.vocab_size,
                      "weight_bytes": floor["weight_bytes"]},
            "prefix_len": prefix_len, "events": k, "lengths": lengths, "build_s": round(build_s, 1),
-           **result, "floor": floor}
+           **result, "floor": floor, "roofline": roof}
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

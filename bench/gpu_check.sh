@@ -14,6 +14,6 @@ for s in 0 4; do
   python3 - $OUT/decode_3b_splits$s.json <<'PY'
 import json,sys
 d=json.load(open(sys.argv[1]))
-print(sys.argv[1].split('/')[-1], {m:(r.get('ms_per_token'),r.get('ms_per_step'),r.get('speedup_vs_monolithic')) for m,r in d['modes'].items()}, d['floor'].get('floor_ms_per_step'))
+print(sys.argv[1].split('/')[-1], {m:(r.get('ms_per_token'),r.get('ms_per_step'),r.get('speedup_vs_monolithic')) for m,r in d['modes'].items()}, d['floor'].get('floor_ms_per_step'), d.get('roofline'))
 PY
 done

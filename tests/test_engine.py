@@ -266,3 +266,27 @@ def test_decode_benchmark_smoke(capsys, monkeypatch):
     assert all(modes[m]["tokens"] == 6 and modes[m].get("tokens_equal_engine", True) for m in modes)
     assert out["targets"]["ideal_step_ratio"] == 2.0 and "engine_speedup_met" in out["targets"]
     assert out["floor"]["floor_ms_per_step"] > 0 and out["floor"]["weight_bytes"] > 0
+    roof = out["roofline"]
+    assert roof["peak_gflops"] > 0 and roof["engine_ms_per_step"] > 0 and roof["monolithic_ms_per_step"] > 0
+    assert 0 < roof["speedup_bound"] <= out["targets"]["ideal_step_ratio"] + 1e-9
+
+
+def test_roofline_bound_follows_machine_balance(model):
+    """The roofline speedup bound is the ideal step ratio where FLOPs are cheap against bytes,
+    and falls below it where the K rows' arithmetic costs more than reading the weights."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_roof", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_decode_roof"] = bench
+    try:
+        spec.loader.exec_module(bench)
+        lengths, shared = [32] * 8, 2048
+        gpu_like = bench.roofline(model, lengths, shared, bandwidth_gbs=4000.0, peak_gflops=1e6)
+        cpu_like = bench.roofline(model, lengths, shared, bandwidth_gbs=10.0, peak_gflops=10.0)
+    finally:
+        del sys.modules["bench_decode_roof"]
+    assert gpu_like["speedup_bound"] == pytest.approx(8.0, rel=0.02)  # bandwidth-bound: K rows ride free
+    assert cpu_like["speedup_bound"] < 0.8 * 8.0  # 8 rows of FLOPs at 1 FLOP/byte: the K rows cost
