@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import io
 import json
+import os
 import sys
 import time
 import uuid
@@ -78,8 +79,24 @@ def caption_config_hash(cfg: Config) -> str:
 # ----------------------------------------------------------------------------- listing
 
 
+def _listing_root(spec: str) -> str:
+    """The folder a directory or glob listing lies under, spelled as the listed URIs are."""
+    cut = min((spec.index(ch) for ch in "*?[" if ch in spec), default=len(spec))
+    root = spec[:cut] if cut == len(spec) else spec[:cut].rsplit("/", 1)[0]
+    if not storage.is_remote(root):
+        root = os.path.abspath(root[len("file://"):] if root.startswith("file://") else root)
+    return root.rstrip("/")
+
+
 def list_videos(spec: str, extensions: list[str]) -> list[dict[str, str]]:
-    """[{video_id, uri}] for a directory, a glob, an s3:// prefix or a preprocess manifest."""
+    """[{video_id, uri}] for a directory, a glob, an s3:// prefix or a preprocess manifest.
+
+    The id is the file's stem; when that is taken, its file name; when that is taken too
+    (the same name in several folders: cam1/0001.mp4, cam2/0001.mp4), its path under the
+    listed folder, so every video keeps its own row. A directory or prefix that does not
+    exist, or a glob that matches nothing, is a FileNotFoundError naming `spec`: a typo
+    must not pass for an empty archive.
+    """
     if spec.endswith(".parquet"):
         rows = pq.read_table(io.BytesIO(storage.read_bytes(spec))).to_pylist()
         return [{"video_id": r["video_id"], "uri": r["uri"] or ""} for r in rows]
@@ -87,13 +104,18 @@ def list_videos(spec: str, extensions: list[str]) -> list[dict[str, str]]:
         fs, inner = storage.filesystem(spec)
         proto = spec.split("://", 1)[0] + "://" if storage.is_remote(spec) else ""
         uris = sorted(proto + p if proto and not p.startswith(proto) else p for p in fs.glob(inner))
+        if not uris:
+            raise FileNotFoundError(f"--videos {spec!r}: the pattern matches no files")
     else:
+        if not storage.exists(spec):
+            raise FileNotFoundError(f"--videos {spec!r}: no such directory or prefix")
         uris = storage.list_files(spec, tuple(extensions))
+    root = _listing_root(spec)
     out, seen = [], set()
     for uri in uris:
-        vid = uri.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-        if vid in seen:  # same stem twice (a.mp4 and a.mkv): keep the id unique
-            vid = uri.rsplit("/", 1)[-1]
+        name = uri.rsplit("/", 1)[-1]
+        under_root = uri[len(root) + 1:] if uri.startswith(root + "/") else uri
+        vid = next((c for c in (name.rsplit(".", 1)[0], name, under_root) if c not in seen), uri)
         seen.add(vid)
         out.append({"video_id": vid, "uri": uri})
     return out
@@ -289,8 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-videos", type=int, default=64)
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    ray.init(address=cfg.cluster.address or None, ignore_reinit_error=True)
-    summary = run_caption(cfg, args.videos, args.model, args.out, args.chunk_videos)
+    try:  # list first: a wrong --videos is reported before Ray starts
+        videos = list_videos(args.videos, cfg.data.video_extensions)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from pipeline.run import init_ray
+
+    init_ray(cfg)  # the cluster section (address, num_cpus), as `pipeline/run.py` starts Ray
+    summary = run_caption(cfg, videos, args.model, args.out, args.chunk_videos)
     print(json.dumps(summary, indent=2))
     return 1 if summary["failed"] else 0
 

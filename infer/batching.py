@@ -9,8 +9,10 @@ batch runs wait in a list; when the engine frees up, the oldest waiting request
 and up to max_batch - 1 others with the same key (the same decoding options) go
 in together as `engine.caption([s1, s2, ...])`. Nothing waits on purpose: a lone
 request is decoded at once (batch of one). A cancelled request (client gone) is
-dropped before its batch starts. An engine exception fails the requests of that
-batch only. Used by infer/service.py; pure asyncio, no ray.
+dropped before its batch starts. When a batch of several raises, each of its
+requests is retried alone, so the exception reaches only the request whose video
+caused it (the others still get their captions; infer/batch.py does the same
+offline). Used by infer/service.py; pure asyncio, no ray.
 """
 
 from __future__ import annotations
@@ -60,21 +62,38 @@ class EngineBatcher:
         return batch
 
     async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
         while batch := self._next_batch():
-            self.batch_sizes.append(len(batch))
             try:
-                results = await loop.run_in_executor(self._pool, batch[0].engine.caption, [p.sample for p in batch])
-                if len(results) != len(batch):
-                    raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} samples")
-            except Exception as e:  # noqa: BLE001 - handed to each waiting request
-                for p in batch:
+                results = await self._call(batch)
+            except Exception as e:  # noqa: BLE001 - handed to the waiting request(s)
+                if len(batch) == 1:
+                    if not batch[0].future.done():
+                        batch[0].future.set_exception(e)
+                    continue
+                for p in batch:  # which one was it? each alone, so only the culprit fails
+                    if p.future.done():
+                        continue
+                    try:
+                        r = (await self._call([p]))[0]
+                    except Exception as e1:  # noqa: BLE001
+                        if not p.future.done():
+                            p.future.set_exception(e1)
+                        continue
                     if not p.future.done():
-                        p.future.set_exception(e)
+                        p.future.set_result(r)
                 continue
             for p, r in zip(batch, results):
                 if not p.future.done():
                     p.future.set_result(r)
+
+    async def _call(self, batch: list[_Item]) -> list[Any]:
+        """One engine call in the engine thread; exactly one result per item or an exception."""
+        self.batch_sizes.append(len(batch))
+        results = await asyncio.get_running_loop().run_in_executor(self._pool, batch[0].engine.caption,
+                                                                   [p.sample for p in batch])
+        if len(results) != len(batch):
+            raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} samples")
+        return results
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -67,6 +67,8 @@ def parse_json(data: bytes, what: str = "request body") -> Any:
         raise RequestError(400, "malformed_json", f"{what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise RequestError(400, "malformed_json", f"{what} is nested too deeply") from None
+    except ValueError as e:  # an integer past Python's int_max_str_digits: the client's number, not a server bug
+        raise RequestError(400, "malformed_json", f"{what} holds a number that cannot be read: {str(e).split(';')[0]}") from None
 
 
 async def read_json(chunks: AsyncIterator[bytes], declared: int | None, max_bytes: int) -> Any:

@@ -88,7 +88,7 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import ray
+    from pipeline.run import init_ray
 
     ap = argparse.ArgumentParser(prog="python -m infer.serve", description="Run the captioning endpoint on a local or existing Ray cluster.")
     ap.add_argument("--config", default="", help="YAML preset (default: built-in defaults)")
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
     cfg = load_config(args.config or None, args.overrides)
-    ray.init(address=cfg.cluster.address or None)
+    init_ray(cfg)  # the cluster section (address, num_cpus), as `pipeline/run.py` starts Ray
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     serve.run(build_application(cfg, args.model_dir), route_prefix=cfg.serve.route_prefix, blocking=True)
     return 0

@@ -51,6 +51,51 @@ def test_listing_dir_glob_and_manifest(archive, tmp_path):
     assert by_glob == by_dir
 
 
+def test_same_file_name_in_several_folders_gets_distinct_ids(tmp_path):
+    """camera1/0001.mp4, camera2/0001.mp4, camera3/0001.mp4: three videos, three ids (results are keyed by id)."""
+    for cam in ("cam1", "cam2", "cam3"):
+        (tmp_path / cam).mkdir()
+        (tmp_path / cam / "0001.mp4").write_bytes(b"x")
+    (tmp_path / "cam1" / "0001.mkv").write_bytes(b"x")
+    listed = list_videos(str(tmp_path), [".mp4", ".mkv"])
+    ids = [v["video_id"] for v in listed]
+    assert len(listed) == 4 and len(set(ids)) == 4, ids
+    assert ids[0] == "0001"  # the first keeps its stem, as before
+    assert {v["uri"] for v in listed} == {str(p) for p in tmp_path.rglob("0001.*")}
+    assert "cam3/0001.mp4" in ids  # the others are named by their path under the listed folder
+
+
+def test_videos_path_that_does_not_exist_is_an_error(tmp_path, capsys):
+    from infer.batch import main
+
+    missing = tmp_path / "archvie"  # a typo must not look like an empty archive captioned without failures
+    for spec in (str(missing), str(missing / "*.mp4"), str(tmp_path / "*.mp4")):
+        with pytest.raises(FileNotFoundError, match="--videos"):
+            list_videos(spec, [".mp4"])
+    (tmp_path / "empty").mkdir()
+    assert list_videos(str(tmp_path / "empty"), [".mp4"]) == []  # an existing, empty folder is not an error
+    assert main(["--videos", str(missing), "--out", str(tmp_path / "out")]) == 2
+    assert "archvie" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_cli_starts_ray_as_the_cluster_section_says(tmp_path, monkeypatch):
+    """--set cluster.num_cpus=1 must reach the local Ray instance (as pipeline/run.py does), not be dropped."""
+    import ray
+
+    from infer import batch
+
+    calls, captioned = [], []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(batch, "run_caption", lambda cfg, videos, *a, **kw: captioned.append(videos) or {"failed": 0})
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "a.mp4").write_bytes(b"x")
+    assert batch.main(["--videos", str(tmp_path / "v"), "--out", str(tmp_path / "out"), "--set", "cluster.num_cpus=1"]) == 0
+    assert len(calls) == 1 and calls[0].get("num_cpus") == 1 and calls[0].get("_node_ip_address") == "127.0.0.1"
+    assert [v["video_id"] for v in captioned[0]] == ["a"]
+
+
 def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_path):
     cfg, info, vids = archive
     out = str(tmp_path / "captions")

@@ -63,7 +63,7 @@ def test_lone_request_is_decoded_at_once():
     batcher.close()
 
 
-def test_engine_error_fails_only_its_batch_and_cancelled_requests_are_dropped():
+def test_engine_error_fails_only_its_request_and_cancelled_requests_are_dropped():
     gate = threading.Event()
     eng = Recorder("e", gate, fail_on=2)
     batcher = EngineBatcher(max_batch=2)
@@ -84,9 +84,32 @@ def test_engine_error_fails_only_its_batch_and_cancelled_requests_are_dropped():
     first, bad, late, good = asyncio.run(scenario())
     batcher.close()
     assert first == ("e", 0)
-    assert isinstance(bad, RuntimeError) and isinstance(late, RuntimeError)  # [2, 3] failed together
+    assert isinstance(bad, RuntimeError)
+    assert late == ("e", 3)  # [2, 3] failed together, then each alone: only 2 is at fault
     assert good == ("e", 4)
-    assert eng.calls == [[0], [2, 3], [4]]  # 1 was cancelled before its batch
+    assert eng.calls == [[0], [2, 3], [2], [3], [4]]  # 1 was cancelled before its batch
+
+
+def test_one_bad_video_does_not_fail_the_others_in_its_batch():
+    """A request whose video makes the engine raise must not take its batch-mates down with it."""
+    gate = threading.Event()
+    eng = Recorder("e", gate, fail_on="bad")
+    batcher = EngineBatcher(max_batch=4)
+
+    async def scenario():
+        first = asyncio.ensure_future(batcher.submit("k", eng, "first"))
+        await asyncio.sleep(0.05)  # the engine is busy: the next four wait and go in together
+        rest = [asyncio.ensure_future(batcher.submit("k", eng, s)) for s in ("a", "bad", "b", "c")]
+        await asyncio.sleep(0.01)
+        gate.set()
+        return await first, await asyncio.gather(*rest, return_exceptions=True)
+
+    first, (a, bad, b, c) = asyncio.run(scenario())
+    batcher.close()
+    assert first == ("e", "first")
+    assert (a, b, c) == (("e", "a"), ("e", "b"), ("e", "c"))
+    assert isinstance(bad, RuntimeError) and str(bad) == "bad batch"
+    assert eng.calls[1] == ["a", "bad", "b", "c"] and eng.calls[2:] == [["a"], ["bad"], ["b"], ["c"]]
 
 
 def test_bad_batch_size():

@@ -240,6 +240,19 @@ def test_bad_requests_get_the_right_4xx(base_url, tree):
     assert status == 200, body
 
 
+def test_json_number_with_too_many_digits_is_a_400_not_a_500(base_url, tree):
+    """json.loads raises a plain ValueError past Python's int digit limit; that is the client's JSON."""
+    huge = b"9" * 5000  # well under max_json_bytes, over sys.get_int_max_str_digits() (4300)
+    body = b'{"video": "%s", "options": {"seed": %s}}' % (str(tree.good).encode(), huge)
+    status, reply, headers = send(base_url, "POST", "/v1/captions", body, {"Content-Type": "application/json"})
+    assert status == 400 and reply["error"]["code"] == "malformed_json", reply
+    assert "digits" in reply["error"]["message"] and headers.get("x-request-id")
+    status, reply, _ = post_upload(base_url, [("file", "a.mp4", None, tree.good.read_bytes()),
+                                              ("options", None, None, b'{"seed": %s}' % huge)])
+    assert status == 400 and reply["error"]["code"] == "malformed_json", reply
+    assert "the 'options' field" in reply["error"]["message"]
+
+
 def test_client_disconnect_mid_upload_is_survived(base_url, tree):
     import socket
     from urllib.parse import urlsplit
@@ -316,6 +329,24 @@ def test_python_client_and_cli(base_url, tree, capsys):
     assert len(json.loads(capsys.readouterr().out)["events"]) <= 1
     assert main([str(tree.files["secret"]), "--url", base_url]) == 2
     assert "403" in capsys.readouterr().err
+
+
+def test_serve_cli_starts_ray_as_the_cluster_section_says(monkeypatch):
+    """`python -m infer.serve --set cluster.num_cpus=1` must size the local Ray instance, not drop the value."""
+    import ray
+    from ray import serve
+
+    from infer import serve as serve_module
+
+    calls, started = [], []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(serve, "start", lambda **kw: started.append(kw))
+    monkeypatch.setattr(serve, "run", lambda app, **kw: started.append(kw))
+    assert serve_module.main(["--set", "cluster.num_cpus=1", "--set", "serve.port=8123"]) == 0
+    assert len(calls) == 1 and calls[0].get("num_cpus") == 1 and calls[0].get("_node_ip_address") == "127.0.0.1"
+    assert started[0]["http_options"] == {"host": "127.0.0.1", "port": 8123}
 
 
 # ------------------------------------------------------------------------ model loading
