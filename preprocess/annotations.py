@@ -7,7 +7,9 @@ Every reader turns one annotation file into per-video records
 and, for every video it cannot use, an explained `AnnotationError(video_id, reason, kind)`
 instead of an exception: a missing field, a non-numeric time, end <= start, a start
 beyond the duration, a time far past the duration, caption/time count mismatches,
-a duplicate video id (the first record is kept). Times a little past the duration
+a duplicate video id (the first record is kept), a caption or video id that is not
+valid Unicode (a lone UTF-16 surrogate such as "\\ud83d", half an emoji: JSON allows
+it, but UTF-8, Arrow and the shards cannot hold it). Times a little past the duration
 (at most max(overshoot_s, overshoot_frac * duration)) are clipped to it and counted
 in `clipped`. Events come out sorted by (start, end).
 
@@ -161,9 +163,26 @@ def _duration(value: Any) -> float:
     return d
 
 
+def _is_unicode(text: str) -> bool:
+    """False for strings with lone surrogates, which UTF-8 (Arrow, Parquet, the shards) cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable_id(video_id: str) -> str:
+    """The id as UTF-8-safe text (lone surrogates spelled as \\udxxx) for error rows."""
+    return video_id if _is_unicode(video_id) else video_id.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _caption(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise _Bad("bad_record", f"{where} is a {type(value).__name__}, expected a string")
+    if not _is_unicode(value):
+        raise _Bad("bad_record", f"{where} is not valid Unicode (it holds a lone UTF-16 surrogate, e.g. half an "
+                                 f"emoji): {value.encode('utf-8', 'backslashreplace').decode('utf-8')[:80]!r}")
     text = " ".join(value.split())
     if not text:
         raise _Bad("empty", f"{where} is empty")
@@ -262,6 +281,10 @@ def read_chronusav(data: Any, split: str = "", source: str = "chronusav", limits
         items = []
         for n, rec in enumerate(data):
             vid = rec.get("id") if isinstance(rec, dict) else None
+            if vid is not None and (isinstance(vid, bool) or not isinstance(vid, (str, int))):
+                yield AnnotationError(f"<record {n}>", f"field 'id' is a {type(vid).__name__} ({vid!r}), expected a "
+                                      "string or an integer", "bad_record", source)
+                continue
             items.append((None if vid is None else str(vid), rec, n))
     else:
         raise AnnotationFormatError(f"{source}: expected a list of records, got {type(data).__name__}")
@@ -412,7 +435,15 @@ def read_annotations(path: str, fmt: str = "auto", split: str | None = None, *,
         raise AnnotationFormatError(f"unknown annotation format {fmt!r}; expected one of {FORMATS} or 'auto'")
     if split is None:
         split = "" if fmt == "youcook2" else guess_split(path)
-    anns, errors = partition(READERS[fmt](data, split, fmt, _Limits(overshoot_s, overshoot_frac)))
+    records = []
+    for r in READERS[fmt](data, split, fmt, _Limits(overshoot_s, overshoot_frac)):
+        if not _is_unicode(r.video_id):  # would break every Arrow row and the manifest later
+            reason = "video id is not valid Unicode (it holds a lone UTF-16 surrogate)"
+            if isinstance(r, AnnotationError):
+                reason = f"{reason}; {r.reason}"
+            r = AnnotationError(_printable_id(r.video_id), reason, "bad_record", fmt)
+        records.append(r)
+    anns, errors = partition(records)
     for e in errors:
         e.source = e.source or fmt
     return anns, errors

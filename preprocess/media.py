@@ -25,6 +25,9 @@ when resampling, PyAV's swresample does not. Channels are averaged (not
 ffmpeg's +3 dB downmix) and the signal is placed on the video timeline (time 0 =
 first video frame), then padded/trimmed to exactly round(duration * sample_rate)
 samples. A video without an audio track is valid: has_audio=False, audio=None.
+Container metadata (title, comment tags) is read with undecodable bytes replaced:
+cameras and old muxers write Latin-1 / GBK tags, and PyAV's strict UTF-8 default
+would reject an otherwise valid file for a tag we never use.
 
 Timeline. duration = end of the last video frame (its pts + frame duration)
 relative to the first frame. Frames are sampled by `frame_schedule` (see there for
@@ -48,6 +51,7 @@ from pipeline.config import FeaturesConfig
 
 CHUNK_BYTES = 8 * 1024 * 1024
 _MP4_EXTENSIONS = {".mp4", ".m4v", ".mov", ".m4a", ".3gp"}
+METADATA_ERRORS = "replace"  # how PyAV decodes non-UTF-8 metadata tags (its default "strict" raises)
 
 
 class MediaError(ValueError):
@@ -251,12 +255,14 @@ def _probe(path: str, uri: str) -> _Probe:
     import av
 
     try:
-        with av.open(path) as container:
+        with av.open(path, metadata_errors=METADATA_ERRORS) as container:
             vs = container.streams.video
             aus = container.streams.audio
             if not vs:
                 return _Probe(False, bool(aus), 0.0, 0, 0)
             v = vs[0]
+            if v.codec_context is None:  # PyAV leaves it unset when no decoder matches the codec tag
+                raise MediaError(f"video stream uses a codec this build has no decoder for: {uri}", "undecodable")
             start = float(v.start_time * v.time_base) if v.start_time is not None and v.time_base else 0.0
             return _Probe(True, bool(aus), start, int(v.codec_context.width or 0), int(v.codec_context.height or 0))
     except av.error.FFmpegError as e:
@@ -302,7 +308,7 @@ def _read_audio(path: str, uri: str, sample_rate: int, offset: float, duration: 
     pieces: list[np.ndarray] = []
     first_time: float | None = None
     try:
-        with av.open(path) as container:
+        with av.open(path, metadata_errors=METADATA_ERRORS) as container:
             stream = container.streams.audio[0]
             resampler = None
             for frame in container.decode(stream):

@@ -234,6 +234,35 @@ def test_youcook2_bad_records(tmp_path):
     assert got["zzTest"] == ("missing_field", "missing field 'subset'")
 
 
+def test_lone_surrogates_are_explained_errors_not_job_crashes(tmp_path):
+    # JSON allows "\ud83d" (half an emoji, e.g. a caption cut in UTF-16 by a JavaScript tool);
+    # Python reads it, but it is not encodable as UTF-8, so Arrow (the Ray rows, the Parquet
+    # manifest) and the shard's meta.json would raise later and take the whole run down.
+    from preprocess import manifest as mf
+
+    raw = ('{"good": %s, "cut": {"duration": 10, "timestamps": [[1, 2]], "sentences": ["nice \\ud83d"]},'
+           ' "id \\udc00": %s}') % (json.dumps(_good_lv()), json.dumps(_good_lv()))
+    anns, errors = A.read_annotations(write(tmp_path, "lv.json", raw), "longvale", "train")
+    assert [a.video_id for a in anns] == ["good"]
+    got = {e.video_id: (e.kind, e.reason) for e in errors}
+    assert set(got) == {"cut", "id \\udc00"}, got
+    assert got["cut"][0] == "bad_record" and "sentence 0" in got["cut"][1] and "surrogate" in got["cut"][1]
+    assert got["id \\udc00"][0] == "bad_record" and "video id" in got["id \\udc00"][1]
+    mf.write_table(str(tmp_path / "m.parquet"), [mf.empty_row(video_id=e.video_id, error=e.reason) for e in errors])
+
+    ch = [dict(CHRONUSAV[0], audio_captions=["Instruments tune.", "A rock \udc80song plays."]), CHRONUSAV[1]]
+    anns, errors = A.read_annotations(write(tmp_path, "ch.json", json.dumps(ch)), "chronusav")
+    assert [a.video_id for a in anns] == ["7"]
+    assert [(e.video_id, e.kind) for e in errors] == [("c1", "bad_record")] and "audio caption 1" in errors[0].reason
+
+
+@pytest.mark.parametrize("bad_id", [["c1"], {"x": 1}, True, 1.5])
+def test_chronusav_id_of_a_wrong_type_is_an_error(tmp_path, bad_id):
+    anns, errors = A.read_annotations(write(tmp_path, "ch.json", [dict(CHRONUSAV[0], id=bad_id), CHRONUSAV[1]]), "chronusav")
+    assert [a.video_id for a in anns] == ["7"]
+    assert [(e.video_id, e.kind) for e in errors] == [("<record 0>", "bad_record")] and "'id'" in errors[0].reason
+
+
 # --------------------------------------------------------------------------- clipping
 
 

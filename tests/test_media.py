@@ -211,3 +211,40 @@ def test_s3_streamed_to_one_temp_copy(videos, moto_s3, monkeypatch):
     env = decode_video("s3://media-bucket/dir/clip ü.mp4", cfg)
     np.testing.assert_array_equal(env.frames, local.frames)
     assert _temp_copies() == before  # temp copies removed, also after errors
+
+
+# --------------------------------------------------------------------------- metadata and codecs
+
+
+def test_non_utf8_metadata_does_not_reject_a_valid_video(videos, tmp_path):
+    # Old cameras and some muxers write Latin-1 / GBK tags; the streams are fine.
+    import av
+
+    tagged = tmp_path / "tagged.mp4"
+    with av.open(videos["av"]) as src, av.open(str(tagged), "w", format="mp4") as out:
+        out.metadata["title"] = "Café QQ"
+        streams = {s.index: out.add_stream_from_template(s) for s in src.streams}
+        for packet in src.demux():
+            if packet.dts is not None:
+                packet.stream = streams[packet.stream.index]
+                out.mux(packet)
+    data = tagged.read_bytes()
+    assert data.count("Café QQ".encode()) == 1
+    latin1 = tmp_path / "latin1 tag.mp4"
+    latin1.write_bytes(data.replace("Café QQ".encode(), "Café QQQ".encode("latin-1")))  # same length
+    d = decode_video(str(latin1), FeaturesConfig())
+    ref = decode_video(videos["av"], FeaturesConfig())
+    assert d.has_audio and d.duration == pytest.approx(ref.duration)
+    np.testing.assert_array_equal(d.frames, ref.frames)
+    np.testing.assert_array_equal(d.audio, ref.audio)
+
+
+def test_video_codec_without_decoder_is_a_media_error(videos, tmp_path):
+    unknown = tmp_path / "unknown codec.mp4"
+    data = bytearray(open(videos["av"], "rb").read())
+    entry = data.index(b"avc1", data.index(b"stsd"))  # the sample entry's codec tag (not the ftyp brand)
+    data[entry : entry + 4] = b"zzzz"
+    unknown.write_bytes(bytes(data))
+    with pytest.raises(MediaError) as err:
+        decode_video(str(unknown), FeaturesConfig())
+    assert err.value.kind == "undecodable" and "codec" in str(err.value) and str(unknown) in str(err.value)
