@@ -2,9 +2,11 @@
 
 Every knob of every stage lives here. A config is loaded from YAML (or JSON),
 then `--set a.b=c` overrides are applied; unknown keys and values of the wrong
-type are errors that name the offending key. A config serialises to JSON and
-back losslessly, so every shard set and checkpoint carries the config that
-made it.
+type (or NaN numbers) are errors that name the offending key. An override's value is
+read as a YAML scalar or list, except for string keys, which take the text after `=`
+as it is (quotes around it are removed); `--set data.annotations.test=f.json` sets one
+entry of a mapping. A config serialises to JSON and back losslessly, so every shard
+set and checkpoint carries the config that made it.
 
     cfg = load_config("cluster/configs/default.yaml", ["train.max_steps=10"])
     cfg.to_json() ; Config.from_json(text) ; section_hash(cfg.features)
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -158,7 +161,7 @@ class TrainConfig:
     shuffle_buffer: int = 64  # per-worker streaming shuffle buffer (records)
     augment_crop: float = 0.0  # random temporal crop: up to this fraction of the segments cut at each end (in gaps)
     augment_noise: float = 0.0  # std of Gaussian noise added to the features when training
-    log_every: int = 10
+    log_every: int = 10  # 0 = the first and last step only
     torch_threads: int = 0  # intra-op threads per worker; 0 = cpus_per_worker
     max_failures: int = 1
     seed: int = 0
@@ -233,7 +236,7 @@ class EvalConfig:
     """Which metric protocol the evaluate stage reports."""
 
     protocol: Literal["padcaptioner", "densevid", "soda", "etbench"] = "padcaptioner"
-    missing: Literal["skip", "zero"] = "skip"
+    missing: Literal["skip", "zero"] = "skip"  # zero: densevid only (the other protocols always skip)
     seed: int = 0
 
 
@@ -318,11 +321,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+        if math.isnan(value):  # compares false with everything: would pass every check downstream
+            raise ConfigError(f"{key}: expected a number, got nan")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -344,27 +349,54 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def _override_type(dotted: str) -> Any:
+    """The annotation of what `dotted` sets; an unknown key is an error that names it. Below a
+    mapping field (`data.annotations.test`) a key names one entry of that mapping."""
+    tp: Any = Config
     parts = dotted.split(".")
-    node = tree
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if not isinstance(child, dict):
-            raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])} (in override {dotted}=...)")
-        node = child
-    if parts[-1] not in node:
-        raise ConfigError(f"unknown config key {dotted}")
-    node[parts[-1]] = value
+    for i, part in enumerate(parts):
+        here = ".".join(parts[: i + 1])
+        if dataclasses.is_dataclass(tp):
+            names = sorted(f.name for f in dataclasses.fields(tp))
+            if part not in names:
+                where = ".".join(parts[:i]) or "the root"
+                raise ConfigError(f"unknown config key {here} (valid keys in {where}: {names})")
+            tp = typing.get_type_hints(tp)[part]
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        else:
+            raise ConfigError(f"unknown config key {here} ({'.'.join(parts[:i])} has no keys; in override {dotted}=...)")
+    return tp
+
+
+def _is_text(tp: Any) -> bool:
+    return tp is str or (typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))
+
+
+def _parse_override(raw: str, tp: Any) -> Any:
+    """The value of one override: YAML, except that a string takes the text as it is (YAML would
+    cut it at ` #`, make a mapping of `a: b`, an int of `2023`, a bool of `yes`); quotes are removed."""
+    text = raw.strip()
+    quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
+    if _is_text(tp) and not quoted:
+        return text
+    return yaml.safe_load(text) if text else ""
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply `a.b=c` strings; values are parsed as YAML scalars (`3`, `true`, `[a, b]`)."""
+    """Apply `a.b=c` strings; values are parsed as YAML scalars (`3`, `true`, `[a, b]`), string keys verbatim."""
     tree = cfg.to_dict()
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, raw = item.split("=", 1)
-        _set_path(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        key = key.strip()
+        tp = _override_type(key)
+        parts = key.split(".")
+        node = tree
+        for part in parts[:-1]:
+            node = node[part]
+        node[parts[-1]] = _parse_override(raw, tp)
     return Config.from_dict(tree)
 
 

@@ -20,7 +20,7 @@ import tempfile
 from typing import Any
 
 from pipeline import storage
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.metrics import evaluate, tiou, write_report
 
 ATTRIBUTES = ("colour", "shape", "motion", "sound")
@@ -62,10 +62,21 @@ def attribute_accuracy(pred: dict[str, dict[str, Any]], ref_path: str) -> dict[s
     return out
 
 
+def missing_policy(cfg: Config) -> str | None:
+    """`eval.missing` for the metrics. Only densevid has the choice; the other protocols always
+    leave videos without predictions out, so `zero` with them is an error, not a silent skip."""
+    if cfg.eval.protocol == "densevid":
+        return cfg.eval.missing
+    if cfg.eval.missing != "skip":
+        raise ConfigError(f"eval.missing={cfg.eval.missing!r} applies to eval.protocol=densevid only; "
+                          f"{cfg.eval.protocol!r} leaves videos without predictions out (set eval.missing=skip)")
+    return None
+
+
 def evaluate_run(cfg: Config, captions_dir: str, ref_path: str, ref_format: str, out_dir: str) -> dict[str, Any]:
+    missing = missing_policy(cfg)
     rows = read_caption_rows(captions_dir)
     pred = predictions(rows)
-    missing = cfg.eval.missing if cfg.eval.protocol == "densevid" else None
     result = evaluate(pred, ref_path, protocol=cfg.eval.protocol, ref_format=ref_format, missing=missing,
                       seed=cfg.eval.seed)
     if cfg.data.dataset == "synthetic":

@@ -7,9 +7,13 @@
 
 Every stage writes under one run directory (local or s3://) and leaves a stamp
 `<stage>/_STAGE.json` with the hash of the config it depends on (its own
-sections plus everything upstream); a stage whose stamp matches is skipped
-(`--force` redoes it). With RAY_ADDRESS set (as under `ray job submit`) the
-Ray stages use that cluster, otherwise a local instance.
+sections plus everything upstream) and a token naming that execution; a stage whose
+stamp matches is skipped (`--force` redoes it). The upstream part of the hash carries
+the upstream stage's token, so a redone stage (forced, or after a change) also redoes
+every stage that read its outputs. A stage's stamp is removed before it runs: outputs
+a failed run left half-written never pass for those of an earlier config. With
+RAY_ADDRESS set (as under `ray job submit`) the Ray stages use that cluster, otherwise
+a local instance.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -168,7 +173,8 @@ def reference_annotations(cfg: Config, paths: RunPaths) -> tuple[str, str]:
     """(test annotation file, its format) that the evaluate stage scores against."""
     anns, _ = preprocess_inputs(cfg, paths)
     if "test" not in anns:
-        raise SystemExit("evaluate: no `test` split in data.annotations")
+        raise SystemExit(f"caption/evaluate: no `test` split in data.annotations (splits: {sorted(anns)}); "
+                         "they caption and score the videos of the split named `test`")
     return anns["test"]
 
 
@@ -217,6 +223,15 @@ def stage_hash(cfg: Config, stage: Stage, upstream: str) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def output_id(stage_hash_: str, stamp: dict[str, Any] | None) -> str:
+    """What the next stage's hash takes as `upstream`: the config hash, plus the token of the
+    execution that made the outputs (stamps without one, from older versions, chain as before)."""
+    token = (stamp or {}).get("token")
+    if not token:
+        return stage_hash_
+    return hashlib.sha256(f"{stage_hash_}:{token}".encode()).hexdigest()[:16]
+
+
 def init_ray(cfg: Config) -> None:
     import ray
 
@@ -246,6 +261,13 @@ def run(cfg: Config, stages: list[str] | None = None, force: bool = False) -> di
         missing = [s for s in stages if s not in available]
         if missing:
             raise SystemExit(f"stage(s) {missing} are not available in this build")
+    # settings only the last stages read fail here, not after hours of preprocess and train
+    if "caption" in wanted or "evaluate" in wanted:
+        reference_annotations(cfg, paths)  # they caption and score the `test` split
+    if "evaluate" in wanted:
+        from pipeline.evaluate import missing_policy
+
+        missing_policy(cfg)
     storage.makedirs(cfg.run_dir)
     storage.write_json(storage.join(cfg.run_dir, "config.json"), cfg.to_dict())
 
@@ -256,22 +278,26 @@ def run(cfg: Config, stages: list[str] | None = None, force: bool = False) -> di
             continue
         stage = available[name]
         h = stage_hash(cfg, stage, upstream)
-        upstream = h
-        if name not in wanted:
-            continue
         stamp = storage.join(paths.stage_dir(name), "_STAGE.json")
-        if not force and storage.exists(stamp) and storage.read_json(stamp).get("hash") == h:
-            done = storage.read_json(stamp)
-            results[name] = {**done["summary"], "seconds": done["seconds"], "cached": True}
-            print(f"[run] {name}: outputs exist for this config, skipped (--force redoes it)", flush=True)
+        done = storage.read_json(stamp) if storage.exists(stamp) else None
+        if done is not None and done.get("hash") != h:
+            done = None  # outputs of another config (or of older upstream outputs)
+        if name not in wanted or (done is not None and not force):
+            upstream = output_id(h, done)
+            if name in wanted:
+                results[name] = {**done["summary"], "seconds": done["seconds"], "cached": True}
+                print(f"[run] {name}: outputs exist for this config, skipped (--force redoes it)", flush=True)
             continue
         if stage.uses_ray:
             init_ray(cfg)
+        storage.remove(stamp)  # from here until the new stamp the outputs belong to no config
         print(f"[run] {name}: starting", flush=True)
         t0 = time.perf_counter()
         summary = stage.fn(cfg, paths)
         seconds = time.perf_counter() - t0
-        storage.write_json(stamp, {"stage": name, "hash": h, "summary": summary, "seconds": seconds})
+        done = {"stage": name, "hash": h, "token": uuid.uuid4().hex, "summary": summary, "seconds": seconds}
+        storage.write_json(stamp, done)
+        upstream = output_id(h, done)
         results[name] = {**summary, "seconds": seconds, "cached": False}
         print(f"[run] {name}: done in {seconds:.1f}s", flush=True)
     return results

@@ -88,6 +88,13 @@ def write_json(path: str, obj: Any) -> None:
     write_bytes(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False).encode("utf-8"))
 
 
+def remove(path: str, recursive: bool = False) -> None:
+    """Delete a file (or, recursive, a directory tree) if it exists; no error when it does not."""
+    fs, inner = filesystem(path)
+    if fs.exists(inner):
+        fs.rm(inner, recursive=recursive)
+
+
 def upload_dir(local_dir: str, remote: str) -> None:
     """Copy a local directory tree to `remote` (no-op when `remote` is that directory)."""
     if not is_remote(remote):

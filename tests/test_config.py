@@ -95,3 +95,37 @@ def test_section_hash_is_stable_and_sensitive():
     c = apply_overrides(Config(), ["features.frames_per_segment=4"])
     assert section_hash(c.features) != section_hash(a.features)
     assert section_hash(c.model) == section_hash(a.model)
+
+
+def test_override_adds_a_key_of_a_mapping_field():
+    """data.annotations is split -> file: `--set data.annotations.test=...` sets one split."""
+    cfg = apply_overrides(Config(), ["data.annotations={train: a.json}", "data.annotations.test=/d/test.json"])
+    assert cfg.data.annotations == {"train": "a.json", "test": "/d/test.json"}
+    with pytest.raises(ConfigError, match="data.annotations.test.x"):
+        apply_overrides(Config(), ["data.annotations.test.x=1"])
+
+
+@pytest.mark.parametrize("raw", ["Describe every event #1 first.", "Note: name the sound.", "2023", "yes"])
+def test_string_override_is_taken_verbatim(raw):
+    """A string value is the text after `=`, not YAML: no comment cut at ` #`, no mapping
+    made of `a: b`, no int or bool made of `2023` / `yes`."""
+    cfg = apply_overrides(Config(), [f"model.instruction={raw}", f"train.val_split={raw}"])
+    assert cfg.model.instruction == raw and cfg.train.val_split == raw
+
+
+def test_quoted_string_override_is_unquoted():
+    cfg = apply_overrides(Config(), ["model.instruction='a # b'", 'train.val_split="val"', "model.mask='causal'"])
+    assert cfg.model.instruction == "a # b" and cfg.train.val_split == "val" and cfg.model.mask == "causal"
+
+
+@pytest.mark.parametrize("override", ["train.lr=nan", "train.lr=.nan", "train.grad_clip=NaN"])
+def test_nan_number_is_an_error(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        apply_overrides(Config(), [override])
+
+
+def test_nan_in_yaml_is_an_error(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  lr: .nan\n")
+    with pytest.raises(ConfigError, match="train.lr"):
+        load_config(p)

@@ -264,3 +264,49 @@ def test_missing_policy_zero_is_densevid_only():
             evaluate({"results": {}}, REF, protocol, missing="zero")
     with pytest.raises(ValueError, match="unknown protocol"):
         evaluate({"results": {}}, REF, "bleu")
+
+
+GOOD = {"duration": 20.0, "timestamps": [[0, 5]], "sentences": ["a dog barks"]}
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"duration": 9, "timestamps": 5, "sentences": ["x"]}, "timestamps"),
+    ({"duration": 9, "timestamps": [[0, 5]], "sentences": "A dog sleeps."}, "sentences"),
+    ({"duration": 9, "timestamps": "0-5", "sentences": ["x"]}, "timestamps"),
+])
+def test_longvale_fields_of_the_wrong_type_are_problems_not_crashes(bad, field):
+    """A field that is not a list is a problem of its video (not a TypeError, and a string is
+    not read as one sentence per character)."""
+    data = load_inputs({"results": {}}, {"ok": GOOD, "bad": bad})
+    assert list(data.refs) == ["ok"]
+    assert any(p["video_id"] == "bad" and f"'{field}' is" in p["problem"] for p in data.problems)
+
+
+def test_youcook2_and_chronusav_fields_of_the_wrong_type_are_problems_not_crashes():
+    yc = {"database": {"ok": {"duration": 9, "annotations": [{"segment": [0, 5], "sentence": "x"}]},
+                       "bad": {"duration": 9, "annotations": 5}}}
+    data = load_inputs({"results": {}}, yc)
+    assert list(data.refs) == ["ok"] and any(p["video_id"] == "bad" and "'annotations' is" in p["problem"] for p in data.problems)
+    ok = {"id": "ok", "seg_time": [[0, 1]], "video_captions": ["x"], "audio_captions": ["y"]}
+    for field, value in (("seg_time", 3), ("audio_captions", "a bark")):
+        data = load_inputs({"results": {}}, [ok, {**ok, "id": "bad", field: value}])
+        assert list(data.refs) == ["ok"]
+        assert any(p["video_id"] == "bad" and f"'{field}' is" in p["problem"] for p in data.problems)
+
+
+def test_predictions_for_none_of_the_reference_videos_are_an_error():
+    """Predictions whose video ids all differ from the references' (an id prefix, another split)
+    would score 0 with exit status 0; it is an input error that shows ids of both."""
+    pred = {"results": {"v_v1": [{"timestamp": [0, 10], "sentence": "a b"}]}}
+    with pytest.raises(InputError, match="v_v1") as err:
+        load_inputs(pred, REF)
+    assert "v1" in str(err.value)
+    # no prediction records at all (every video failed) is still a result: all missing
+    assert set(load_inputs({"results": {}}, REF).refs) == {"v1", "v2"}
+
+
+def test_unreadable_shard_tar_raises_input_error_naming_it(tmp_path):
+    bad = tmp_path / "shard-000000.tar"
+    bad.write_bytes(b"not a tar" * 100)
+    with pytest.raises(InputError, match="shard-000000.tar"):
+        read_references(str(bad))

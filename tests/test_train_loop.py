@@ -156,3 +156,12 @@ def test_ddp_backend_clips_and_accumulates():
     assert all(p.grad is None for p in model.trainable_parameters().values())
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in model.trainable_parameters().items())
     assert 0 < moved < 1e-2
+
+
+def test_log_every_zero_logs_first_and_last_step_only(tmp_path, capsys):
+    """0 means "only at the end", as for val_every and checkpoint_every (it divided by zero)."""
+    out, ctx = run(config(max_steps=3, checkpoint_every=0, log_every=0), tmp_path)
+    assert out["steps"] == 3
+    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] step ")]
+    assert [line.split()[2] for line in logged] == ["1", "3"]
+    assert [r["step"] for r in ctx.reports] == [3]  # the final checkpoint only

@@ -408,12 +408,13 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
             if ctx.rank == 0 and val:
                 print("[train] validation " + "  ".join(f"{k} {v:.3f}" for k, v in val.items()), flush=True)
         state.data_stats = stats.as_dict()
-        if ctx.rank == 0 and (state.step % tc.log_every == 0 or state.step == 1 or last):
+        logged = bool(tc.log_every) and state.step % tc.log_every == 0  # 0: first and last step only
+        if ctx.rank == 0 and (logged or state.step == 1 or last):
             print(_log_line(rec), flush=True)
         last_metrics = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
         if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0) or last:
             _save(ctx, backend, model, state, cfg, generator, last_metrics)
-        elif state.step % tc.log_every == 0:
+        elif logged:
             ctx.report(last_metrics, None)
         ctx.on_step(state.step)
 

@@ -13,8 +13,9 @@ train/data.py. Held-out samples (`train.val_split`) are read by every worker dir
 Ray Train: `TorchTrainer` with `ScalingConfig` from train.num_workers / use_gpu /
 cpus_per_worker / gpus_per_worker, `RunConfig(storage_path=out_dir/ray)` (local or
 s3://), `FailureConfig(max_failures)`, `CheckpointConfig(num_to_keep)`. The run is named
-after a hash of the config sections training depends on, so re-running the same
-config resumes its latest checkpoint and a changed config starts fresh. A worker that
+after a hash of the config sections training depends on and of the manifest rows it
+reads, so re-running an interrupted run resumes its latest checkpoint, and changed
+config or shards start fresh; a run that finished is started again from step 0. A worker that
 dies is restarted by Ray Train from the latest checkpoint (tested by killing one:
 PADCAP_TRAIN_CRASH_AT_STEP / PADCAP_TRAIN_CRASH_MARKER / PADCAP_TRAIN_CRASH_RANK make a
 worker `os._exit` once, at that step, while the marker file does not exist).
@@ -153,11 +154,41 @@ def _pyarrow_fs(path: str):
     return PyFileSystem(FSSpecHandler(fs)), inner
 
 
-def train_run_name(cfg: Config) -> str:
+def training_data_id(cfg: Config, shards_dir: str) -> str:
+    """Fingerprint of the manifest rows training reads (ok samples of the train and held-out
+    splits): shards made again (preprocess forced, annotations changed) give another one."""
+    rows = mf.read_table(mf.manifest_path(shards_dir))
+    used = [r for r in rows if r["status"] == "ok" and r["split"] in (cfg.train.train_split, cfg.train.val_split)]
+    used.sort(key=lambda r: (r["split"] or "", r["video_id"] or ""))
+    return section_hash(json.loads(json.dumps(used, sort_keys=True, default=str)))
+
+
+def train_run_name(cfg: Config, data_id: str = "") -> str:
     """The Ray Train run name: a hash of what the trained weights depend on (incl. the feature
-    encoders' versions), so a run never resumes from checkpoints trained on other features."""
+    encoders' versions and `training_data_id` of the shards), so a run never resumes from
+    checkpoints trained on other features or other shards."""
     parts = {k: dataclasses.asdict(getattr(cfg, k)) for k in ("data", "features", "model", "train")}
-    return "padcap-" + section_hash({**parts, "encoders": encoder_versions(cfg.features)})
+    return "padcap-" + section_hash({**parts, "encoders": encoder_versions(cfg.features), "shards": data_id})
+
+
+FINISHED_FILE = "padcap_finished.json"
+
+
+def mark_finished(ray_dir: str, name: str, info: dict[str, Any]) -> None:
+    """Record that run `name` under `ray_dir` trained to the end (see `clear_finished_run`)."""
+    storage.write_json(storage.join(ray_dir, name, FINISHED_FILE), info)
+
+
+def clear_finished_run(ray_dir: str, name: str) -> bool:
+    """Before fitting: Ray Train resumes a run of the same name from its latest checkpoint. That
+    is wanted for a run that was cut short, but a finished run would "resume" at max_steps and
+    train nothing, so training again (`--force`) removes it and starts fresh. True if removed."""
+    run_dir = storage.join(ray_dir, name)
+    if not storage.exists(storage.join(run_dir, FINISHED_FILE)):
+        return False
+    print(f"[train] {run_dir} finished before: training again from step 0", flush=True)
+    storage.remove(run_dir, recursive=True)
+    return True
 
 
 def split_shards(shards_dir: str, split: str) -> list[str]:
@@ -188,7 +219,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
     return env
 
 
-def build_trainer(cfg: Config, shards_dir: str, out_dir: str) -> TorchTrainer:
+def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None = None) -> TorchTrainer:
+    """The TorchTrainer of run `name` (default: `train_run_name` of the config and the shards)."""
     tc = cfg.train
     train_paths = split_shards(shards_dir, tc.train_split)
     val_paths = split_shards(shards_dir, tc.val_split)
@@ -210,7 +242,7 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str) -> TorchTrainer:
         train_loop_config={"cfg": cfg.to_json(indent=None), "val_shards": val_paths, "visual_dim": int(dv),
                            "audio_dim": int(da)},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
-        run_config=RunConfig(name=train_run_name(cfg), storage_path=path, storage_filesystem=fs,
+        run_config=RunConfig(name=name or train_run_name(cfg, training_data_id(cfg, shards_dir)), storage_path=path, storage_filesystem=fs,
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=max(1, tc.keep_checkpoints)),
                              worker_runtime_env={"env_vars": worker_env(cfg)}),
@@ -252,10 +284,14 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     storage.makedirs(out_dir)
-    trainer = build_trainer(cfg, shards_dir, out_dir)
+    name = train_run_name(cfg, training_data_id(cfg, shards_dir))
+    ray_dir = storage.join(out_dir, "ray")
+    clear_finished_run(ray_dir, name)
+    trainer = build_trainer(cfg, shards_dir, out_dir, name)
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training ended without a checkpoint ({result.error})")
+    mark_finished(ray_dir, name, {"checkpoint": result.checkpoint.path})
     train_seconds = time.perf_counter() - t0
     with tempfile.TemporaryDirectory(prefix="padcap-final-") as tmp:
         local = Path(result.checkpoint.to_directory(os.path.join(tmp, "ckpt")))

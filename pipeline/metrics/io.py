@@ -15,9 +15,11 @@ Predictions (`read_predictions`):
 Files may be .json or .jsonl (one record a line).
 
 Nothing here raises on bad content: every dropped event or video is recorded as a
-problem for its video. Predictions keep at most `max_predictions` (1,000) events per
-video in output order, like the public evaluators. Only an unreadable file or an
-unrecognisable top-level shape raises `InputError`.
+problem for its video (a field that should be a list and is not drops its video).
+Predictions keep at most `max_predictions` (1,000) events per video in output order,
+like the public evaluators. Only an unreadable file, an unrecognisable top-level shape,
+references without a valid video, or predictions none of whose video ids is a
+reference's raise `InputError`.
 """
 
 from __future__ import annotations
@@ -179,12 +181,30 @@ def _ref_video(vid: str, duration: Any, raw_times: list, raw_caps: list) -> RefV
     return RefVideo(str(vid), dur, arr, caps, problems)
 
 
+def _field_list(rec: dict, name: str) -> list | str:
+    """rec[name] as a list (absent or null: empty), else a problem: a number is not iterable,
+    and a string would be read as one sentence (or timestamp) per character."""
+    value = rec.get(name)
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return f"'{name}' is {type(value).__name__}, not a list"
+
+
+def _bad_fields(vid: Any, *fields: list | str) -> RefVideo | None:
+    """A video without events whose problems name the fields that are not lists; None if all are."""
+    bad = [f for f in fields if isinstance(f, str)]
+    return RefVideo(str(vid), None, np.zeros((0, 2)), [], bad) if bad else None
+
+
 def _refs_longvale(obj: dict) -> Iterable[RefVideo]:
     for vid, rec in obj.items():
         if not isinstance(rec, dict):
             yield RefVideo(str(vid), None, np.zeros((0, 2)), [], [f"reference record is {type(rec).__name__}, not an object"])
             continue
-        yield _ref_video(vid, rec.get("duration"), list(rec.get("timestamps") or []), list(rec.get("sentences") or []))
+        times, caps = _field_list(rec, "timestamps"), _field_list(rec, "sentences")
+        yield _bad_fields(vid, times, caps) or _ref_video(vid, rec.get("duration"), times, caps)
 
 
 def _refs_chronusav(obj: list) -> Iterable[RefVideo]:
@@ -192,8 +212,11 @@ def _refs_chronusav(obj: list) -> Iterable[RefVideo]:
         if not isinstance(rec, dict) or "id" not in rec:
             yield RefVideo(f"<record {n}>", None, np.zeros((0, 2)), [], ["ChronusAV record without an id"])
             continue
-        seg = list(rec.get("seg_time") or [])
-        vis, aud = list(rec.get("video_captions") or []), list(rec.get("audio_captions") or [])
+        seg, vis, aud = (_field_list(rec, k) for k in ("seg_time", "video_captions", "audio_captions"))
+        bad = _bad_fields(rec["id"], seg, vis, aud)
+        if bad:
+            yield bad
+            continue
         extra = []
         if not (len(seg) == len(vis) == len(aud)):
             extra.append(f"seg_time/video_captions/audio_captions lengths {len(seg)}/{len(vis)}/{len(aud)} differ")
@@ -205,7 +228,10 @@ def _refs_chronusav(obj: list) -> Iterable[RefVideo]:
 
 def _refs_youcook2(obj: dict) -> Iterable[RefVideo]:
     for vid, rec in obj["database"].items():
-        anns = rec.get("annotations") or [] if isinstance(rec, dict) else []
+        anns = _field_list(rec, "annotations") if isinstance(rec, dict) else []
+        if isinstance(anns, str):
+            yield _bad_fields(vid, anns)
+            continue
         times = [a.get("segment") if isinstance(a, dict) else None for a in anns]
         caps = [a.get("sentence") if isinstance(a, dict) else None for a in anns]
         yield _ref_video(vid, rec.get("duration") if isinstance(rec, dict) else None, times, caps)
@@ -221,10 +247,13 @@ def _shard_metas(src: Any) -> Iterable[dict]:
         from pipeline import schema
 
         for tar_path in paths:
-            with tarfile.open(tar_path) as tar:
-                for member in tar:
-                    if member.isfile() and member.name.endswith("." + schema.META):
-                        yield json.loads(tar.extractfile(member).read().decode("utf-8"))
+            try:
+                with tarfile.open(tar_path) as tar:
+                    metas = [json.loads(tar.extractfile(m).read().decode("utf-8"))
+                             for m in tar if m.isfile() and m.name.endswith("." + schema.META)]
+            except (OSError, tarfile.TarError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise InputError(f"cannot read shard {tar_path}: {exc}") from exc
+            yield from metas
         return
     for item in src:
         if isinstance(item, dict):
@@ -380,6 +409,11 @@ def load_inputs(pred: Any, ref: Any, ref_format: str | None = None, max_predicti
             refs[vid] = video
     if not refs:
         raise InputError(f"no {rfmt} reference video with a valid event (are --pred and --ref swapped?)")
+    if preds_all and not set(preds_all) & set(refs_all):
+        # every video would count as missing: scores of 0 that say nothing about the predictions
+        raise InputError(f"none of the {len(preds_all)} predicted video ids is a reference video id "
+                         f"(predictions: {sorted(preds_all)[:3]}, references: {list(refs_all)[:3]}); "
+                         "are they from the same split, with the same id form (e.g. a 'v_' prefix)?")
     problems.extend(pred_problems)
     preds: dict[str, PredVideo] = {}
     for vid in refs:
