@@ -134,19 +134,43 @@ def weight_bytes(model) -> int:
     return total
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def kv_bytes_per_token(model) -> int:
     c = model.hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * torch.finfo(model.dtype).bits // 8
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * _head_dim(c) * torch.finfo(model.dtype).bits // 8
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one decode step touches: query rows, KV tokens read, visible keys summed over the rows."""
+
+    rows: int
+    kv_read: int
+    keys_seen: int
+
+
+def decode_steps(lengths: list[int], shared_len: int) -> tuple[list[StepWork], list[StepWork]]:
+    """The steps of the engine and of the single chain for branches of `lengths` after `shared_len` tokens.
+
+    Engine step j: n active branches, the shared KV read once plus each branch's own j + 1
+    tokens; every row sees the shared prefix and its own j + 1 tokens. Chain step i: one
+    row that reads and sees everything before it.
+    """
+    engine = []
+    for j in range(max(lengths)):
+        n = sum(1 for ln in lengths if ln > j)
+        engine.append(StepWork(n, shared_len + n * (j + 1), n * (shared_len + j + 1)))
+    chain = [StepWork(1, shared_len + i + 1, shared_len + i + 1) for i in range(sum(lengths))]
+    return engine, chain
 
 
 def floors(model, lengths: list[int], shared_len: int, bandwidth_gbs: float | None) -> dict:
     """Bandwidth floor per step (ms): weights + the KV each step must read, averaged over the steps."""
     w, kv = weight_bytes(model), kv_bytes_per_token(model)
-    n = max(lengths)
-    # engine step j: weights once + shared KV once + each active branch's own j + 1 tokens
-    engine = [w + shared_len * kv + sum(j + 1 for ln in lengths if ln > j) * kv for j in range(n)]
-    chain = [w + (shared_len + i) * kv for i in range(sum(lengths))]  # monolithic: one token per step
+    engine, chain = ([w + s.kv_read * kv for s in steps] for steps in decode_steps(lengths, shared_len))
     out = {"weight_bytes": w, "kv_bytes_per_token": kv, "bandwidth_gbs": bandwidth_gbs,
            "engine_bytes_per_step": statistics.mean(engine), "monolithic_bytes_per_step": statistics.mean(chain)}
     if bandwidth_gbs:
@@ -169,24 +193,18 @@ def roofline(model, lengths: list[int], shared_len: int, bandwidth_gbs: float, p
     falls below the ideal; where they are (a GPU) it is the ideal.
     """
     c = model.hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w, kv = weight_bytes(model), kv_bytes_per_token(model)
     lin_flops_per_row = 2 * w / model.dtype.itemsize
-    attn_flops_per_key = 4 * c.num_attention_heads * head_dim * c.num_hidden_layers  # one query row, one key
+    attn_flops_per_key = 4 * c.num_attention_heads * _head_dim(c) * c.num_hidden_layers  # one query row, one key
     bw, peak = bandwidth_gbs * 1e9, peak_gflops * 1e9
 
-    def step_ms(rows: int, kv_read: int, keys_seen: int) -> float:  # keys_seen: summed over the rows
-        lin = max(w / bw, rows * lin_flops_per_row / peak)
-        attn = max(kv_read * kv / bw, keys_seen * attn_flops_per_key / peak)
+    def step_ms(s: StepWork) -> float:
+        lin = max(w / bw, s.rows * lin_flops_per_row / peak)
+        attn = max(s.kv_read * kv / bw, s.keys_seen * attn_flops_per_key / peak)
         return (lin + attn) * 1e3
 
-    engine = []
-    for j in range(max(lengths)):  # step j: n active branches, each sees the shared prefix + its j + 1 tokens
-        n = sum(1 for ln in lengths if ln > j)
-        engine.append(step_ms(n, shared_len + n * (j + 1), n * (shared_len + j + 1)))
-    chain = [step_ms(1, shared_len + i + 1, shared_len + i + 1) for i in range(sum(lengths))]
+    eng, mono = (statistics.mean(map(step_ms, steps)) for steps in decode_steps(lengths, shared_len))
     ideal = sum(lengths) / max(lengths)
-    eng, mono = statistics.mean(engine), statistics.mean(chain)
     return {"peak_gflops": round(peak_gflops, 1), "machine_balance_flop_per_byte": round(peak / bw, 1),
             "engine_ms_per_step": round(eng, 3), "monolithic_ms_per_step": round(mono, 3),
             "speedup_bound": round(ideal * mono / eng, 3)}
@@ -194,19 +212,20 @@ def roofline(model, lengths: list[int], shared_len: int, bandwidth_gbs: float, p
 
 def measure_peak_gflops(device: torch.device, dtype: torch.dtype) -> float:
     """Matmul throughput in GFLOP/s for `dtype` on `device` (the best of a few square GEMMs)."""
-    n = 4096 if device.type == "cuda" else 1024
+    cuda = device.type == "cuda"
+    n, reps = (4096, 4) if cuda else (1024, 1)  # GPU: several GEMMs per timing, launch and sync amortised
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
     times = []
     for _ in range(6):
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(4 if device.type == "cuda" else 1):
+        for _ in range(reps):
             a @ b
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / (4 if device.type == "cuda" else 1))
+        times.append((time.perf_counter() - t0) / reps)
     del a, b
     return 2 * n**3 / min(times[1:]) / 1e9
 

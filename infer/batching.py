@@ -63,37 +63,28 @@ class EngineBatcher:
 
     async def _drain(self) -> None:
         while batch := self._next_batch():
-            try:
-                results = await self._call(batch)
-            except Exception as e:  # noqa: BLE001 - handed to the waiting request(s)
-                if len(batch) == 1:
-                    if not batch[0].future.done():
-                        batch[0].future.set_exception(e)
-                    continue
+            if not await self._run(batch) and len(batch) > 1:
                 for p in batch:  # which one was it? each alone, so only the culprit fails
-                    if p.future.done():
-                        continue
-                    try:
-                        r = (await self._call([p]))[0]
-                    except Exception as e1:  # noqa: BLE001
-                        if not p.future.done():
-                            p.future.set_exception(e1)
-                        continue
                     if not p.future.done():
-                        p.future.set_result(r)
-                continue
-            for p, r in zip(batch, results):
-                if not p.future.done():
-                    p.future.set_result(r)
+                        await self._run([p])
 
-    async def _call(self, batch: list[_Item]) -> list[Any]:
-        """One engine call in the engine thread; exactly one result per item or an exception."""
+    async def _run(self, batch: list[_Item]) -> bool:
+        """One engine call in the engine thread. On success every future gets its result (True);
+        on an exception (False) a lone request gets it, a larger batch is left to the caller."""
         self.batch_sizes.append(len(batch))
-        results = await asyncio.get_running_loop().run_in_executor(self._pool, batch[0].engine.caption,
-                                                                   [p.sample for p in batch])
-        if len(results) != len(batch):
-            raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} samples")
-        return results
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._pool, batch[0].engine.caption, [p.sample for p in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} samples")
+        except Exception as e:  # noqa: BLE001 - handed to the waiting request
+            if len(batch) == 1 and not batch[0].future.done():
+                batch[0].future.set_exception(e)
+            return False
+        for p, r in zip(batch, results):
+            if not p.future.done():
+                p.future.set_result(r)
+        return True
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -126,21 +126,22 @@ def _manifest(shards_dir, rows):
 def test_train_run_name_follows_the_training_shards(tmp_path):
     """Shards made again (preprocess forced, annotations changed) are other data: the run must
     not resume a checkpoint trained on the old ones."""
-    from train.trainer import train_run_name, training_data_id
+    from train.trainer import read_manifest, train_run_name, training_data_id
 
+    cfg = Config()
+    data_id = lambda shards_dir: training_data_id(cfg, read_manifest(str(shards_dir)))  # noqa: E731
     row = {"video_id": "v1", "split": "train", "status": "ok", "shard": "/s/a/train/000.tar", "key": "v1"}
     a, b = tmp_path / "a", tmp_path / "b"
     _manifest(a, [row, {**row, "video_id": "v2", "split": "test", "key": "v2"}])
     _manifest(b, [{**row, "shard": "/s/b/train/000.tar"}, {**row, "video_id": "v2", "split": "test", "key": "v2"}])
-    cfg = Config()
-    id_a = training_data_id(cfg, str(a))
-    assert id_a == training_data_id(cfg, str(a))
-    assert id_a != training_data_id(cfg, str(b))
-    assert train_run_name(cfg, id_a) != train_run_name(cfg, training_data_id(cfg, str(b)))
+    id_a = data_id(a)
+    assert id_a == data_id(a)
+    assert id_a != data_id(b)
+    assert train_run_name(cfg, id_a) != train_run_name(cfg, data_id(b))
     # rows of splits training does not read do not matter
     _manifest(b, [row, {**row, "video_id": "v2", "split": "test", "key": "v2"},
                   {**row, "video_id": "v3", "split": "extra", "key": "v3"}])
-    assert training_data_id(cfg, str(b)) == id_a
+    assert data_id(b) == id_a
 
 
 def test_a_finished_run_is_not_resumed_but_an_interrupted_one_is(tmp_path):

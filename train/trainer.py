@@ -154,13 +154,17 @@ def _pyarrow_fs(path: str):
     return PyFileSystem(FSSpecHandler(fs)), inner
 
 
-def training_data_id(cfg: Config, shards_dir: str) -> str:
+def read_manifest(shards_dir: str) -> list[dict[str, Any]]:
+    """The preprocess manifest rows (one per video) under `shards_dir`."""
+    return mf.read_table(mf.manifest_path(shards_dir))
+
+
+def training_data_id(cfg: Config, rows: list[dict[str, Any]]) -> str:
     """Fingerprint of the manifest rows training reads (ok samples of the train and held-out
     splits): shards made again (preprocess forced, annotations changed) give another one."""
-    rows = mf.read_table(mf.manifest_path(shards_dir))
     used = [r for r in rows if r["status"] == "ok" and r["split"] in (cfg.train.train_split, cfg.train.val_split)]
     used.sort(key=lambda r: (r["split"] or "", r["video_id"] or ""))
-    return section_hash(json.loads(json.dumps(used, sort_keys=True, default=str)))
+    return section_hash(used)  # manifest columns are strings and numbers: JSON as they are
 
 
 def train_run_name(cfg: Config, data_id: str = "") -> str:
@@ -191,11 +195,6 @@ def clear_finished_run(ray_dir: str, name: str) -> bool:
     return True
 
 
-def split_shards(shards_dir: str, split: str) -> list[str]:
-    rows = mf.read_table(mf.manifest_path(shards_dir))
-    return mf.ok_shards(rows, split)
-
-
 def read_train_dataset(paths: list[str], cfg: Config):
     """Ray Data: raw WebDataset records (bytes per field) of the training shards, materialised."""
     fs, _ = _pyarrow_fs(paths[0])
@@ -219,11 +218,13 @@ def worker_env(cfg: Config) -> dict[str, str]:
     return env
 
 
-def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None = None) -> TorchTrainer:
-    """The TorchTrainer of run `name` (default: `train_run_name` of the config and the shards)."""
+def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None = None,
+                  rows: list[dict[str, Any]] | None = None) -> TorchTrainer:
+    """The TorchTrainer of run `name` (default: `train_run_name` of the config and the shards);
+    `rows`: the manifest of `shards_dir` when the caller has read it already."""
     tc = cfg.train
-    train_paths = split_shards(shards_dir, tc.train_split)
-    val_paths = split_shards(shards_dir, tc.val_split)
+    rows = read_manifest(shards_dir) if rows is None else rows
+    train_paths, val_paths = mf.ok_shards(rows, tc.train_split), mf.ok_shards(rows, tc.val_split)
     if not train_paths:
         raise SystemExit(f"no ok shards of split {tc.train_split!r} in {mf.manifest_path(shards_dir)}")
     probe = read_samples(train_paths[:1], limit=1)
@@ -242,7 +243,7 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
         train_loop_config={"cfg": cfg.to_json(indent=None), "val_shards": val_paths, "visual_dim": int(dv),
                            "audio_dim": int(da)},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
-        run_config=RunConfig(name=name or train_run_name(cfg, training_data_id(cfg, shards_dir)), storage_path=path, storage_filesystem=fs,
+        run_config=RunConfig(name=name or train_run_name(cfg, training_data_id(cfg, rows)), storage_path=path, storage_filesystem=fs,
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=max(1, tc.keep_checkpoints)),
                              worker_runtime_env={"env_vars": worker_env(cfg)}),
@@ -284,10 +285,11 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     storage.makedirs(out_dir)
-    name = train_run_name(cfg, training_data_id(cfg, shards_dir))
+    rows = read_manifest(shards_dir)
+    name = train_run_name(cfg, training_data_id(cfg, rows))
     ray_dir = storage.join(out_dir, "ray")
     clear_finished_run(ray_dir, name)
-    trainer = build_trainer(cfg, shards_dir, out_dir, name)
+    trainer = build_trainer(cfg, shards_dir, out_dir, name, rows)
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training ended without a checkpoint ({result.error})")
@@ -302,7 +304,7 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
         learning_curve(history, plot_local, title=f"PadCaptioner training ({cfg.model.backbone}, mask={cfg.model.mask})")
         storage.write_bytes(storage.join(out_dir, "learning_curve.png"), plot_local.read_bytes())
         storage.write_json(storage.join(out_dir, "history.json"), history)
-        heldout = evaluate_heldout(cfg, local / ckpt.MODEL_DIR, split_shards(shards_dir, cfg.train.val_split))
+        heldout = evaluate_heldout(cfg, local / ckpt.MODEL_DIR, mf.ok_shards(rows, cfg.train.val_split))
     last = history[-1] if history else {}
     vals = [h for h in history if "val_grounding_f1@0.5" in h]
     val = {k[4:]: round(v, 4) for k, v in (vals[-1] if vals else {}).items() if k.startswith("val_")}
