@@ -36,6 +36,7 @@ bench/attention.py.
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +44,7 @@ import torch
 
 Backend = Literal["auto", "sdpa", "math", "flash"]
 ATTN_IMPLEMENTATION = "padcap_cascade"
+log = logging.getLogger("padcap.infer")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -139,32 +141,70 @@ def lse_attention_math(
 
 
 def lse_attention_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    strict: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `lse_attention_math`, through torch's fused kernels.
 
-    Output o keeps q's dtype; lse is fp32. Falls back to the math path where no fused
-    kernel with an LSE output applies (a mask on CUDA, unsupported shapes/dtypes).
+    mask: None or bool, broadcastable to [B, H, Lq, Lk] (True = visible). Output o keeps
+    q's dtype; lse is fp32. Where no fused kernel with an LSE output applies (a dtype or
+    shape the device has no kernel for) it raises with `strict`, else it falls back to the
+    math path and logs that once per reason (never silently).
     """
     if q.device.type == "cpu":
         attn_mask = None
-        if mask is not None:  # additive mask in q's dtype, broadcast over batch and heads
-            attn_mask = torch.zeros((1, 1, *mask.shape), dtype=q.dtype, device=q.device)
-            attn_mask.masked_fill_(~mask, float("-inf"))
+        if mask is not None:  # additive mask in q's dtype
+            attn_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            while attn_mask.ndim < 4:
+                attn_mask = attn_mask[None]
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=attn_mask, scale=scale
         )
         return o, lse
-    if q.is_cuda and mask is None and q.shape[-1] <= 256:
+    error = "no fused kernel with an LSE output for this device"
+    if q.is_cuda and q.shape[-1] <= 256:
         try:
-            if q.dtype in _HALF:
+            if mask is None and q.dtype in _HALF:
                 out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
                 return out[0], out[1]
-            out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)
+            bias = None
+            if mask is not None:
+                shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+                bias = torch.zeros(shape, dtype=q.dtype, device=q.device).masked_fill_(~mask.expand(shape), float("-inf"))
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False, scale=scale)
             return out[0], out[1][..., : q.shape[-2]]  # the LSE may be padded along Lq
-        except RuntimeError:
-            pass  # no fused kernel for this shape/dtype/arch: use the math path
+        except RuntimeError as e:
+            error = str(e).splitlines()[0][:200]
+    if strict:
+        raise RuntimeError(f"fused SDPA with LSE unavailable ({q.device}, {q.dtype}, head dim {q.shape[-1]}): {error}")
+    _log_fallback_once(f"{q.device.type}/{q.dtype}/mask={mask is not None}", error)
     return lse_attention_math(q, k, v, scale, mask)
+
+
+@functools.cache
+def _log_fallback_once(where: str, reason: str) -> None:
+    log.warning("attention: no fused SDPA kernel for %s (%s); using the math kernel", where, reason)
+
+
+def lse_attention_flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, lengths: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn 2 with its LSE: q [B, H, Lq, D], k/v [B, H, Lk, D] (same H), keys
+    [0, lengths[b]) visible (None = all). Returns o [B, H, Lq, D] (a view), lse [B, H, Lq] fp32."""
+    from flash_attn import flash_attn_with_kvcache
+
+    seqlens = None if lengths is None else lengths.to(torch.int32)
+    o, lse = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_seqlens=seqlens,
+                                     softmax_scale=scale, causal=False, return_softmax_lse=True)
+    return o.transpose(1, 2), lse.float()
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """P partial attentions over disjoint key chunks -> one: o [P, ..., D], lse [P, ...] ->
+    (o [..., D], lse [...]) fp32, weights softmax(lse) over P."""
+    lse = lse.float()
+    w = torch.softmax(lse, dim=0).unsqueeze(-1)
+    return (w * o.float()).sum(0), torch.logsumexp(lse, dim=0)
 
 
 def merge_lse(
@@ -181,18 +221,15 @@ def merge_lse(
     m = max(l_a, l_b): o = (e^(l_a-m) o_a + e^(l_b-m) o_b) / (e^(l_a-m) + e^(l_b-m)),
     l = m + log(e^(l_a-m) + e^(l_b-m)). The weight of side a is exactly
     sigmoid(l_a - l_b), so o = lerp(o_b, o_a, sigmoid(l_a - l_b)): a few fused kernels.
-    Weights in fp32; the lerp runs in fp32 registers (fp16/bf16 inputs: one kernel
-    straight into `out` when all dtypes match, else in fp32 then copied).
+    Weights and the blend in fp32, rounded once into `out` (rounding the weight to
+    bf16 first costs 4-5x the error of a single attention kernel).
     Returns (o, lse fp32 or None); o is `out` when given, else fp32. A side with
     lse = -inf (no visible key) gets weight 0; one side per row must see a key.
     """
     w = torch.sigmoid(lse_a.float() - lse_b.float()).unsqueeze(-1)
-    if out is not None and o_a.dtype == o_b.dtype == out.dtype:
-        o = torch.lerp(o_b, o_a, w.to(out.dtype), out=out)
-    else:
-        o = torch.lerp(o_b.float(), o_a.float(), w)
-        if out is not None:
-            o = out.copy_(o)
+    o = torch.lerp(o_b.float(), o_a.float(), w)
+    if out is not None:
+        o = out.copy_(o)
     return o, (torch.logaddexp(lse_a.float(), lse_b.float()) if with_lse else None)
 
 
@@ -231,6 +268,7 @@ def _prefix_part(qb, prefix_k, prefix_v, scale, kernel, splits):
     """
     K, Hkv, G, D = qb.shape
     Lp = prefix_k.shape[1]
+    splits = max(1, min(int(splits), Lp))  # more chunks than keys would make empty chunks (SIGFPE in the CPU kernel)
     qp = qb.transpose(0, 1).reshape(1, Hkv, K * G, D)
     if splits <= 1:
         o, lse = kernel(qp, prefix_k.unsqueeze(0), prefix_v.unsqueeze(0), scale)

@@ -1,48 +1,59 @@
-"""The PadCaptioner decoding engine: planning, grounding, anchors, lock-step branches.
+"""The PadCaptioner decoding engine: many videos per decode step (continuous batching).
 
     engine = CaptionEngine(model, cfg.infer)              # model: pipeline.model.PadCaptioner
     results = engine.caption(samples)                      # list[VideoResult], one per sample
-    decoded = engine.decode(sample, DecodeControl(...))    # one video, with test/bench hooks
+    decoded = engine.decode(sample, DecodeControl(...))    # one video alone, with test/bench hooks
+    engine.run(feed, emit)                                 # a stream (Serve): see `run`
 
-Per video (one `CascadeCache` each, so videos of any prefix length mix in one call):
-  1. prefill, planning, grounding, aggregation: infer/front.py (`run_front`);
-  2. one forward over the K anchors (batch K, all at position A, attention mask None:
-     in branch mode the cascade attention itself sees the whole prefix + own branch);
-  3. lock-step decoding: every step feeds one token per active branch, all at position
-     `branch_position(A, j)`, and reads one logit row each (infer/sampling.py: greedy by
-     default, temperature / top-p with a per-video seeded torch.Generator);
-  4. independent termination: a branch that emits <eos> or reaches max_branch_tokens
-     leaves at once: its KV is dropped (`cache.keep`) and its row leaves the query
-     batch; no padding token is ever fed.
-Events come back sorted by start with well-formed intervals (start < end inside
-[0, duration]) even for an untrained model. `infer.decoder = "monolithic"` runs the
-single-chain baseline (infer/reference.py `monolithic`) behind the same interface.
+Per video, on admission (infer/front.py `run_front`, HF's forward with the layout mask):
+prefill, planning (<G>/<S>), grounding and aggregation give K intervals and K anchor
+embeddings at position A; the prefix KV (prefix + serial <G>s) is kept as it came out of
+prefill, once per video. The video's K anchor rows then join the decode step
+(infer/step.py) that already carries the branch rows of other videos:
 
-A sample that does not fit the model (segments over model.max_segments, feature dims,
-sequence length, bad duration) gets a VideoResult with `error` set and no events; the
-other samples go on.
+    while videos wait or rows are active:
+        admit videos while a slot is free and their K rows fit (infer.max_batch_videos,
+            infer.max_batch_rows): front, then K anchor rows at the end of the batch
+        one step over every active row (anchors and branch tokens of all videos alike):
+            positions = A_row + branch length_row, on the device
+            hidden = StepRunner.step(embeds, meta); logits = head(hidden)
+            scores = logits + bias (-inf at <G>, <S>), then any test processors
+            next = argmax (or a seeded draw per video)       -> one device-to-host copy
+        a row whose token is <eos>, or whose branch reached infer.max_branch_tokens, ends:
+            rows compacted in place (stable: each video's rows stay contiguous)
+        a video whose rows all ended is finished: result out, slot free
 
-The engine sets the backbone's attention to "padcap_cascade" (infer/attention.py). In
-prefix mode that is HF's sdpa with the given mask, so every other use of the model
-(training forward, reference decoders) computes exactly what it did before.
+Each row's arithmetic depends only on its own video, so greedy tokens equal decoding the
+video alone, whatever else shares the step or when it was admitted (tests/test_engine.py
+and tests/test_batching_engine.py check this against infer/reference.py). Events come back sorted by
+start with well-formed intervals (start < end inside [0, duration]); a branch cut by
+the cap is marked `capped`; a video longer than the model takes is shortened as training
+shortens it (pipeline/fitting.py) and says so (segments kept / total).
+
+A sample that cannot be decoded (feature dims, bad duration, ...) gets a VideoResult
+with `error` set and no events; the others go on. `infer.decoder = "monolithic"` runs
+the single-chain baseline (infer/reference.py) one video at a time behind the same API.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicCache
 
-from infer.attention import ATTN_IMPLEMENTATION, register
+from infer.attention import auto_prefix_splits
 from infer.decoded import Decoded, to_events
-from infer.front import DecodeError, Front, StageTimer, prepare_example, run_front, token_position_ids
-from infer.kv_cache import CascadeCache
-from infer.sampling import NO_CONTROL, DecodeControl, TokenChooser, video_generator
+from infer.front import DecodeError, Front, StageTimer, decode_reserve, prepare_example, run_front
+from infer.sampling import NO_CONTROL, DecodeControl, video_generator
+from infer.step import Mode, StepMeta, StepRunner, StepWeights, choose_kernel
+from pipeline.backbone import DTYPES
 from pipeline.config import InferConfig
-from pipeline.layout import Role, branch_position
 from pipeline.schema import Event, Sample
 
 log = logging.getLogger("padcap.infer")
@@ -50,21 +61,41 @@ log = logging.getLogger("padcap.infer")
 
 @dataclass
 class VideoResult:
-    """One video's captions: events sorted by start; timings in ms (+ steps, tokens, events)."""
+    """One video's captions: events sorted by start; timings in ms (+ steps, tokens, events).
+
+    capped[i]: event i's caption was cut at infer.max_branch_tokens (no <eos>).
+    segments_kept / segments_total: time segments the model saw / the video has (fewer
+    when a long video was shortened to fit the model).
+    """
 
     video_id: str
     duration: float
     events: list[Event]
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    capped: list[bool] = field(default_factory=list)
+    segments_kept: int = 0
+    segments_total: int = 0
 
     def to_dict(self) -> dict[str, Any]:
+        capped = self.capped or [False] * len(self.events)
         out = {"video_id": self.video_id, "duration": float(self.duration),
-               "events": [{"start": float(e.start), "end": float(e.end), "caption": e.caption} for e in self.events],
-               "timings": dict(self.timings)}
+               "events": [{"start": float(e.start), "end": float(e.end), "caption": e.caption, "capped": bool(c)}
+                          for e, c in zip(self.events, capped)],
+               "timings": dict(self.timings), "segments_kept": self.segments_kept, "segments_total": self.segments_total}
         if self.error is not None:
             out["error"] = self.error
         return out
+
+
+@dataclass
+class Request:
+    """One video to decode: its sample, test hooks, and a cancellation check (Serve)."""
+
+    sample: Sample
+    control: DecodeControl = field(default_factory=DecodeControl)
+    cancelled: Callable[[], bool] = lambda: False
+    tag: Any = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,68 +105,56 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def use_cascade_attention(model) -> None:
-    """Register "padcap_cascade" and switch the backbone to it (idempotent)."""
-    register()
-    base = model.backbone.get_base_model()
-    if base.config._attn_implementation != ATTN_IMPLEMENTATION:
-        base.set_attn_implementation(ATTN_IMPLEMENTATION)
+def resolve_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """infer.dtype -> torch dtype (auto = bfloat16 on CUDA, the model's own on the CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else model_dtype
+    return DTYPES[name]
 
 
-@torch.no_grad()
-def decode_lockstep(model, front: Front, chooser: TokenChooser, max_tokens: int,
-                    control: DecodeControl = NO_CONTROL) -> tuple[list[list[int]], list[torch.Tensor] | None, int]:
-    """Steps 2-4 of the module doc on a front whose cache is a CascadeCache in prefix mode.
+def check_config(cfg: InferConfig) -> None:
+    if cfg.max_events < 1 or cfg.max_branch_tokens < 1:
+        raise ValueError(f"infer.max_events and infer.max_branch_tokens must be >= 1 "
+                         f"(got {cfg.max_events}, {cfg.max_branch_tokens})")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+        raise ValueError(f"need infer.temperature >= 0 and 0 < infer.top_p <= 1 (got {cfg.temperature}, {cfg.top_p})")
+    if cfg.attention_prefix_splits < 0:
+        raise ValueError(f"infer.attention_prefix_splits must be >= 0 (0 = auto), got {cfg.attention_prefix_splits}")
+    if cfg.max_batch_videos < 1 or cfg.max_batch_rows < cfg.max_events:
+        raise ValueError(f"need infer.max_batch_videos >= 1 and infer.max_batch_rows >= infer.max_events (one video's "
+                         f"rows must fit a step); got {cfg.max_batch_videos}, {cfg.max_batch_rows} < {cfg.max_events}")
 
-    Returns (tokens per event, raw logits per event [len_i, V] if traced, decoder steps).
-    """
-    cache = front.cache
-    k = front.num_events
-    dev = model.device
-    cache.start_branches(k, capacity=max_tokens + 1)
-    active = list(range(k))  # event of each query row
-    tokens: list[list[int]] = [[] for _ in range(k)]
-    traced: list[list[torch.Tensor]] | None = [[] for _ in range(k)] if control.trace else None
-    embeds = front.anchors[:, None, :]  # [K, 1, d]: step 0 = the anchors
-    role, step = Role.ANCHOR, 0
-    while True:
-        pos = token_position_ids(model, branch_position(front.anchor_pos, step), len(active), role, dev)
-        hidden = model.decoder(inputs_embeds=embeds, position_ids=pos, cache=cache, use_cache=True).last_hidden_state
-        logits = model.lm_logits(hidden[:, -1])  # [n, V]
-        nxt = chooser.branch(logits, step, active, control)
-        chosen = nxt.tolist()
-        done = []
-        for row, (event, tok) in enumerate(zip(active, chosen)):
-            tokens[event].append(tok)
-            if traced is not None:
-                traced[event].append(logits[row].float().cpu())
-            done.append(tok == chooser.eos_id or len(tokens[event]) >= max_tokens)
-        step += 1
-        if all(done):
-            break
-        if any(done):  # finished branches leave the cache and the query batch at once
-            keep = [row for row, d in enumerate(done) if not d]
-            cache.keep(keep)
-            active = [active[row] for row in keep]
-            nxt = nxt[torch.tensor(keep, device=nxt.device)]
-        embeds = model.embed_tokens(nxt[:, None])  # [n, 1, d]
-        role = Role.BRANCH
-    cache.end_branches()
-    logits_out = [torch.stack(t) for t in traced] if traced is not None else None
-    return tokens, logits_out, step
+
+class _Video:
+    """A video in flight: its front, rows, tokens and timings."""
+
+    def __init__(self, request: Request, front: Front, timer: StageTimer, slot: int, first_row: int,
+                 segments_total: int, generator: torch.Generator | None, eos_id: int):
+        self.request, self.front, self.timer, self.slot = request, front, timer, slot
+        self.first_row = first_row
+        k = front.num_events
+        self.events = list(range(k))  # event of each of its active rows, in row order
+        self.tokens: list[list[int]] = [[] for _ in range(k)]
+        self.traced: list[list[torch.Tensor]] | None = [[] for _ in range(k)] if request.control.trace else None
+        self.processors = request.control.processors(eos_id)
+        self.generator = generator
+        self.steps = 0
+        self.segments_total = segments_total
+        self.t_admit = time.perf_counter()
+
+    @property
+    def rows(self) -> int:
+        return len(self.events)
 
 
 class CaptionEngine:
-    """Dense captions for a list of samples (module doc). Not thread-safe: one caller at a time."""
+    """Dense captions for a list (or a stream) of samples; see the module doc.
+
+    Not thread-safe: one caller at a time (an actor or a replica owns its engine).
+    """
 
     def __init__(self, model, cfg: InferConfig):
-        if cfg.max_events < 1 or cfg.max_branch_tokens < 1:
-            raise ValueError(f"infer.max_events and infer.max_branch_tokens must be >= 1 "
-                             f"(got {cfg.max_events}, {cfg.max_branch_tokens})")
-        if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
-            raise ValueError(f"need infer.temperature >= 0 and 0 < infer.top_p <= 1 (got {cfg.temperature}, {cfg.top_p})")
-        if cfg.attention_prefix_splits < 0:
-            raise ValueError(f"infer.attention_prefix_splits must be >= 0 (0 = auto), got {cfg.attention_prefix_splits}")
+        check_config(cfg)
         if cfg.decoder == "parallel" and model.options.mask != "factorized":
             raise ValueError(f"parallel decoding needs a model trained with the factorized mask (model.mask="
                              f"{model.options.mask!r}); use infer.decoder=monolithic")
@@ -144,59 +163,286 @@ class CaptionEngine:
         self.device = resolve_device(cfg.device)
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)  # process-wide: an engine owns its process (actor, replica)
+        dtype = resolve_dtype(cfg.dtype, self.device, model.dtype)
         if model.device.type != self.device.type:
             model.to(self.device)
+        if model.new_embed.dtype != dtype:
+            model.to(dtype)
+            model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
         model.eval()
-        use_cascade_attention(model)
+        self.weights = StepWeights(model)
+        self.kernel = choose_kernel(cfg.attention_backend, dtype, self.device, self.weights.head_dim)
+        padded = cfg.step_attention == "padded"
+        self.runner = StepRunner(self.weights, self.kernel, cfg.max_batch_rows, cfg.max_branch_tokens,
+                                 prefix=cfg.step_attention, prefix_splits=cfg.attention_prefix_splits or 0,
+                                 slots=cfg.max_batch_videos, rows_per_video=cfg.max_events,
+                                 prefix_cap=model.cfg.max_seq_len if padded else 1)
+        self.bias = torch.zeros(self.weights.head.shape[0], device=self.device)
+        self.bias[[model.g_id, model.s_id]] = float("-inf")  # structural tokens are never caption text
+        rows, d = cfg.max_batch_rows, self.weights.hidden
+        self._embeds = torch.zeros(rows, d, dtype=dtype, device=self.device)
+        self._lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._slots = torch.full((rows,), cfg.max_batch_videos, dtype=torch.long, device=self.device)
+        self._ranks = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.stats = {"steps": 0, "row_steps": 0, "step_ms": 0.0, "front_ms": 0.0}
 
-    def chooser(self, video_id: str) -> TokenChooser:
-        gen = None
-        if self.cfg.temperature > 0:
-            gen = video_generator(self.cfg.seed, video_id, self.device)
-        return TokenChooser(self.model.ids, self.cfg.temperature, self.cfg.top_p, gen)
+    # ------------------------------------------------------------------ public API
 
-    @torch.no_grad()
     def decode(self, sample: Sample, control: DecodeControl = NO_CONTROL) -> Decoded:
-        """One video -> Decoded (raises DecodeError for a sample that does not fit the model)."""
-        if self.cfg.decoder == "monolithic":
-            from infer.reference import monolithic
-
-            return monolithic(self.model, sample, self.cfg, control)
-        timer = StageTimer(self.device)
-        example = prepare_example(self.model, sample)
-        cache = CascadeCache(self.model.hf_config, backend=self.cfg.attention_backend,
-                             prefix_splits=self.cfg.attention_prefix_splits)
-        front = run_front(self.model, example, cache, self.cfg.max_events, control, timer)
-        tokens, logits, steps = decode_lockstep(self.model, front, self.chooser(sample.video_id),
-                                                self.cfg.max_branch_tokens, control)
-        timer.lap("decode_ms")
-        timings = dict(timer.ms)
-        timings.update(total_ms=sum(timer.ms.values()), steps=float(steps),
-                       tokens=float(sum(len(t) for t in tokens)), events=float(len(tokens)))
-        return Decoded(video_id=sample.video_id, duration=float(sample.duration), intervals=front.intervals,
-                       tokens=tokens, steps=steps, timings=timings,
-                       planning_logits=front.planning_logits if control.trace else None, branch_logits=logits,
-                       grounding_logits=front.grounding_logits if control.trace else None)
+        """One video alone -> Decoded (raises DecodeError for a sample that does not fit the model)."""
+        out: list[Any] = []
+        self.run(iter([Request(sample, control)]), lambda req, res: out.append(res))
+        if isinstance(out[0], DecodeError):
+            raise out[0]
+        return out[0]
 
     def caption(self, samples: list[Sample], *, controls: Sequence[DecodeControl] | None = None) -> list[VideoResult]:
-        """Samples (decoded shards, or features straight from the encoders) -> one result each.
+        """Samples (decoded shards, or features straight from the encoders) -> one result each, in order.
 
-        controls: test/benchmark hooks, one per sample (infer/sampling.py); serving leaves it None.
+        All of them are decoded together (up to the batch caps at a time, continuous
+        admission). controls: test/benchmark hooks, one per sample; serving leaves it None.
         """
         if controls is not None and len(controls) != len(samples):
             raise ValueError(f"{len(controls)} controls for {len(samples)} samples")
-        results = []
-        for i, sample in enumerate(samples):
-            try:
-                decoded = self.decode(sample, controls[i] if controls is not None else NO_CONTROL)
-            except DecodeError as e:
-                log.warning("cannot caption %s: %s", sample.video_id, e)
-                results.append(VideoResult(sample.video_id, float(sample.duration), [], {}, error=str(e)))
-                continue
-            events = to_events(decoded, self.model.tokenizer, self.model.eos_id)
-            results.append(VideoResult(sample.video_id, decoded.duration, events, decoded.timings))
-        return results
+        results: list[VideoResult | None] = [None] * len(samples)
+        reqs = [Request(s, controls[i] if controls is not None else NO_CONTROL, tag=i) for i, s in enumerate(samples)]
+
+        def emit(req: Request, res) -> None:
+            results[req.tag] = self.result(req.sample, res)
+
+        self.run(iter(reqs), emit)
+        return results  # type: ignore[return-value]
+
+    def result(self, sample: Sample, res: Decoded | Exception) -> VideoResult:
+        """A Decoded (or the DecodeError of a refused sample) -> VideoResult."""
+        if isinstance(res, Exception):
+            log.warning("cannot caption %s: %s", sample.video_id, res)
+            return VideoResult(sample.video_id, float(sample.duration), [], {}, error=str(res),
+                               segments_total=int(sample.num_segments))
+        order = sorted(range(res.num_events), key=lambda i: (*res.intervals[i], i))
+        events = to_events(res, self.model.tokenizer, self.model.eos_id)
+        capped = [self.model.eos_id not in res.tokens[i] for i in order]
+        return VideoResult(sample.video_id, res.duration, events, res.timings, capped=capped,
+                           segments_kept=int(res.timings.get("segments_kept", 0)),
+                           segments_total=int(res.timings.get("segments_total", 0)))
 
     def describe(self) -> dict[str, Any]:
-        """The decoding settings (for logs and reports)."""
-        return {**asdict(self.cfg), "resolved_device": str(self.device), "attention": ATTN_IMPLEMENTATION}
+        """The decoding settings and the kernel chosen at set-up (for logs, reports, benchmarks)."""
+        return {**asdict(self.cfg), "resolved_device": str(self.device), "resolved_dtype": str(self.weights.dtype),
+                "kernel": self.kernel.name, "kernel_reason": self.kernel.reason, "step_attention": self.runner.prefix.name}
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.no_grad()
+    def run(self, feed: Iterable[Request] | Callable[[], Request | None],
+            emit: Callable[[Request, Decoded | DecodeError], None]) -> None:
+        """Decode every request `feed` gives, many per step; `emit(request, Decoded | DecodeError)`
+        as each video finishes (in finishing order). feed: an iterator, or a function polled
+        at every step boundary that returns a request or None (nothing new now): the loop
+        returns when nothing is in flight and the feed has nothing. A request whose
+        `cancelled()` turns true leaves the batch at the next step, without a result."""
+        if self.cfg.decoder == "monolithic":
+            return self._run_monolithic(feed, emit)
+        poll = feed if callable(feed) else (lambda it=iter(feed): next(it, None))
+        active: list[_Video] = []
+        free = deque(range(self.cfg.max_batch_videos))
+        ready: _Admit | None = None
+        while True:
+            # admission: fronts of new videos while a slot is free and their rows fit
+            while free:
+                if ready is None:
+                    req = poll()
+                    if req is None:
+                        break
+                    ready = self._front(req, emit)
+                    if ready is None:
+                        continue
+                if self._rows(active) + ready.front.num_events > self.cfg.max_batch_rows:
+                    break
+                active.append(self._admit(ready, free.popleft(), self._rows(active)))
+                ready = None
+            active = self._drop_cancelled(active, free)
+            if not active:
+                if ready is None:
+                    return
+                continue
+            active = self._step(active, free, emit)
+
+    def _rows(self, active: list[_Video]) -> int:
+        return sum(v.rows for v in active)
+
+    def _front(self, req: Request, emit) -> "_Admit | None":
+        """Prefill + planning + grounding + anchors of one video (HF forward); None if refused."""
+        t0 = time.perf_counter()
+        timer = StageTimer(self.device)
+        try:
+            example = prepare_example(self.model, req.sample, decode_reserve(self.cfg))
+            front = run_front(self.model, example, DynamicCache(config=self.model.hf_config), self.cfg.max_events,
+                              req.control, timer)
+        except DecodeError as e:
+            emit(req, e)
+            return None
+        self.stats["front_ms"] += (time.perf_counter() - t0) * 1000.0
+        return _Admit(req, front, timer)
+
+    def _admit(self, ready: "_Admit", slot: int, first: int) -> _Video:
+        front, k = ready.front, ready.front.num_events
+        cache = front.cache
+        prefix_kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+        self.runner.admit(slot, prefix_kv)
+        lp = prefix_kv[0][0].shape[1]
+        if self.runner.prefix.name == "varlen":
+            splits = self.cfg.attention_prefix_splits or auto_prefix_splits(lp, self.device)
+            self.runner.prefix.splits = max(1, min(splits, lp))
+        self.weights.rope_tables(front.anchor_pos + self.cfg.max_branch_tokens + 1)
+        rows = slice(first, first + k)
+        self._embeds[rows] = front.anchors.to(self._embeds.dtype)
+        self._lengths[rows] = 0
+        self._anchor[rows] = front.anchor_pos
+        self._slots[rows] = slot
+        self._ranks[rows] = torch.arange(k, device=self.device)
+        gen = None
+        if self.cfg.temperature > 0:
+            gen = video_generator(self.cfg.seed, ready.request.sample.video_id, self.device)
+        return _Video(ready.request, front, ready.timer, slot, first, int(ready.request.sample.num_segments), gen,
+                      self.model.eos_id)
+
+    def _drop_cancelled(self, active: list[_Video], free: deque) -> list[_Video]:
+        gone = [v for v in active if v.request.cancelled()]
+        if not gone:
+            return active
+        keep_rows = [r for v in active if v not in gone for r in range(v.first_row, v.first_row + v.rows)]
+        for v in gone:
+            self.runner.release(v.slot)
+            free.append(v.slot)
+        kept = [v for v in active if v not in gone]
+        self._compact(kept, keep_rows)
+        return kept
+
+    def _choose(self, logits: torch.Tensor, active: list[_Video]) -> torch.Tensor:
+        """logits [R, V] -> next tokens [R] on the device (bias, test processors, greedy or seeded draw)."""
+        scores = logits.float() + self.bias
+        for v in active:
+            if v.processors:
+                rows = slice(v.first_row, v.first_row + v.rows)
+                step = len(v.tokens[v.events[0]])  # lock-step within a video: every active row is at this step
+                for proc in v.processors:
+                    scores[rows] = proc(scores[rows], step, v.events)
+        nxt = scores.argmax(dim=-1)
+        if self.cfg.temperature > 0:
+            from infer.sampling import top_p_filter
+
+            for v in active:
+                rows = slice(v.first_row, v.first_row + v.rows)
+                probs = torch.softmax(scores[rows] / self.cfg.temperature, dim=-1)
+                if self.cfg.top_p < 1.0:
+                    probs = top_p_filter(probs, self.cfg.top_p)
+                nxt[rows] = torch.multinomial(probs, 1, generator=v.generator).squeeze(-1)
+        return nxt
+
+    def _step(self, active: list[_Video], free: deque, emit) -> list[_Video]:
+        """One decode step over every active row, then terminations, compaction, finished videos."""
+        t0 = time.perf_counter()
+        n = self._rows(active)
+        max_len = max(len(v.tokens[e]) for v in active for e in v.events)
+        meta = StepMeta(positions=self._anchor[:n] + self._lengths[:n], lengths=self._lengths[:n],
+                        slots=self._slots[:n], ranks=self._ranks[:n],
+                        spans=[(v.slot, v.first_row, v.rows) for v in active], max_length=max_len + 1)
+        hidden = self.runner.step(self._embeds[:n], meta)
+        logits = self.runner.logits(hidden)
+        nxt = self._choose(logits, active)
+        chosen = nxt.tolist()  # the step's one device-to-host copy
+        self._lengths[:n] += 1
+        cap, eos = self.cfg.max_branch_tokens, self.model.eos_id
+        keep_rows: list[int] = []
+        still: list[_Video] = []
+        for v in active:
+            v.steps += 1
+            alive = []
+            for i, e in enumerate(v.events):
+                row = v.first_row + i
+                tok = chosen[row]
+                v.tokens[e].append(tok)
+                if v.traced is not None:
+                    v.traced[e].append(logits[row].float().cpu())
+                if tok != eos and len(v.tokens[e]) < cap:
+                    alive.append(e)
+                    keep_rows.append(row)
+            v.events = alive
+            if alive:
+                still.append(v)
+            else:
+                self.runner.release(v.slot)
+                free.append(v.slot)
+                emit(v.request, self._finish(v))
+        if len(keep_rows) != n:
+            self._compact(still, keep_rows, nxt)
+        else:
+            self._embeds[:n] = self.runner.embed(nxt)
+        self.stats["steps"] += 1
+        self.stats["row_steps"] += n
+        self.stats["step_ms"] += (time.perf_counter() - t0) * 1000.0
+        return still
+
+    def _compact(self, kept: list[_Video], keep_rows: list[int], nxt: torch.Tensor | None = None) -> None:
+        """Move the kept rows (in order) to the front of every per-row buffer and the branch pool."""
+        idx = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        m = len(keep_rows)
+        if m:
+            live = max(len(v.tokens[e]) for v in kept for e in v.events) if kept else 1
+            self.runner.branch.compact(idx, live)
+            for buf in (self._lengths, self._anchor, self._slots):
+                buf[:m] = buf.index_select(0, idx)
+            if nxt is not None:
+                self._embeds[:m] = self.runner.embed(nxt.index_select(0, idx))
+            else:
+                self._embeds[:m] = self._embeds.index_select(0, idx)
+        first = 0
+        ranks = []
+        for v in kept:
+            v.first_row = first
+            first += v.rows
+            ranks.extend(range(v.rows))
+        if m:
+            self._ranks[:m] = torch.tensor(ranks, dtype=torch.long, device=self.device)
+
+    def _finish(self, v: _Video) -> Decoded:
+        front, req = v.front, v.request
+        timings = dict(v.timer.ms)
+        timings["decode_ms"] = (time.perf_counter() - v.t_admit) * 1000.0
+        timings.update(total_ms=sum(timings.values()), steps=float(v.steps), tokens=float(sum(map(len, v.tokens))),
+                       events=float(len(v.tokens)), segments_kept=float(front.example.layout.num_segments),
+                       segments_total=float(v.segments_total))
+        trace = req.control.trace
+        return Decoded(video_id=req.sample.video_id, duration=float(req.sample.duration), intervals=front.intervals,
+                       tokens=v.tokens, steps=v.steps, timings=timings,
+                       planning_logits=front.planning_logits if trace else None,
+                       branch_logits=[torch.stack(t) for t in v.traced] if v.traced is not None else None,
+                       grounding_logits=front.grounding_logits if trace else None)
+
+    def _run_monolithic(self, feed, emit) -> None:
+        from infer.reference import monolithic
+
+        poll = feed if callable(feed) else (lambda it=iter(feed): next(it, None))
+        while (req := poll()) is not None:
+            if req.cancelled():
+                continue
+            try:
+                dec = monolithic(self.model, req.sample, self.cfg, req.control)
+            except DecodeError as e:
+                emit(req, e)
+                continue
+            emit(req, dec)
+
+
+@dataclass
+class _Admit:
+    """A video whose front is done, waiting for room in the step."""
+
+    request: Request
+    front: Front
+    timer: StageTimer
+
+
+MODES = tuple(m.value for m in Mode)

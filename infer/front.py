@@ -3,8 +3,7 @@
     front = run_front(model, sample, cache, max_events, control)
     # front.cache holds prefix + serial <G>s; front.anchors [K, d] at position front.anchor_pos
 
-Shared by the engine (a `CascadeCache`, infer/kv_cache.py, in prefix mode) and the
-cached reference decoders (an HF `DynamicCache`); infer/reference.py's
+Shared by the engine and the cached reference decoders (an HF `DynamicCache`); infer/reference.py's
 `full_recompute` redoes the same steps without any cache, through the training-time
 forward, and must agree with this module.
 
@@ -32,6 +31,7 @@ import torch
 
 from infer.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_capped
 from pipeline.batch import Example, collate
+from pipeline.fitting import fit_for_decoding
 from pipeline.grounding import similarity_logits
 from pipeline.layout import Layout, Role, TokenMeta, additive_mask, anchor_position, mask_between, shared_position
 
@@ -86,11 +86,22 @@ class StageTimer:
         self._t = now
 
 
-def prepare_example(model, sample) -> Example:
-    """Sample -> prefix-only Example (raises DecodeError with the reason for bad input)."""
+def decode_reserve(cfg) -> int:
+    """Tokens a decode adds after the prefix at most: the planning <G>s and one branch."""
+    return int(cfg.max_events) + int(cfg.max_branch_tokens)
+
+
+def prepare_example(model, sample, reserve: int = 0) -> Example:
+    """Sample -> prefix-only Example (raises DecodeError with the reason for bad input).
+
+    A video too long for the model (over model.max_segments, or prefix + `reserve` tokens
+    over model.max_seq_len) is shortened as training shortens it (pipeline/fitting.py:
+    whole segments dropped evenly); `example.layout.num_segments` is what was kept.
+    """
     if not (sample.duration > 0 and float(sample.duration) < float("inf")):
         raise DecodeError(f"{sample.video_id}: duration must be a positive finite number of seconds, got {sample.duration}")
     try:
+        sample, _ = fit_for_decoding(sample, model, reserve)
         return model.make_example(sample, with_targets=False)
     except ValueError as e:  # ExampleError, LayoutError: the sample does not fit the model
         raise DecodeError(str(e)) from e

@@ -38,7 +38,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.decoded import Decoded
-from infer.front import (StageTimer, cat_meta, ground_intervals, prepare_example, row_mask, run_front,
+from infer.front import (StageTimer, cat_meta, decode_reserve, ground_intervals, prepare_example, row_mask, run_front,
                          token_position_ids)
 from infer.sampling import NO_CONTROL, DecodeControl, TokenChooser, plan_decision, planning_capped
 from pipeline.batch import collate
@@ -53,10 +53,11 @@ def _chooser(model, cfg: InferConfig, video_id: str) -> TokenChooser:
     return TokenChooser(model.ids, cfg.temperature, cfg.top_p, gen)
 
 
-def _finish(sample, intervals, tokens, steps, timer, planning, branch_logits, grounding, control) -> Decoded:
+def _finish(sample, example, intervals, tokens, steps, timer, planning, branch_logits, grounding, control) -> Decoded:
     timings = dict(timer.ms)
     timings.update(total_ms=sum(timer.ms.values()), steps=float(steps), tokens=float(sum(map(len, tokens))),
-                   events=float(len(tokens)))
+                   events=float(len(tokens)), segments_kept=float(example.layout.num_segments),
+                   segments_total=float(sample.num_segments))
     keep = control.trace
     return Decoded(video_id=sample.video_id, duration=float(sample.duration), intervals=intervals, tokens=tokens,
                    steps=steps, timings=timings, planning_logits=planning if keep else None,
@@ -75,7 +76,7 @@ def _done(tok: int, n_tokens: int, chooser: TokenChooser, max_tokens: int) -> bo
 def full_recompute(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
     """No cache: every decision is read off one full training-layout forward (module doc)."""
     timer = StageTimer(model.device)
-    example = prepare_example(model, sample)
+    example = prepare_example(model, sample, decode_reserve(cfg))
     pre = example.layout
     dims = (pre.num_segments, pre.visual_per_segment, pre.audio_per_segment)
 
@@ -130,7 +131,7 @@ def full_recompute(model, sample, cfg: InferConfig, control: DecodeControl = NO_
         active = [e for e in active if not _done(tokens[e][-1], len(tokens[e]), chooser, cfg.max_branch_tokens)]
         step += 1
     timer.lap("decode_ms")
-    return _finish(sample, intervals, tokens, step, timer, torch.stack(planning) if planning else torch.zeros(0, 2),
+    return _finish(sample, example, intervals, tokens, step, timer, torch.stack(planning) if planning else torch.zeros(0, 2),
                    logits_of, g_logits, control)
 
 
@@ -146,7 +147,7 @@ def _branch_meta(model, front, event: int, step: int) -> TokenMeta:
 
 
 def _front(model, sample, cfg, control, timer):
-    example = prepare_example(model, sample)
+    example = prepare_example(model, sample, decode_reserve(cfg))
     cache = DynamicCache(config=model.hf_config)
     return run_front(model, example, cache, cfg.max_events, control, timer)
 
@@ -183,7 +184,7 @@ def branch_sequential(model, sample, cfg: InferConfig, control: DecodeControl = 
             embeds = model.embed_tokens(torch.tensor([[tok]], device=dev))
         cache.crop(base - cache.get_seq_length())  # HF 5: a negative count of tokens to drop
     timer.lap("decode_ms")
-    return _finish(sample, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
+    return _finish(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                    front.grounding_logits, control)
 
 
@@ -222,7 +223,7 @@ def parallel_copy(model, sample, cfg: InferConfig, control: DecodeControl = NO_C
             break
         embeds = model.embed_tokens(torch.tensor(chosen, device=dev)[:, None])
     timer.lap("decode_ms")
-    return _finish(sample, front.intervals, tokens, step, timer, front.planning_logits, logits_of,
+    return _finish(sample, front.example, front.intervals, tokens, step, timer, front.planning_logits, logits_of,
                    front.grounding_logits, control)
 
 
@@ -257,7 +258,7 @@ def monolithic(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
                 break
             embeds = model.embed_tokens(torch.tensor([[tok]], device=dev))
     timer.lap("decode_ms")
-    return _finish(sample, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
+    return _finish(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                    front.grounding_logits, control)
 
 

@@ -18,6 +18,8 @@ Rules
 the number of events K, force each branch's length (eos suppressed before the last
 token, which is forced to eos, so termination runs through the real eos path), or
 suppress eos altogether (every branch runs to the token cap), and keep the logits.
+Its branch hooks are logits processors (`ForcedLengths`, `SuppressEos`) that the
+decoders apply after the production rules; a decode without a control runs none.
 """
 
 from __future__ import annotations
@@ -53,8 +55,52 @@ class DecodeControl:
     def length(self, event: int) -> int | None:
         return None if self.lengths is None else int(self.lengths[event % len(self.lengths)])
 
+    def processors(self, eos_id: int) -> list["LogitsProcessor"]:
+        """The branch hooks as logits processors (none for the default control)."""
+        out: list[LogitsProcessor] = []
+        if self.suppress_eos:
+            out.append(SuppressEos(eos_id))
+        if self.lengths is not None:
+            out.append(ForcedLengths(self, eos_id))
+        return out
+
 
 NO_CONTROL = DecodeControl()
+
+
+class LogitsProcessor:
+    """scores [n, V] fp32 of n branch rows at branch step `step`, events `events` -> scores (in place ok)."""
+
+    def __call__(self, scores: torch.Tensor, step: int, events: Sequence[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SuppressEos(LogitsProcessor):
+    """Never <eos>: every branch runs to the token cap."""
+
+    def __init__(self, eos_id: int):
+        self.eos_id = eos_id
+
+    def __call__(self, scores, step, events):
+        scores[:, self.eos_id] = float("-inf")
+        return scores
+
+
+class ForcedLengths(LogitsProcessor):
+    """Branch of event e emits exactly control.length(e) tokens, the last one <eos>."""
+
+    def __init__(self, control: DecodeControl, eos_id: int):
+        self.control, self.eos_id = control, eos_id
+
+    def __call__(self, scores, step, events):
+        for row, e in enumerate(events):
+            n = self.control.length(int(e))
+            if step < n - 1:
+                scores[row, self.eos_id] = float("-inf")
+            elif step == n - 1:
+                scores[row] = float("-inf")
+                scores[row, self.eos_id] = 0.0
+        return scores
 
 
 def plan_decision(restricted: torch.Tensor, num_events: int, max_events: int, control: DecodeControl = NO_CONTROL) -> bool:
@@ -95,21 +141,16 @@ class TokenChooser:
         token the anchor predicts) -> processed fp32 logits (hooks and bans applied)."""
         out = logits.float().clone()
         out[:, self.banned] = float("-inf")
-        if control.suppress_eos:
-            out[:, self.eos_id] = float("-inf")
-        if control.lengths is not None:
-            for row, e in enumerate(events):
-                n = control.length(int(e))
-                if step < n - 1:
-                    out[row, self.eos_id] = float("-inf")
-                elif step == n - 1:
-                    out[row] = float("-inf")
-                    out[row, self.eos_id] = 0.0
+        for proc in control.processors(self.eos_id):
+            out = proc(out, step, events)
         return out
 
     def branch(self, logits: torch.Tensor, step: int, events: Sequence[int], control: DecodeControl = NO_CONTROL) -> torch.Tensor:
         """-> [n] long: the next token of each row (see `process`), on logits' device."""
-        scores = self.process(logits, step, events, control)
+        return self.pick(self.process(logits, step, events, control))
+
+    def pick(self, scores: torch.Tensor) -> torch.Tensor:
+        """Processed scores [n, V] -> [n] tokens: argmax, or a seeded draw (temperature, top-p)."""
         if self.temperature == 0.0:
             return scores.argmax(dim=-1)
         probs = torch.softmax(scores / self.temperature, dim=-1)

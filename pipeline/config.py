@@ -172,7 +172,9 @@ class InferConfig:
     """Planning and parallel decoding."""
 
     max_events: int = 30
-    max_branch_tokens: int = 64  # upstream: 320
+    # tokens per caption branch, <eos> included (upstream: 320; training teaches
+    # model.max_caption_tokens + 1 = 257 by default). A branch cut here is marked `capped`.
+    max_branch_tokens: int = 320
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
@@ -181,7 +183,19 @@ class InferConfig:
     # (flash-decoding style; 0 = auto: `infer.attention.auto_prefix_splits`). flash-attn splits by itself.
     attention_prefix_splits: int = 0
     decoder: Literal["parallel", "monolithic"] = "parallel"
-    videos_per_call: int = 4
+    # videos handed to the engine per call (offline: the Ray Data batch of a captioning actor)
+    videos_per_call: int = 16
+    # continuous batching: at most this many branch rows / videos in one decode step;
+    # finished videos make room for new ones (infer/DECODING.md)
+    max_batch_rows: int = 128
+    max_batch_videos: int = 16
+    # "varlen": per-video prefix attention (eager; the fastest on CPU); "padded": static
+    # shapes (prefix pool per video slot, masked), the form torch.compile / CUDA graphs take
+    step_attention: Literal["varlen", "padded"] = "varlen"
+    # capture the padded step in CUDA graphs, one per bucket of rows (CUDA only)
+    cuda_graphs: bool = True
+    # model dtype for decoding: auto = bfloat16 on CUDA, the model's own dtype on the CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch intra-op threads when decoding on the CPU (0 = torch's default). On small shared
     # boxes an oversubscribed OpenMP team stalls the K-row steps (measured 4x slower on 2 cores).

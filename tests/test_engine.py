@@ -156,21 +156,17 @@ def test_termination_leaves_other_branches_unchanged(model, video):
 
 
 def test_finished_branches_are_dropped_not_padded(model, video, monkeypatch):
-    """The query batch at step j holds exactly the branches with len > j; KV rows follow."""
+    """The step at branch step j carries exactly the branches with len > j; the branch KV
+    pool is compacted to the same rows (in order) whenever one ends."""
+    from infer.step import BranchPool, StepRunner
+
     lengths = [2, 11, 1, 6, 3]
     fed, kept = [], []
-    hook = model.decoder.register_forward_pre_hook(lambda mod, args, kw: fed.append(kw["inputs_embeds"].shape[0]),
-                                                   with_kwargs=True)
-    from infer.kv_cache import CascadeCache
-
-    keep = CascadeCache.keep
-    monkeypatch.setattr(CascadeCache, "keep", lambda self, idx: (kept.append(list(idx)), keep(self, idx))[1])
-    try:
-        engine(model).decode(video, DecodeControl(num_events=5, lengths=lengths))
-    finally:
-        hook.remove()
-    branch_batches = fed[-max(lengths):]
-    assert branch_batches == [sum(n > j for n in lengths) for j in range(max(lengths))]
+    step, compact = StepRunner.step, BranchPool.compact
+    monkeypatch.setattr(StepRunner, "step", lambda self, e, meta: (fed.append(e.shape[0]), step(self, e, meta))[1])
+    monkeypatch.setattr(BranchPool, "compact", lambda self, idx, t: (kept.append(idx.tolist()), compact(self, idx, t))[1])
+    engine(model).decode(video, DecodeControl(num_events=5, lengths=lengths))
+    assert fed == [sum(n > j for n in lengths) for j in range(max(lengths))]
     assert kept == [[0, 1, 3, 4], [1, 2, 3], [0, 1], [0]]  # rows among the active ones
 
 
@@ -207,7 +203,9 @@ def test_untrained_model_returns_well_formed_events():
             assert 0.0 <= e.start < e.end <= duration and isinstance(e.caption, str)
         assert {"prefill_ms", "planning_ms", "grounding_ms", "decode_ms", "total_ms", "steps", "tokens"} <= set(r.timings)
         d = r.to_dict()
-        assert set(d) == {"video_id", "duration", "events", "timings"} and set(d["events"][0]) == {"start", "end", "caption"}
+        assert set(d) == {"video_id", "duration", "events", "timings", "segments_kept", "segments_total"}
+        assert set(d["events"][0]) == {"start", "end", "caption", "capped"}
+        assert d["segments_kept"] == d["segments_total"] == 10 and r.capped == [e["capped"] for e in d["events"]]
 
 
 def test_bad_sample_is_an_explained_error_and_the_rest_goes_on(model, video):

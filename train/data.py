@@ -12,7 +12,7 @@ A record that does not decode or validate, or that cannot become an example, is
 skipped and counted in `DataStats` (with the first reasons kept), never fatal.
 
 Samples longer than `model.max_seq_len` tokens (or with more segments than
-`model.max_segments`) are shortened by `fit_segments`: whole segments are dropped
+`model.max_segments`) are shortened by `fit_segments` (pipeline/fitting.py, shared with decoding): whole segments are dropped
 evenly over the video (a segment's visual and audio tokens go together, so the
 layout is never cut in the middle), and every event is re-mapped onto the kept
 segments' times (`remap_interval`). Pure python/numpy/torch; no ray.
@@ -31,6 +31,7 @@ import numpy as np
 
 from pipeline import storage
 from pipeline.batch import Batch, ExampleError, collate
+from pipeline.fitting import drop_segments, fit_segments, fit_to_model, keep_indices, remap_interval, sequence_length  # noqa: F401
 from pipeline.schema import FIELDS, KEY, Event, Sample, SchemaError, decode
 
 MAX_REASONS = 20  # distinct skip reasons kept for the report
@@ -158,83 +159,6 @@ class InMemoryEpochs:
 
     def __len__(self) -> int:
         return len(self.records)
-
-
-# --------------------------------------------------------------------------- fitting a sample to the model
-
-
-def sequence_length(prompt_lens: tuple[int, int], num_segments: int, visual: int, audio: int,
-                    caption_lens: Sequence[int]) -> int:
-    """Tokens of a dense training layout (pipeline.layout.dense_layout), without building it.
-
-    preamble + T * (V + A) + instruction + K serial <G> + K anchors + K * (N - 1) branch inputs,
-    N = max caption length + 1 (<eos>).
-    """
-    k = len(caption_lens)
-    n = max((c + 1 for c in caption_lens), default=0)
-    return prompt_lens[0] + num_segments * (visual + audio) + prompt_lens[1] + (2 * k + k * (n - 1) if k else 0)
-
-
-def keep_indices(num_segments: int, keep: int) -> np.ndarray:
-    """[keep] indices of segments spread evenly over [0, T): the centre of each of `keep` equal bins."""
-    if not 1 <= keep <= num_segments:
-        raise ValueError(f"keep must be in [1, {num_segments}], got {keep}")
-    return np.floor((np.arange(keep) + 0.5) * num_segments / keep).astype(np.int64)
-
-
-def remap_interval(start: float, end: float, times: np.ndarray) -> tuple[float, float]:
-    """An interval onto kept segments [T', 2]: the span of the kept segments it overlaps
-    (positive overlap), else the kept segment whose centre is nearest to its centre."""
-    a, b = times[:, 0].astype(np.float64), times[:, 1].astype(np.float64)
-    overlap = (np.minimum(end, b) - np.maximum(start, a)) > 0
-    if overlap.any():
-        idx = np.nonzero(overlap)[0]
-        return float(a[idx[0]]), float(b[idx[-1]])
-    i = int(np.argmin(np.abs((a + b) / 2 - (start + end) / 2)))
-    return float(a[i]), float(b[i])
-
-
-def drop_segments(sample: Sample, keep: int) -> Sample:
-    """Keep `keep` of the T segments, spread evenly; events re-mapped to the kept times.
-
-    visual [T, V, Dv] -> [keep, V, Dv], audio likewise, segment_times [keep, 2] (the kept
-    segments' own times; the gaps are the dropped ones). Event order and captions stay.
-    """
-    t = sample.num_segments
-    if keep >= t:
-        return sample
-    idx = keep_indices(t, keep)
-    times = np.ascontiguousarray(sample.segment_times[idx])
-    events = []
-    for e in sample.events:
-        s, en = remap_interval(e.start, e.end, times)
-        events.append(Event(s, en, e.caption, e.visual_caption, e.audio_caption))
-    return replace(sample, segment_times=times, visual=np.ascontiguousarray(sample.visual[idx]),
-                   audio=np.ascontiguousarray(sample.audio[idx]), events=events)
-
-
-def fit_segments(sample: Sample, prompt_lens: tuple[int, int], caption_lens: Sequence[int], max_seq_len: int,
-                 max_segments: int) -> tuple[Sample, bool]:
-    """(sample, truncated): drop segments evenly until the layout fits `max_seq_len` tokens and
-    at most `max_segments` segments. ExampleError when even one segment does not fit."""
-    t, v = sample.num_segments, sample.visual.shape[1]
-    a = sample.audio.shape[1] if sample.has_audio else 0
-    if sequence_length(prompt_lens, t, v, a, caption_lens) <= max_seq_len and t <= max_segments:
-        return sample, False
-    fixed = sequence_length(prompt_lens, 0, v, a, caption_lens)
-    keep = min(t, max_segments, (max_seq_len - fixed) // (v + a))
-    if keep < 1:
-        raise ExampleError(f"{sample.video_id}: prompt and {len(caption_lens)} captions take {fixed} tokens, "
-                           f"no segment fits in model.max_seq_len={max_seq_len}")
-    return drop_segments(sample, keep), True
-
-
-def fit_to_model(sample: Sample, model) -> tuple[Sample, bool]:
-    """`fit_segments` with the model's tokenizer, prompt and limits."""
-    cfg = model.cfg
-    lens = [min(len(model.tokenizer.encode(e.caption, add_special_tokens=False)), cfg.max_caption_tokens)
-            for e in sample.events]
-    return fit_segments(sample, (len(model.prompt[0]), len(model.prompt[1])), lens, cfg.max_seq_len, cfg.max_segments)
 
 
 # --------------------------------------------------------------------------- augmentation
