@@ -345,11 +345,15 @@ class CaptionEngine:
         """One decode step over every active row, then terminations, compaction, finished videos."""
         t0 = time.perf_counter()
         n = self._rows(active)
+        r = n
+        if self.runner.padded:  # static shapes: pad to the bucket with rows of the scratch slot
+            r = self.bucket_rows(n)
+            self._pad_rows(n, r)
         max_len = max(len(v.tokens[e]) for v in active for e in v.events)
-        meta = StepMeta(positions=self._anchor[:n] + self._lengths[:n], lengths=self._lengths[:n],
-                        slots=self._slots[:n], ranks=self._ranks[:n],
+        meta = StepMeta(positions=self._anchor[:r] + self._lengths[:r], lengths=self._lengths[:r],
+                        slots=self._slots[:r], ranks=self._ranks[:r],
                         spans=[(v.slot, v.first_row, v.rows) for v in active], max_length=max_len + 1)
-        hidden = self.runner.step(self._embeds[:n], meta)
+        hidden = self.runner.step(self._embeds[:r], meta)
         logits = self.runner.logits(hidden)
         nxt = self._choose(logits, active)
         chosen = nxt.tolist()  # the step's one device-to-host copy
@@ -379,11 +383,27 @@ class CaptionEngine:
         if len(keep_rows) != n:
             self._compact(still, keep_rows, nxt)
         else:
-            self._embeds[:n] = self.runner.embed(nxt)
+            self._embeds[:n] = self.runner.embed(nxt[:n])
         self.stats["steps"] += 1
         self.stats["row_steps"] += n
         self.stats["step_ms"] += (time.perf_counter() - t0) * 1000.0
         return still
+
+    def bucket_rows(self, n: int) -> int:
+        """Rows a padded step runs for n live rows: the next power of two (>= 8), at most max_batch_rows."""
+        b = 8
+        while b < n:
+            b *= 2
+        return min(b, self.cfg.max_batch_rows) if n <= self.cfg.max_batch_rows else n
+
+    def _pad_rows(self, n: int, r: int) -> None:
+        """Rows n..r-1 of a padded step: scratch slot, branch length 0, zero input (results ignored)."""
+        if r > n:
+            self._slots[n:r] = self.cfg.max_batch_videos
+            self._ranks[n:r] = 0
+            self._lengths[n:r] = 0
+            self._anchor[n:r] = 0
+            self._embeds[n:r] = 0
 
     def _compact(self, kept: list[_Video], keep_rows: list[int], nxt: torch.Tensor | None = None) -> None:
         """Move the kept rows (in order) to the front of every per-row buffer and the branch pool."""
