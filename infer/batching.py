@@ -1,90 +1,173 @@
-"""Natural micro-batching of concurrent requests into one engine call, off the event loop.
+"""Continuous batching of concurrent requests into the engine's decode loop, off the event loop.
 
-    batcher = EngineBatcher(max_batch=4)
+    batcher = EngineBatcher(max_batch=16)
     result = await batcher.submit(key, engine, sample)    # key: the engine's settings
 
-All engine calls run in one worker thread (the model is not shared between
-threads), so a replica decodes one batch at a time. Requests that arrive while a
-batch runs wait in a list; when the engine frees up, the oldest waiting request
-and up to max_batch - 1 others with the same key (the same decoding options) go
-in together as `engine.caption([s1, s2, ...])`. Nothing waits on purpose: a lone
-request is decoded at once (batch of one). A cancelled request (client gone) is
-dropped before its batch starts. When a batch of several raises, each of its
-requests is retried alone, so the exception reaches only the request whose video
-caused it (the others still get their captions; infer/batch.py does the same
-offline). Used by infer/service.py; pure asyncio, no ray.
+All engine work runs in one worker thread (the model is not shared between threads).
+The thread drives `engine.run(feed, emit)` (infer/engine.py): the engine polls `feed`
+at every decode-step boundary while it has room, so a request that arrives while
+others are being decoded joins the running batch at the next step and shares its decode
+steps; `emit` hands each video's result to its waiting request as soon as that video
+finishes. At most `max_batch` requests are in the engine at once; the oldest waiting
+request goes first, and only requests with the same key (the same decoding options)
+share a run: when the key's queue is empty and its last video is done, the thread moves
+on to the oldest other key.
+
+A request whose client goes away (its task cancelled) leaves the batch at the next step.
+When a run raises (a server bug on some input), each request that was in it and has no
+result yet is retried alone, so the exception reaches only the request whose video caused
+it. Engines with only `caption(samples)` (test stand-ins) are driven in batches of up to
+`max_batch` through the same path. Used by infer/service.py; asyncio + one thread, no ray.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+from infer.engine import Request
 
-@dataclass
+
+@dataclass(eq=False)
 class _Item:
     key: Hashable
     engine: Any
     sample: Any
     future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    cancelled: bool = False
+    settled: bool = field(default=False)
+
+    def gone(self) -> bool:
+        return self.cancelled or self.future.cancelled()
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Hand a result (or exception) to the waiting request, from any thread."""
+        self.settled = True
+
+        def put() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+
+        self.loop.call_soon_threadsafe(put)
 
 
 class EngineBatcher:
-    """Queue of (engine, sample) requests, drained in same-key batches by one thread."""
+    """Queue of (engine, sample) requests, fed continuously into one engine thread."""
 
     def __init__(self, max_batch: int = 1):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="padcap-engine")
+        self._lock = threading.Lock()
         self._pending: list[_Item] = []
-        self._runner: asyncio.Task | None = None
-        self.batch_sizes: list[int] = []  # one entry per engine call (for tests and stats)
+        self._running = False
+        self.batch_sizes: list[int] = []  # requests per engine run (for tests and stats)
+        self.max_in_flight = 0  # most requests in the engine at once
 
     async def submit(self, key: Hashable, engine: Any, sample: Any) -> Any:
         loop = asyncio.get_running_loop()
-        item = _Item(key, engine, sample, loop.create_future())
-        self._pending.append(item)
-        if self._runner is None or self._runner.done():
-            self._runner = loop.create_task(self._drain())
-        return await item.future
-
-    def _next_batch(self) -> list[_Item]:
-        self._pending = [p for p in self._pending if not p.future.done()]
-        if not self._pending:
-            return []
-        key = self._pending[0].key
-        batch = [p for p in self._pending if p.key == key][: self.max_batch]
-        taken = {id(p) for p in batch}
-        self._pending = [p for p in self._pending if id(p) not in taken]
-        return batch
-
-    async def _drain(self) -> None:
-        while batch := self._next_batch():
-            if not await self._run(batch) and len(batch) > 1:
-                for p in batch:  # which one was it? each alone, so only the culprit fails
-                    if not p.future.done():
-                        await self._run([p])
-
-    async def _run(self, batch: list[_Item]) -> bool:
-        """One engine call in the engine thread. On success every future gets its result (True);
-        on an exception (False) a lone request gets it, a larger batch is left to the caller."""
-        self.batch_sizes.append(len(batch))
+        item = _Item(key, engine, sample, loop.create_future(), loop)
+        with self._lock:
+            self._pending.append(item)
+            start = not self._running
+            self._running = True
+        if start:
+            loop.run_in_executor(self._pool, self._drain)
         try:
-            results = await asyncio.get_running_loop().run_in_executor(
-                self._pool, batch[0].engine.caption, [p.sample for p in batch])
-            if len(results) != len(batch):
-                raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} samples")
+            return await item.future
+        except asyncio.CancelledError:
+            item.cancelled = True  # the engine drops it at its next step
+            raise
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _take(self, key: Hashable | None) -> _Item | None:
+        """The oldest live pending request (of `key`, if given), removed from the queue."""
+        with self._lock:
+            self._pending = [p for p in self._pending if not p.gone()]
+            for i, p in enumerate(self._pending):
+                if key is None or p.key == key:
+                    return self._pending.pop(i)
+        return None
+
+    def _drain(self) -> None:
+        while True:
+            first = self._take(None)
+            if first is None:
+                with self._lock:
+                    if not self._pending:  # checked under the lock: a new submit starts a new drain
+                        self._running = False
+                        return
+                continue
+            taken = self._run(first)
+            left = [p for p in taken if not p.settled and not p.gone()]
+            if len(taken) > 1:  # the run raised: each unfinished request alone, so only the culprit fails
+                for p in left:
+                    self._run(p, alone=True)
+
+    def _run(self, first: _Item, alone: bool = False) -> list[_Item]:
+        """One engine run starting with `first` (then the same key's queue unless `alone`);
+        returns the requests it took."""
+        queue, taken = [first], []
+        in_flight = 0
+
+        def feed():
+            nonlocal in_flight
+            if in_flight >= (1 if alone else self.max_batch):
+                return None
+            item = queue.pop() if queue else (None if alone else self._take(first.key))
+            if item is None:
+                return None
+            taken.append(item)
+            in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, in_flight)
+            return _request(item)
+
+        def emit(req, result) -> None:
+            nonlocal in_flight
+            in_flight -= 1
+            item = req.tag
+            item.settle(item.engine.result(item.sample, result) if hasattr(item.engine, "result") else result)
+
+        try:
+            if hasattr(first.engine, "run"):
+                first.engine.run(feed, emit)
+            else:
+                _run_captions(first.engine, feed, emit, self.max_batch)
         except Exception as e:  # noqa: BLE001 - handed to the waiting request
-            if len(batch) == 1 and not batch[0].future.done():
-                batch[0].future.set_exception(e)
-            return False
-        for p, r in zip(batch, results):
-            if not p.future.done():
-                p.future.set_result(r)
-        return True
+            if len(taken) == 1 and not first.settled:
+                first.settle(error=e)
+        self.batch_sizes.append(len(taken))
+        return taken
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _request(item: _Item) -> Request:
+    return Request(item.sample, cancelled=item.gone, tag=item)
+
+
+def _run_captions(engine, feed, emit, max_batch: int) -> None:
+    """`run(feed, emit)` for an engine that only has caption(samples): batches of <= max_batch."""
+    while True:
+        batch = []
+        while len(batch) < max_batch and (req := feed()) is not None:
+            batch.append(req)
+        batch = [r for r in batch if not r.cancelled()]
+        if not batch:
+            return
+        results = engine.caption([r.sample for r in batch])
+        if len(results) != len(batch):
+            raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} samples")
+        for r, res in zip(batch, results):
+            emit(r, res)

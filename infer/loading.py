@@ -11,7 +11,9 @@ random-init model (seeded by model.backbone_seed, so every replica and every
 test builds the same weights) sized to the configured feature encoders; the
 endpoint then works end to end but its captions are noise.
 
-The device is infer.device (auto = CUDA when available). Pure torch, no ray.
+The device is infer.device (auto = CUDA when available); LoRA is merged into the
+backbone weights at load (nothing trains here), and the engine decodes in
+infer.dtype (auto = bfloat16 on CUDA). Pure torch, no ray.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    model.backbone.merge_adapter()  # LoRA folded into the weights: what the benchmark measures, no adapter matmuls
     card = ModelCard(model_id=model_id, source=source, device=str(device),
                      extra={"model_config_hash": section_hash(dataclasses.asdict(model.cfg))})
     return model, card, cfg

@@ -17,8 +17,9 @@ serve.max_frame_pixels is refused before decoding), then decode + encode
 features (`preprocess.featurize.Featurizer`). All of that runs in a thread pool
 under serve.decode_timeout_s, so the event loop stays free; the engine runs in
 its own single thread (one engine call at a time per replica, the model is not
-shared between threads); requests that arrive while it is busy are decoded
-together, up to serve.batch_videos per call (infer/batching.py). Every problem caused by the request is a `RequestError` (4xx);
+shared between threads), decoding many videos per step: a request that arrives
+while others are being decoded joins the running batch at the next decode step,
+up to serve.batch_videos in flight (infer/batching.py, continuous batching). Every problem caused by the request is a `RequestError` (4xx);
 anything else is a server bug and propagates.
 """
 
@@ -145,7 +146,7 @@ class CaptionService:
         self.policy = UriPolicy(cfg.serve.allowed_roots, cfg.serve.allowed_http_hosts, cfg.data.video_extensions)
         workers = cfg.serve.decode_workers or max(1, cfg.serve.max_ongoing_requests)
         self._decode_pool = ThreadPoolExecutor(workers, thread_name_prefix="padcap-decode")
-        self._batcher = EngineBatcher(cfg.serve.batch_videos or max(1, cfg.infer.videos_per_call))
+        self._batcher = EngineBatcher(cfg.serve.batch_videos or max(1, cfg.infer.max_batch_videos))
         self._engines: collections.OrderedDict[tuple, Engine] = collections.OrderedDict()
         self.counters = collections.Counter()
         self.config_hash = section_hash({"model": dataclasses.asdict(cfg.model), "features": dataclasses.asdict(cfg.features)})
@@ -224,7 +225,10 @@ class CaptionService:
         return {
             "video_id": sample.video_id,
             "duration": float(result.duration),
-            "events": [{"start": float(e.start), "end": float(e.end), "caption": str(e.caption)} for e in result.events],
+            "events": [{"start": float(e.start), "end": float(e.end), "caption": str(e.caption), "capped": bool(c)}
+                       for e, c in zip(result.events, getattr(result, "capped", None) or [False] * len(result.events))],
+            "segments_kept": int(getattr(result, "segments_kept", 0)),
+            "segments_total": int(getattr(result, "segments_total", 0)),
             "timings": {k: round(v, 6) for k, v in timings.items()},
             "model": self.card.model_id,
         }

@@ -229,7 +229,7 @@ class ServeConfig:
     fetch_timeout_s: float = 60.0  # s3:// and http(s):// downloads (connect + read)
     upload_dir: str = ""  # temp files for uploads and downloads; "" = the system temp dir
     decode_workers: int = 0  # threads for media decoding + features per replica; 0 = max_ongoing_requests
-    batch_videos: int = 0  # concurrent requests decoded in one engine call; 0 = infer.videos_per_call
+    batch_videos: int = 0  # concurrent requests in the replica's decode batch at once; 0 = infer.max_batch_videos
 
 
 @dataclass

@@ -56,10 +56,10 @@ def _events(result) -> list[tuple[float, float, str]]:
 
 
 def _well_formed(body: dict, duration_hint: float | None = None) -> None:
-    assert set(body) == {"video_id", "duration", "events", "timings", "model"}
-    assert body["duration"] > 0
+    assert set(body) == {"video_id", "duration", "events", "timings", "model", "segments_kept", "segments_total"}
+    assert body["duration"] > 0 and 0 < body["segments_kept"] <= body["segments_total"]
     for e in body["events"]:
-        assert set(e) == {"start", "end", "caption"}
+        assert set(e) == {"start", "end", "caption", "capped"} and isinstance(e["capped"], bool)
         assert 0.0 <= e["start"] <= e["end"] <= body["duration"] + 1e-6
         assert isinstance(e["caption"], str)
     assert {"probe_s", "features_s", "decode_s", "total_s"} <= set(body["timings"])
@@ -93,6 +93,47 @@ def test_options_reach_the_engine(service, parts, tree):
     assert len(body["events"]) <= 1
     direct = direct_caption(factory, cfg, tree.good, "good", max_events=1, max_branch_tokens=3)
     assert _events(body) == _events(direct)
+
+
+def test_concurrent_requests_share_decode_steps(service, parts, tree):
+    """Requests in flight together are decoded in the same steps (rows of several videos per
+    step), a request that arrives mid-decode joins the running batch, and every one gets
+    the captions it would get alone."""
+    factory, card, cfg = parts
+    spans_per_step: list[int] = []
+    engines = []
+
+    def recording_factory(infer_cfg):
+        eng = factory(infer_cfg)
+        step = eng.runner.step
+
+        def counting(embeds, meta):
+            spans_per_step.append(len(meta.spans))
+            if len(spans_per_step) == 2:
+                time.sleep(0.3)  # a slow step: the late request arrives while the batch runs
+            return step(embeds, meta)
+
+        eng.runner.step = counting
+        engines.append(eng)
+        return eng
+
+    svc = CaptionService(cfg, recording_factory, card, featurizer=service._featurize)
+    names = ["a.mp4", "b.mp4", "c.mp4"]
+    try:
+        async def scenario():
+            first = [asyncio.ensure_future(svc.caption_file(str(tree.good), n)) for n in names]
+            await asyncio.sleep(0.2)
+            late = asyncio.ensure_future(svc.caption_file(str(tree.good), "late.mp4"))
+            return await asyncio.gather(*first, late)
+
+        bodies = run(scenario())
+    finally:
+        svc.close()
+    alone = _events(direct_caption(factory, cfg, tree.good, "good"))
+    assert [b["video_id"] for b in bodies] == ["a", "b", "c", "late"]
+    assert all(_events(b) == alone for b in bodies)
+    assert len(engines) == 1 and max(spans_per_step) >= 2  # several videos' rows in one step
+    assert svc._batcher.max_in_flight >= 2
 
 
 @pytest.mark.parametrize("options,fragment", [
@@ -394,7 +435,9 @@ def test_model_id_names_the_weights_not_the_directory(parts, tmp_path):
     assert second.startswith("ckpt-") and second != first
 
 
-def test_video_the_model_cannot_take_is_a_422(parts, tree):
+def test_a_long_video_is_fitted_and_a_video_that_cannot_fit_is_a_422(parts, tree):
+    """Over model.max_segments: shortened as training shortens it, and the response says so.
+    A context too small for even one segment after the decode's reserve: 422."""
     import dataclasses
 
     from infer.loading import load_engine
@@ -404,8 +447,18 @@ def test_video_the_model_cannot_take_is_a_422(parts, tree):
     factory, card, small = load_engine(small, "")
     svc = CaptionService(small, factory, card)
     try:
+        body = run(svc.caption_uri(str(tree.good)))
+        assert body["segments_kept"] == 4 < body["segments_total"]
+        _well_formed(body)
+    finally:
+        svc.close()
+    tight = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=cfg.infer.max_events + 20))
+    factory, card, tight = load_engine(tight, "")
+    svc = CaptionService(tight, factory, card)
+    try:
         with pytest.raises(RequestError) as info:
             run(svc.caption_uri(str(tree.good)))
         assert info.value.status == 422 and info.value.code == "does_not_fit_model"
+        assert "no segment fits" in info.value.message
     finally:
         svc.close()
