@@ -127,17 +127,26 @@ def lse_attention_math(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp, in fp32 (fp64 for fp64 inputs); reference / fallback.
 
-    q: [B, H, Lq, D]; k, v: [B, H, Lk, D]; mask: None or bool [Lq, Lk] (True = visible).
+    q: [B, H, Lq, D]; k, v: [B, H, Lk, D]; mask: None, bool broadcastable to [B, H, Lq, Lk]
+    (True = visible), or an additive float mask.
     Returns o [B, H, Lq, D] and lse [B, H, Lq] (natural log), both fp32 (or fp64).
     fp16/bf16 inputs are upcast (a transient fp32 copy of k/v, never a K-fold one).
     """
     acc = torch.promote_types(q.dtype, torch.float32)
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(acc)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     return torch.matmul(p, v.to(acc)), lse
+
+
+def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A visibility mask as an additive float mask in `dtype`: bool (True = visible) -> 0 / -inf;
+    a float mask is taken as already additive."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def lse_attention_sdpa(
@@ -146,15 +155,15 @@ def lse_attention_sdpa(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `lse_attention_math`, through torch's fused kernels.
 
-    mask: None or bool, broadcastable to [B, H, Lq, Lk] (True = visible). Output o keeps
+    mask: None, bool broadcastable to [B, H, Lq, Lk] (True = visible), or an additive float
+    mask of that shape. Output o keeps
     q's dtype; lse is fp32. Where no fused kernel with an LSE output applies (a dtype or
     shape the device has no kernel for) it raises with `strict`, else it falls back to the
     math path and logs that once per reason (never silently).
     """
     if q.device.type == "cpu":
-        attn_mask = None
-        if mask is not None:  # additive mask in q's dtype
-            attn_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        attn_mask = additive(mask, q.dtype)
+        if attn_mask is not None:
             while attn_mask.ndim < 4:
                 attn_mask = attn_mask[None]
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -167,10 +176,9 @@ def lse_attention_sdpa(
             if mask is None and q.dtype in _HALF:
                 out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
                 return out[0], out[1]
-            bias = None
-            if mask is not None:
-                shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-                bias = torch.zeros(shape, dtype=q.dtype, device=q.device).masked_fill_(~mask.expand(shape), float("-inf"))
+            bias = additive(mask, q.dtype)
+            if bias is not None:
+                bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
             out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False, scale=scale)
             return out[0], out[1][..., : q.shape[-2]]  # the LSE may be padded along Lq
         except RuntimeError as e:

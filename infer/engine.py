@@ -51,7 +51,7 @@ from infer.attention import auto_prefix_splits
 from infer.decoded import Decoded, to_events
 from infer.front import DecodeError, Front, StageTimer, decode_reserve, prepare_example, run_front
 from infer.sampling import NO_CONTROL, DecodeControl, video_generator
-from infer.step import Mode, StepMeta, StepRunner, StepWeights, choose_kernel
+from infer.step import GraphedStep, Mode, StepMeta, StepRunner, StepWeights, choose_kernel
 from pipeline.backbone import DTYPES
 from pipeline.config import InferConfig
 from pipeline.schema import Event, Sample
@@ -172,11 +172,17 @@ class CaptionEngine:
         model.eval()
         self.weights = StepWeights(model)
         self.kernel = choose_kernel(cfg.attention_backend, dtype, self.device, self.weights.head_dim)
-        padded = cfg.step_attention == "padded"
+        graphs = cfg.cuda_graphs and self.device.type == "cuda" and cfg.step_attention in ("auto", "padded")
+        attention = cfg.step_attention if cfg.step_attention != "auto" else ("padded" if graphs else "varlen")
         self.runner = StepRunner(self.weights, self.kernel, cfg.max_batch_rows, cfg.max_branch_tokens,
-                                 prefix=cfg.step_attention, prefix_splits=cfg.attention_prefix_splits or 0,
+                                 prefix=attention, prefix_splits=cfg.attention_prefix_splits or 0,
                                  slots=cfg.max_batch_videos, rows_per_video=cfg.max_events,
-                                 prefix_cap=model.cfg.max_seq_len if padded else 1)
+                                 prefix_cap=model.cfg.max_seq_len if attention == "padded" else 1)
+        self.graphed: GraphedStep | None = None
+        if graphs:
+            # RoPE tables sized once for every position a decode can reach, so captured graphs stay valid
+            self.weights.rope_tables(model.cfg.max_seq_len + cfg.max_events + cfg.max_branch_tokens + 2)
+            self.graphed = GraphedStep(self.runner)
         self.bias = torch.zeros(self.weights.head.shape[0], device=self.device)
         self.bias[[model.g_id, model.s_id]] = float("-inf")  # structural tokens are never caption text
         rows, d = cfg.max_batch_rows, self.weights.hidden
@@ -230,7 +236,8 @@ class CaptionEngine:
     def describe(self) -> dict[str, Any]:
         """The decoding settings and the kernel chosen at set-up (for logs, reports, benchmarks)."""
         return {**asdict(self.cfg), "resolved_device": str(self.device), "resolved_dtype": str(self.weights.dtype),
-                "kernel": self.kernel.name, "kernel_reason": self.kernel.reason, "step_attention": self.runner.prefix.name}
+                "kernel": self.kernel.name, "kernel_reason": self.kernel.reason, "step_attention": self.runner.prefix.name,
+                "cuda_graphs": self.graphed is not None}
 
     # ------------------------------------------------------------------ the loop
 
@@ -353,7 +360,7 @@ class CaptionEngine:
         meta = StepMeta(positions=self._anchor[:r] + self._lengths[:r], lengths=self._lengths[:r],
                         slots=self._slots[:r], ranks=self._ranks[:r],
                         spans=[(v.slot, v.first_row, v.rows) for v in active], max_length=max_len + 1)
-        hidden = self.runner.step(self._embeds[:r], meta)
+        hidden = (self.graphed or self.runner.step)(self._embeds[:r], meta)
         logits = self.runner.logits(hidden)
         nxt = self._choose(logits, active)
         chosen = nxt.tolist()  # the step's one device-to-host copy

@@ -189,22 +189,32 @@ def length_mask(lengths: torch.Tensor, kv_len: int) -> torch.Tensor:
 class Kernel:
     """The attention kernel of the step, chosen once per engine (`choose_kernel`).
 
-    kernel(q, k, v, scale, lengths=None): q [B, H, Lq, D], k/v [B, H, Lk, D] (same H:
-    GQA is done by packing query heads into rows); keys [0, lengths[b]) visible (None =
-    all). Returns o [B, H, Lq, D] and lse [B, H, Lq] (natural log, fp32).
+    kernel(q, k, v, scale, visible=None): q [B, H, Lq, D], k/v [B, H, Lk, D] (same H:
+    GQA is done by packing query heads into rows); `visible` from `kernel.visible(lengths,
+    Lk, dtype)` (keys [0, lengths[b]) of batch element b; None = all), built once per step
+    and shared by every layer. Returns o [B, H, Lq, D] and lse [B, H, Lq] (natural log, fp32).
     name: "sdpa" | "math" | "flash"; reason: why this one (a fallback says so).
     """
 
     def __init__(self, name: str, reason: str):
         self.name, self.reason = name, reason
 
-    def __call__(self, q, k, v, scale: float, lengths: torch.Tensor | None = None):
+    def visible(self, lengths: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+        """The kernel's form of "keys [0, lengths[b]) visible": int32 lengths (flash-attn), an
+        additive mask [B, 1, 1, Lk] in `dtype` (sdpa) or a bool mask (math)."""
         if self.name == "flash":
-            return lse_attention_flash(q, k, v, scale, lengths)
-        mask = None if lengths is None else length_mask(lengths, k.shape[2])
+            return lengths.to(torch.int32)
+        mask = length_mask(lengths, kv_len)
         if self.name == "sdpa":
-            return lse_attention_sdpa(q, k, v, scale, mask, strict=True)
-        return lse_attention_math(q, k, v, scale, mask)
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return mask
+
+    def __call__(self, q, k, v, scale: float, visible: torch.Tensor | None = None):
+        if self.name == "flash":
+            return lse_attention_flash(q, k, v, scale, visible)
+        if self.name == "sdpa":
+            return lse_attention_sdpa(q, k, v, scale, visible, strict=True)
+        return lse_attention_math(q, k, v, scale, visible)
 
 
 def choose_kernel(backend: str, dtype: torch.dtype, device: torch.device, head_dim: int) -> Kernel:
@@ -222,7 +232,7 @@ def choose_kernel(backend: str, dtype: torch.dtype, device: torch.device, head_d
     k = torch.zeros(2, 1, 3, head_dim, dtype=dtype, device=device)
     try:
         probe(q, k, k, 1.0)
-        probe(q, k, k, 1.0, torch.tensor([1, 3], device=device))
+        probe(q, k, k, 1.0, probe.visible(torch.tensor([1, 3], device=device), 3, dtype))
     except RuntimeError as e:
         reason = str(e).splitlines()[0][:200]
         log.warning("attention: the fused SDPA kernel does not run on %s/%s (%s); using the math kernel",
@@ -335,6 +345,7 @@ class PaddedPrefix:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.lengths = torch.ones(slots + 1, dtype=torch.long, device=device)  # >= 1: no all-masked row
         self.kernel, self.slots, self.rows_per_video, self.cap = kernel, slots, rows_per_video, cap
+        self._visible = None
 
     def admit(self, slot: int, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         lp = prefix_kv[0][0].shape[1]
@@ -354,7 +365,9 @@ class PaddedPrefix:
         qs = qg.new_zeros(s1, rv, hkv, g, d)
         qs[meta.slots, meta.ranks] = qg
         qs = qs.permute(0, 2, 1, 3, 4).reshape(s1, hkv, rv * g, d)
-        o, lse = self.kernel(qs, self.k[layer], self.v[layer], scale, self.lengths)
+        if layer == 0 or self._visible is None:  # one mask per step, shared by the layers
+            self._visible = self.kernel.visible(self.lengths, self.cap, qg.dtype)
+        o, lse = self.kernel(qs, self.k[layer], self.v[layer], scale, self._visible)
         o = o.reshape(s1, hkv, rv, g, d).permute(0, 2, 1, 3, 4)[meta.slots, meta.ranks]
         lse = lse.reshape(s1, hkv, rv, g).permute(0, 2, 1, 3)[meta.slots, meta.ranks]
         return o.float(), lse.float()
@@ -404,19 +417,24 @@ class StepRunner:
         """hidden [R, d] -> [R, V] (the LM head with the <G>/<S> rows folded in)."""
         return F.linear(hidden, self.w.head, self.w.head_bias)
 
+    def branch_keys(self, meta: StepMeta) -> int:
+        """Branch KV entries a step reads per row: the live maximum (eager) or the whole pool (padded)."""
+        return self.branch.tokens if self.padded else meta.max_length
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [R, H, D], cos/sin [R, 1, D] -> x rotated (HF's apply_rotary_pos_emb, per row)."""
         return x * cos + self.w.rotate_half(x) * sin
 
-    def _attention(self, layer: int, q: torch.Tensor, meta: StepMeta) -> torch.Tensor:
-        """q [R, Hq, D] (this step's tokens already in the branch pool) -> [R, Hq, D]."""
+    def _attention(self, layer: int, q: torch.Tensor, meta: StepMeta, visible: torch.Tensor) -> torch.Tensor:
+        """q [R, Hq, D] (this step's tokens already in the branch pool) -> [R, Hq, D];
+        visible: which branch KV entries each row sees (its own, this token included)."""
         R, hq, d = q.shape
         hkv, g = self.w.kv_heads, self.group
         qg = q.reshape(R, hkv, g, d)  # the g query heads of one KV head are adjacent
         o_a, lse_a = self.prefix.attend(layer, qg, meta, self.scale)
-        t = self.branch.tokens if self.padded else meta.max_length
+        t = self.branch_keys(meta)
         kb, vb = self.branch.k[layer][:R, :, :t], self.branch.v[layer][:R, :, :t]
-        o_b, lse_b = self.kernel(qg, kb, vb, self.scale, meta.lengths + 1)  # own branch so far, this token included
+        o_b, lse_b = self.kernel(qg, kb, vb, self.scale, visible)
         return merge(o_a, lse_a, o_b, lse_b, q.dtype).reshape(R, hq, d)
 
     def step(self, embeds: torch.Tensor, meta: StepMeta) -> torch.Tensor:
@@ -430,6 +448,7 @@ class StepRunner:
         R = embeds.shape[0]
         cos_t, sin_t = w.rope_tables(0)
         cos, sin = cos_t[meta.positions][:, None], sin_t[meta.positions][:, None]  # [R, 1, D]
+        visible = self.kernel.visible(meta.lengths + 1, self.branch_keys(meta), embeds.dtype)  # once per step
         x = embeds
         for li, lw in enumerate(w.layers):
             h = lw.input_norm(x)
@@ -438,8 +457,61 @@ class StepRunner:
             v = F.linear(h, *lw.v).view(R, w.kv_heads, w.head_dim)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             self.branch.write(li, k, v, meta.lengths)
-            a = self._attention(li, q, meta)
+            a = self._attention(li, q, meta, visible)
             x = x + F.linear(a.reshape(R, w.heads * w.head_dim), *lw.o)
             h = lw.post_norm(x)
             x = x + F.linear(lw.act(F.linear(h, *lw.gate)) * F.linear(h, *lw.up), *lw.down)
         return w.norm(x)
+
+
+class GraphedStep:
+    """The padded step replayed from CUDA graphs, one graph per bucket of rows (CUDA only).
+
+    graphed = GraphedStep(runner); hidden = graphed(embeds, meta)   # same contract as runner.step
+
+    A bucket (R rows) is captured on its first use: its inputs (embeds, positions, lengths,
+    slots, ranks) are copied into static tensors, the step is run twice on a side stream
+    (warm-up), then captured; later steps of R rows copy their inputs in and replay. Every
+    other tensor the step reads is persistent and updated in place (branch pool, prefix pool
+    and its lengths, weights, RoPE tables sized at set-up), so a replay sees the live state.
+    If the RoPE tables had to grow, the graphs are dropped and recaptured.
+    """
+
+    def __init__(self, runner: StepRunner):
+        if not runner.padded:
+            raise ValueError("CUDA graphs need the padded (static-shape) step: infer.step_attention=padded")
+        self.runner = runner
+        self.graphs: dict[int, tuple] = {}
+        self.pool = None
+        self._rope_id = None
+
+    def __call__(self, embeds: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        cos, _ = self.runner.w.rope_tables(0)
+        if self._rope_id != id(cos):
+            self.graphs.clear()
+            self._rope_id = id(cos)
+        r = embeds.shape[0]
+        if r not in self.graphs:
+            self.graphs[r] = self._capture(embeds, meta)
+        graph, static_in, static_meta, out = self.graphs[r]
+        static_in.copy_(embeds)
+        for name in ("positions", "lengths", "slots", "ranks"):
+            getattr(static_meta, name).copy_(getattr(meta, name))
+        graph.replay()
+        return out
+
+    def _capture(self, embeds: torch.Tensor, meta: StepMeta):
+        static_in = embeds.clone()
+        static_meta = StepMeta(positions=meta.positions.clone(), lengths=meta.lengths.clone(), slots=meta.slots.clone(),
+                               ranks=meta.ranks.clone(), spans=[], max_length=meta.max_length)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.runner.step(static_in, static_meta)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.runner.step(static_in, static_meta)
+        self.pool = graph.pool()
+        return graph, static_in, static_meta, out

@@ -190,8 +190,9 @@ class InferConfig:
     max_batch_rows: int = 128
     max_batch_videos: int = 16
     # "varlen": per-video prefix attention (eager; the fastest on CPU); "padded": static
-    # shapes (prefix pool per video slot, masked), the form torch.compile / CUDA graphs take
-    step_attention: Literal["varlen", "padded"] = "varlen"
+    # shapes (prefix pool per video slot, masked), the form torch.compile / CUDA graphs take;
+    # auto = padded with CUDA graphs on CUDA (when cuda_graphs), varlen elsewhere
+    step_attention: Literal["auto", "varlen", "padded"] = "auto"
     # capture the padded step in CUDA graphs, one per bucket of rows (CUDA only)
     cuda_graphs: bool = True
     # model dtype for decoding: auto = bfloat16 on CUDA, the model's own dtype on the CPU

@@ -294,3 +294,34 @@ def test_bf16_cascade_merge_adds_no_rounding_beyond_one_kernel():
     assert err(merge(o_a, l_a, o_b, l_b, bf)) <= bound
     w16 = torch.sigmoid(l_a.float() - l_b.float()).unsqueeze(-1).to(bf)
     assert err(torch.lerp(o_b, o_a.to(bf), w16)) > bound  # the weight rounded to bf16 first
+
+
+# ------------------------------------------------------------------------ CUDA (skipped without it)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_the_eager_step(model, videos, controls):
+    """On CUDA (fp32): the padded step replayed from CUDA graphs gives the eager varlen step's tokens."""
+    import copy
+
+    cfg = dataclasses.replace(CPU, device="cuda", dtype="float32", max_batch_rows=16, max_batch_videos=3)
+    eager = CaptionEngine(copy.deepcopy(model), dataclasses.replace(cfg, step_attention="varlen", cuda_graphs=False))
+    graphed = CaptionEngine(copy.deepcopy(model), cfg)
+    assert graphed.describe()["cuda_graphs"] and graphed.describe()["step_attention"] == "padded"
+    a, _, _ = decode_all(eager.model, eager.cfg, videos, controls)
+    b, _, _ = decode_all(graphed.model, graphed.cfg, videos, controls)
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens
+        for p, q in zip(x.branch_logits, y.branch_logits):
+            torch.testing.assert_close(p, q, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_bf16_is_the_cuda_default_and_agrees_with_fp32_tokens(model, videos, controls):
+    import copy
+
+    eng = CaptionEngine(copy.deepcopy(model), dataclasses.replace(CPU, device="cuda"))
+    assert eng.describe()["resolved_dtype"] == "torch.bfloat16"
+    got = [eng.decode(v, c) for v, c in zip(videos[:3], controls[:3])]
+    ref = [full_recompute(model, v, CPU, c) for v, c in zip(videos[:3], controls[:3])]
+    assert [g.tokens for g in got] == [r.tokens for r in ref]
