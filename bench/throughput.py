@@ -24,9 +24,9 @@ reported per token.
 Prints one JSON object with "throughput_speedup" {"4", "16", "64"} (decode-phase tokens/s
 with N in flight over one at a time), "end_to_end_speedup" (same form, whole set),
 "tokens_equal" (every video's tokens identical across all engine modes), tokens/s and
-videos/min per mode, ms per step against a cost model (the same step's GEMMs and
-attention timed alone at the measured row counts: what the step would cost with no
-Python or launch overhead), and the kernel.
+videos/min per mode, ms per step against a cost model (`cost_model`: the step's GEMMs
+and prefix attention timed alone at each step's rows and prefixes: what the step would
+cost with no other work and no Python or launch overhead), and the kernel.
 
 Run:
   .venv/bin/python bench/throughput.py                         # cpu-small, 64 videos, ~10 min on 2 cores
@@ -103,9 +103,15 @@ def engine_mode(model, cfg: InferConfig, videos, fronts, in_flight: int) -> dict
     eng = CaptionEngine(model, ecfg)
     eng._front = lambda req, emit: _Admit(req, fronts[req.sample.video_id][0],
                                           copy.deepcopy(fronts[req.sample.video_id][1]))
-    rows: list[int] = []
+    rows: list[tuple[int, int]] = []  # per step: (rows, sum over videos of rows x prefix keys)
     step = eng.runner.step
-    eng.runner.step = lambda e, meta: (rows.append(e.shape[0]), step(e, meta))[1]
+    kv = eng.runner.prefix.kv
+
+    def recording(e, meta):
+        rows.append((e.shape[0], sum(n * kv[slot][0][0].shape[1] for slot, _, n in meta.spans)))
+        return step(e, meta)
+
+    eng.runner.step = recording
     tokens = {}
     t0 = time.perf_counter()
     eng.run(iter([Request(s, c) for s, c in videos]), lambda req, res: tokens.__setitem__(req.sample.video_id, res.tokens))
@@ -159,12 +165,15 @@ def single_chain_fast(model, eng: CaptionEngine, front, control: DecodeControl) 
     return tokens, (time.perf_counter() - t0) * 1000.0, steps
 
 
-def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: float, reps: int = 3) -> dict:
-    """ms per step with no per-step overhead: the step's GEMMs at R rows + prefix attention, timed alone.
+def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: int, reps: int = 3) -> dict:
+    """The kernels of a step timed alone, for a step cost with no per-step overhead.
 
-    GEMMs: every linear of every layer + the LM head on R rows (F.linear, the step's weights).
-    Attention: one packed block of R query rows against `prefix_keys` keys per layer (the
-    rows' average prefix), through the engine's kernel. Interpolated at the measured rows.
+    GEMMs: every linear of every layer + the LM head on R rows (F.linear, the step's own
+    weights), timed at a few R and interpolated. Prefix attention: one packed block of 32
+    rows (x g query heads) against `prefix_keys` keys in every layer, through the engine's
+    kernel, as ms per (row x prefix key); a step's share is that rate x sum over its videos
+    of rows x prefix length. Everything else a step does (branch-part attention, merge,
+    norms, RoPE, sampling, bookkeeping, Python) is what `overhead_ms_per_step` measures.
     """
     w = eng.weights
     dev, dt = eng.device, w.dtype
@@ -181,9 +190,7 @@ def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: float, re
             best = min(best, time.perf_counter() - t0)
         return best * 1000.0
 
-    lp = max(1, int(prefix_keys))
-    kp = torch.randn(1, w.kv_heads, lp, w.head_dim, device=dev, dtype=dt)
-    gemm, attn = {}, {}
+    gemm = {}
     for r in probe:
         x = torch.randn(r, w.hidden, device=dev, dtype=dt)
         xo = torch.randn(r, w.heads * w.head_dim, device=dev, dtype=dt)
@@ -197,15 +204,22 @@ def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: float, re
                 F.linear(xi, *lw.down)
             F.linear(x, w.head)
 
-        q = torch.randn(1, w.kv_heads, r * (w.heads // w.kv_heads), w.head_dim, device=dev, dtype=dt)
         gemm[r] = time_it(lin)
-        attn[r] = time_it(lambda: [eng.kernel(q, kp, kp, 0.1) for _ in w.layers])
-    xs = np.array(probe, dtype=float)
-    g = np.interp(row_counts, xs, [gemm[r] for r in probe])
-    a = np.interp(row_counts, xs, [attn[r] for r in probe])
+    lp, rows = max(1, int(prefix_keys)), 32
+    kp = torch.randn(1, w.kv_heads, lp, w.head_dim, device=dev, dtype=dt)
+    q = torch.randn(1, w.kv_heads, rows * (w.heads // w.kv_heads), w.head_dim, device=dev, dtype=dt)
+    attn = time_it(lambda: [eng.kernel(q, kp, kp, 0.1) for _ in w.layers])
     return {"gemm_ms_at_rows": {str(r): round(gemm[r], 2) for r in probe},
-            "prefix_attention_ms_at_rows": {str(r): round(attn[r], 2) for r in probe},
-            "modelled_ms_per_step": round(float(np.mean(g + a)), 3)}
+            "prefix_attention_ms_per_row_key": attn / (rows * lp), "prefix_attention_probe": {"rows": rows, "keys": lp,
+                                                                                           "ms": round(attn, 2)}}
+
+
+def modelled_ms(costs: dict, steps: list[tuple[int, int]]) -> float:
+    """Mean modelled step time over `steps` [(rows, sum of rows x prefix keys)]."""
+    xs = [int(r) for r in costs["gemm_ms_at_rows"]]
+    g = np.interp([r for r, _ in steps], xs, list(costs["gemm_ms_at_rows"].values()))
+    a = np.array([rk for _, rk in steps], dtype=float) * costs["prefix_attention_ms_per_row_key"]
+    return float(np.mean(g + a))
 
 
 def main(argv=None) -> dict:
@@ -261,9 +275,9 @@ def main(argv=None) -> dict:
             chain["single_chain"] = {"videos": len(sub), "decode_ms": round(ms, 1), "tokens": toks, "steps": steps,
                                      "ms_per_step": round(ms / steps, 3), "tokens_per_s": round(toks / ms * 1000, 2)}
             chain["single_chain_fast"]["tokens_equal_single_chain"] = equal
-        rows_all = [r for m in modes.values() for r in m["_rows"]]
+        rows_all = [r for m in modes.values() for r, _ in m["_rows"]]
         prefix_mean = statistics.mean(len(fronts[s.video_id][0].keys.order) for s, _ in videos)
-        costs = cost_model(CaptionEngine(model, cfg), sorted(set(rows_all)), prefix_mean / 1.0)
+        costs = cost_model(CaptionEngine(model, cfg), sorted(set(rows_all)), int(prefix_mean))
 
     base = modes["one_at_a_time"]
     ref_tokens = base["_tokens"]
@@ -275,11 +289,7 @@ def main(argv=None) -> dict:
         e2e = m["wall_ms"] + front_ms
         m["end_to_end_ms"] = round(e2e, 1)
         m["videos_per_min"] = round(n_videos / (e2e / 60000.0), 2)
-        gemm = costs["gemm_ms_at_rows"]
-        xs = [int(r) for r in gemm]
-        g = np.interp(rows, xs, list(gemm.values()))
-        a = np.interp(rows, xs, list(costs["prefix_attention_ms_at_rows"].values()))
-        m["modelled_ms_per_step"] = round(float(np.mean(g + a)), 3)
+        m["modelled_ms_per_step"] = round(modelled_ms(costs, rows), 3)
         m["overhead_ms_per_step"] = round(m["ms_per_step"] - m["modelled_ms_per_step"], 3)
     speed = {str(n): round(modes[f"in_flight_{n}"]["tokens_per_s"] / base["tokens_per_s"], 3) for n in in_flight}
     e2e = {str(n): round(base["end_to_end_ms"] / modes[f"in_flight_{n}"]["end_to_end_ms"], 3) for n in in_flight}

@@ -1,4 +1,4 @@
-"""Shared-prefix ("cascade") attention for lock-step branch decoding, and its HF hook.
+"""Shared-prefix ("cascade") attention for lock-step branch decoding, and the kernels it runs on.
 
 PadCaptioner decodes the K caption branches of one video in lock-step. Every branch
 sees the same long prefix (chat preamble, audio-visual block, instruction, serial
@@ -23,13 +23,12 @@ Backends (chosen at run time, `resolve_backend`):
   "auto"  flash where available, else sdpa.
 All LSEs are natural-log (torch and flash-attn agree; FlashInfer would be base 2).
 
-HF integration: `register()` adds the attention implementation "padcap_cascade"
-(`model.set_attn_implementation("padcap_cascade")`). With a `CascadeCache`
-(infer/kv_cache.py) in prefix mode it is plain masked SDPA (HF's own sdpa function);
-after `cache.start_branches(K)` the cache hands the attention a `CascadeKV` instead of
-dense key/value tensors and the step runs `cascade_attention`.
+The decode step (infer/step.py) runs the same cascade over the rows of many videos
+with these kernels (`lse_attention_sdpa`, `lse_attention_math`, `lse_attention_flash`)
+and its own merge; `cascade_attention` is the one-video form (dense branch KV of equal
+lengths), kept as a building block and for bench/attention.py.
 
-Run: imported by the engine; tests in tests/test_attention.py; timings in
+Run: imported by infer/step.py; tests in tests/test_attention.py; timings in
 bench/attention.py.
 """
 
@@ -37,36 +36,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 Backend = Literal["auto", "sdpa", "math", "flash"]
-ATTN_IMPLEMENTATION = "padcap_cascade"
 log = logging.getLogger("padcap.infer")
 _HALF = (torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class CascadeKV:
-    """What a branch-mode `CascadeLayer.update` hands to the attention function.
-
-    It replaces HF's dense (key, value) pair for one layer and one step: the shared
-    prefix once, and the branch KV of the active branches, all at equal length.
-
-    prefix_k, prefix_v: [Hkv, Lp, D]   (one copy per video, never expanded)
-    branch_k, branch_v: [K, Hkv, Lb, D] (Lb = anchor + tokens so far, incl. this step)
-    backend: the backend name the cache was built with.
-    prefix_splits: KV chunks of the prefix part (torch backends; None = auto).
-    """
-
-    prefix_k: torch.Tensor
-    prefix_v: torch.Tensor
-    branch_k: torch.Tensor
-    branch_v: torch.Tensor
-    backend: Backend = "auto"
-    prefix_splits: int | None = None  # None = auto_prefix_splits
 
 
 # ----------------------------------------------------------------------------------
@@ -417,59 +393,3 @@ def cascade_attention(
         lse = lse.reshape(K, Hq, t) if return_lse else None
     out = out.transpose(1, 2)
     return (out, lse.float()) if return_lse else out
-
-
-# ----------------------------------------------------------------------------------
-# HF transformers hook
-
-
-def padcap_cascade_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor | CascadeKV,
-    value: torch.Tensor | CascadeKV,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """HF AttentionInterface function for attn_implementation "padcap_cascade".
-
-    query: [B, Hq, q_len, D] (HF layout, RoPE applied). Returns ([B, q_len, Hq, D], None).
-    - key/value dense [B, Hkv, kv_len, D] (prefix mode, or any ordinary cache / no
-      cache): HF's sdpa attention with the given mask (4D float/bool, or None = causal).
-    - key is a CascadeKV (branch mode, B = K active branches): cascade attention; no
-      mask may be given (visibility is structural: whole prefix + own branch).
-    """
-    if isinstance(key, CascadeKV):
-        if attention_mask is not None:
-            raise ValueError(
-                "branch-mode cascade attention takes no attention mask (each branch sees the prefix and itself); "
-                f"got one of shape {tuple(attention_mask.shape)}"
-            )
-        if dropout:
-            raise ValueError("cascade attention is inference-only (dropout must be 0)")
-        out = cascade_attention(
-            query, key.prefix_k, key.prefix_v, key.branch_k, key.branch_v, scale=scaling, backend=key.backend,
-            prefix_splits=key.prefix_splits,
-        )
-        return out.transpose(1, 2).contiguous(), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def register() -> str:
-    """Register "padcap_cascade" with transformers (idempotent); returns the name.
-
-    The attention goes to AttentionInterface; the mask builder is HF's sdpa one, so
-    prefix-mode masks (2D padding, chunked causal prefill, or a given 4D mask) behave
-    as with "sdpa". In branch mode the cache reports kv_length == q_length, so the
-    builder returns None and nothing of size K*Lp is ever built.
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, padcap_cascade_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
-    return ATTN_IMPLEMENTATION

@@ -47,7 +47,6 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache
 
-from infer.attention import auto_prefix_splits
 from infer.decoded import Decoded, to_events
 from infer.front import DecodeError, Front, StageTimer, decode_reserve, prepare_example, run_front
 from infer.sampling import NO_CONTROL, DecodeControl, video_generator
@@ -298,10 +297,6 @@ class CaptionEngine:
         cache = front.cache
         prefix_kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
         self.runner.admit(slot, prefix_kv)
-        lp = prefix_kv[0][0].shape[1]
-        if self.runner.prefix.name == "varlen":
-            splits = self.cfg.attention_prefix_splits or auto_prefix_splits(lp, self.device)
-            self.runner.prefix.splits = max(1, min(splits, lp))
         self.weights.rope_tables(front.anchor_pos + self.cfg.max_branch_tokens + 1)
         rows = slice(first, first + k)
         self._embeds[rows] = front.anchors.to(self._embeds.dtype)

@@ -50,8 +50,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from infer.attention import (lse_attention_flash, lse_attention_math, lse_attention_sdpa, merge_partials,
-                             resolve_backend)
+from infer.attention import (auto_prefix_splits, lse_attention_flash, lse_attention_math, lse_attention_sdpa,
+                             merge_partials, resolve_backend)
 
 log = logging.getLogger("padcap.infer")
 
@@ -283,38 +283,49 @@ class BranchPool:
 
 
 class VarlenPrefix:
-    """Eager prefix attention: each video's prefix KV as it came out of prefill (no copy)."""
+    """Eager prefix attention: each video's prefix KV as it came out of prefill (no copy).
+
+    Per layer the queries are laid out once as [Hkv, R*g, D] (rows of one video, then its
+    g query heads per KV head, adjacent), so a video's packed block is a view of that and its
+    result lands in a view of one output buffer: per video one kernel call and two copies.
+    """
 
     name = "varlen"
 
-    def __init__(self, kernel, splits: int):
+    def __init__(self, kernel, splits: int = 0):
         self.kernel = kernel
-        self.splits = splits
+        self.splits = splits  # 0 = auto per video (infer.attention.auto_prefix_splits)
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.video_splits: dict[int, int] = {}
 
     def admit(self, slot: int, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """prefix_kv: per layer (k, v) [Hkv, Lp, D]."""
         self.kv[slot] = prefix_kv
+        lp = prefix_kv[0][0].shape[1]
+        splits = self.splits or auto_prefix_splits(lp, prefix_kv[0][0].device)
+        self.video_splits[slot] = max(1, min(splits, lp))  # never more chunks than keys
 
     def release(self, slot: int) -> None:
         self.kv.pop(slot, None)
+        self.video_splits.pop(slot, None)
 
     def attend(self, layer: int, qg: torch.Tensor, meta: StepMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """qg [R, Hkv, g, D] -> o [R, Hkv, g, D], lse [R, Hkv, g] over each row's video prefix."""
+        """qg [R, Hkv, g, D] -> o [R, Hkv, g, D], lse [R, Hkv, g] (fp32 views) over each row's video prefix."""
         R, hkv, g, d = qg.shape
-        o = qg.new_empty(R, hkv, g, d, dtype=torch.float32)
-        lse = qg.new_empty(R, hkv, g, dtype=torch.float32)
+        qt = qg.transpose(0, 1).reshape(1, hkv, R * g, d)  # one copy per layer
+        o = qg.new_empty(1, hkv, R * g, d)
+        lse = qg.new_empty(1, hkv, R * g, dtype=torch.float32)
         for slot, first, n in meta.spans:
             pk, pv = self.kv[slot][layer]
-            qp = qg[first:first + n].transpose(0, 1).reshape(1, hkv, n * g, d)  # one packed block per KV head
-            splits = max(1, min(self.splits, pk.shape[1]))
-            if splits == 1:
-                o_v, l_v = self.kernel(qp, pk[None], pv[None], scale)
+            rows = slice(first * g, (first + n) * g)
+            if self.video_splits[slot] == 1:
+                o_v, l_v = self.kernel(qt[:, :, rows], pk[None], pv[None], scale)
             else:
-                o_v, l_v = merge_partials(*_split_prefix(self.kernel, qp, pk, pv, scale, splits))
-            o[first:first + n] = o_v[0].reshape(hkv, n, g, d).transpose(0, 1)
-            lse[first:first + n] = l_v[0].float().reshape(hkv, n, g).transpose(0, 1)
-        return o, lse
+                o_v, l_v = merge_partials(*_split_prefix(self.kernel, qt[:, :, rows], pk, pv, scale,
+                                                         self.video_splits[slot]))
+            o[:, :, rows] = o_v
+            lse[:, :, rows] = l_v
+        return o[0].view(hkv, R, g, d).transpose(0, 1), lse[0].view(hkv, R, g).transpose(0, 1)
 
 
 def _split_prefix(kernel, qp, pk, pv, scale, splits):
@@ -386,7 +397,7 @@ class StepRunner:
     """
 
     def __init__(self, weights: StepWeights, kernel: Kernel, rows: int, branch_tokens: int, *, prefix: str = "varlen",
-                 prefix_splits: int = 1, slots: int = 1, rows_per_video: int = 1, prefix_cap: int = 1):
+                 prefix_splits: int = 0, slots: int = 1, rows_per_video: int = 1, prefix_cap: int = 1):
         w = weights
         self.w = w
         self.kernel = kernel

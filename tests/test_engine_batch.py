@@ -325,3 +325,36 @@ def test_bf16_is_the_cuda_default_and_agrees_with_fp32_tokens(model, videos, con
     got = [eng.decode(v, c) for v, c in zip(videos[:3], controls[:3])]
     ref = [full_recompute(model, v, CPU, c) for v, c in zip(videos[:3], controls[:3])]
     assert [g.tokens for g in got] == [r.tokens for r in ref]
+
+
+# ------------------------------------------------------------------------ the benchmark
+
+
+def test_throughput_benchmark_smoke(capsys, monkeypatch):
+    """bench/throughput.py end to end on short prefixes: every engine mode writes the same tokens,
+    the JSON has the ratios the issue asks for, and the single chain on the engine's step
+    writes exactly what the reference single chain writes."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench_dir))
+    spec = importlib.util.spec_from_file_location("bench_throughput", bench_dir / "throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_throughput", bench)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--videos", "5", "--in-flight", "2,4", "--chain-videos", "1", "--prefix", "150,300",
+                      "--events", "2,4", "--lengths", "2,7"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
+    assert out["tokens_equal"] is True and set(out["throughput_speedup"]) == {"2", "4"}
+    assert set(out["end_to_end_speedup"]) == {"2", "4"} and out["kernel"] == "sdpa"
+    modes = out["modes"]
+    assert len({m["tokens"] for m in modes.values()}) == 1  # same tokens in every mode
+    assert modes["in_flight_4"]["steps"] < modes["one_at_a_time"]["steps"]  # videos shared steps
+    assert modes["in_flight_4"]["rows_per_step"] > modes["one_at_a_time"]["rows_per_step"]
+    for m in modes.values():
+        assert m["tokens_per_s"] > 0 and m["videos_per_min"] > 0 and m["modelled_ms_per_step"] > 0
+    chain = out["single_chain"]
+    assert chain["single_chain_fast"]["tokens_equal_single_chain"] is True
+    assert chain["single_chain"]["tokens"] == chain["single_chain_fast"]["tokens"] == chain["single_chain"]["steps"]
