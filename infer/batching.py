@@ -9,8 +9,8 @@ at every decode-step boundary while it has room, so a request that arrives while
 others are being decoded joins the running batch at the next step and shares its decode
 steps; `emit` hands each video's result to its waiting request as soon as that video
 finishes. At most `max_batch` requests are in the engine at once; the oldest waiting
-request goes first, and only requests with the same key (the same decoding options)
-share a run: when the key's queue is empty and its last video is done, the thread moves
+request goes first, and only requests with the same key (the same engine) share a run
+(per-request decoding options travel with each request, infer.engine.VideoOptions): when the key's queue is empty and its last video is done, the thread moves
 on to the oldest other key.
 
 A request whose client goes away (its task cancelled) leaves the batch at the next step.
@@ -36,6 +36,7 @@ class _Item:
     key: Hashable
     engine: Any
     sample: Any
+    options: Any
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     cancelled: bool = False
@@ -73,9 +74,10 @@ class EngineBatcher:
         self.batch_sizes: list[int] = []  # requests per engine run (for tests and stats)
         self.max_in_flight = 0  # most requests in the engine at once
 
-    async def submit(self, key: Hashable, engine: Any, sample: Any) -> Any:
+    async def submit(self, key: Hashable, engine: Any, sample: Any, options: Any = None) -> Any:
+        """The engine's result for `sample` (options: the request's infer.engine.VideoOptions)."""
         loop = asyncio.get_running_loop()
-        item = _Item(key, engine, sample, loop.create_future(), loop)
+        item = _Item(key, engine, sample, options, loop.create_future(), loop)
         with self._lock:
             self._pending.append(item)
             start = not self._running
@@ -154,7 +156,9 @@ class EngineBatcher:
 
 
 def _request(item: _Item) -> Request:
-    return Request(item.sample, cancelled=item.gone, tag=item)
+    if item.options is None:
+        return Request(item.sample, cancelled=item.gone, tag=item)
+    return Request(item.sample, cancelled=item.gone, tag=item, options=item.options)
 
 
 def _run_captions(engine, feed, emit, max_batch: int) -> None:

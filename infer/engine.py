@@ -37,6 +37,7 @@ the single-chain baseline (infer/reference.py) one video at a time behind the sa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -48,8 +49,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.decoded import Decoded, to_events
-from infer.front import DecodeError, Front, StageTimer, decode_reserve, prepare_example, run_front
-from infer.sampling import NO_CONTROL, DecodeControl, video_generator
+from infer.front import DecodeError, Front, StageTimer, prepare_example, run_front
+from infer.sampling import NO_CONTROL, DecodeControl, top_p_filter, video_generator
 from infer.step import GraphedStep, Mode, StepMeta, StepRunner, StepWeights, choose_kernel
 from pipeline.backbone import DTYPES
 from pipeline.config import InferConfig
@@ -87,14 +88,39 @@ class VideoResult:
         return out
 
 
+@dataclass(frozen=True)
+class VideoOptions:
+    """Per-video decoding options (a Serve request's); None fields take the engine's infer.* value.
+
+    max_events / max_branch_tokens may only lower the engine's own (its buffers are sized by them).
+    """
+
+    max_events: int | None = None
+    max_branch_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def resolve(self, cfg: InferConfig) -> "VideoOptions":
+        out = VideoOptions(*(cfg.__dict__[f] if getattr(self, f) is None else getattr(self, f) for f in
+                             ("max_events", "max_branch_tokens", "temperature", "top_p", "seed")))
+        if not (1 <= out.max_events <= cfg.max_events and 1 <= out.max_branch_tokens <= cfg.max_branch_tokens):
+            raise ValueError(f"per-video max_events / max_branch_tokens must be in [1, the engine's "
+                             f"{cfg.max_events} / {cfg.max_branch_tokens}], got {out.max_events} / {out.max_branch_tokens}")
+        if out.temperature < 0 or not 0 < out.top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {out.temperature}, {out.top_p})")
+        return out
+
+
 @dataclass
 class Request:
-    """One video to decode: its sample, test hooks, and a cancellation check (Serve)."""
+    """One video to decode: its sample, options, test hooks, and a cancellation check (Serve)."""
 
     sample: Sample
     control: DecodeControl = field(default_factory=DecodeControl)
     cancelled: Callable[[], bool] = lambda: False
     tag: Any = None
+    options: VideoOptions = field(default_factory=VideoOptions)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -127,9 +153,9 @@ def check_config(cfg: InferConfig) -> None:
 class _Video:
     """A video in flight: its front, rows, tokens and timings."""
 
-    def __init__(self, request: Request, front: Front, timer: StageTimer, slot: int, first_row: int,
-                 segments_total: int, generator: torch.Generator | None, eos_id: int):
-        self.request, self.front, self.timer, self.slot = request, front, timer, slot
+    def __init__(self, request: Request, opts: VideoOptions, front: Front, timer: StageTimer, slot: int,
+                 first_row: int, segments_total: int, generator: torch.Generator | None, eos_id: int):
+        self.request, self.opts, self.front, self.timer, self.slot = request, opts, front, timer, slot
         self.first_row = first_row
         k = front.num_events
         self.events = list(range(k))  # event of each of its active rows, in row order
@@ -169,7 +195,7 @@ class CaptionEngine:
             model.to(dtype)
             model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
         model.eval()
-        self.weights = StepWeights(model)
+        self.weights = StepWeights.of(model)
         self.kernel = choose_kernel(cfg.attention_backend, dtype, self.device, self.weights.head_dim)
         graphs = cfg.cuda_graphs and self.device.type == "cuda" and cfg.step_attention in ("auto", "padded")
         attention = cfg.step_attention if cfg.step_attention != "auto" else ("padded" if graphs else "varlen")
@@ -283,8 +309,13 @@ class CaptionEngine:
         t0 = time.perf_counter()
         timer = StageTimer(self.device)
         try:
-            example = prepare_example(self.model, req.sample, decode_reserve(self.cfg))
-            front = run_front(self.model, example, DynamicCache(config=self.model.hf_config), self.cfg.max_events,
+            opts = req.options.resolve(self.cfg)
+        except ValueError as e:
+            emit(req, DecodeError(str(e)))
+            return None
+        try:
+            example = prepare_example(self.model, req.sample, opts.max_events + opts.max_branch_tokens)
+            front = run_front(self.model, example, DynamicCache(config=self.model.hf_config), opts.max_events,
                               req.control, timer)
         except DecodeError as e:
             emit(req, e)
@@ -297,7 +328,8 @@ class CaptionEngine:
         cache = front.cache
         prefix_kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
         self.runner.admit(slot, prefix_kv)
-        self.weights.rope_tables(front.anchor_pos + self.cfg.max_branch_tokens + 1)
+        opts = ready.request.options.resolve(self.cfg)
+        self.weights.rope_tables(front.anchor_pos + opts.max_branch_tokens + 1)
         rows = slice(first, first + k)
         self._embeds[rows] = front.anchors.to(self._embeds.dtype)
         self._lengths[rows] = 0
@@ -305,9 +337,9 @@ class CaptionEngine:
         self._slots[rows] = slot
         self._ranks[rows] = torch.arange(k, device=self.device)
         gen = None
-        if self.cfg.temperature > 0:
-            gen = video_generator(self.cfg.seed, ready.request.sample.video_id, self.device)
-        return _Video(ready.request, front, ready.timer, slot, first, int(ready.request.sample.num_segments), gen,
+        if opts.temperature > 0:
+            gen = video_generator(opts.seed, ready.request.sample.video_id, self.device)
+        return _Video(ready.request, opts, front, ready.timer, slot, first, int(ready.request.sample.num_segments), gen,
                       self.model.eos_id)
 
     def _drop_cancelled(self, active: list[_Video], free: deque) -> list[_Video]:
@@ -332,15 +364,14 @@ class CaptionEngine:
                 for proc in v.processors:
                     scores[rows] = proc(scores[rows], step, v.events)
         nxt = scores.argmax(dim=-1)
-        if self.cfg.temperature > 0:
-            from infer.sampling import top_p_filter
-
-            for v in active:
-                rows = slice(v.first_row, v.first_row + v.rows)
-                probs = torch.softmax(scores[rows] / self.cfg.temperature, dim=-1)
-                if self.cfg.top_p < 1.0:
-                    probs = top_p_filter(probs, self.cfg.top_p)
-                nxt[rows] = torch.multinomial(probs, 1, generator=v.generator).squeeze(-1)
+        for v in active:
+            if v.generator is None:
+                continue
+            rows = slice(v.first_row, v.first_row + v.rows)
+            probs = torch.softmax(scores[rows] / v.opts.temperature, dim=-1)
+            if v.opts.top_p < 1.0:
+                probs = top_p_filter(probs, v.opts.top_p)
+            nxt[rows] = torch.multinomial(probs, 1, generator=v.generator).squeeze(-1)
         return nxt
 
     def _step(self, active: list[_Video], free: deque, emit) -> list[_Video]:
@@ -360,11 +391,12 @@ class CaptionEngine:
         nxt = self._choose(logits, active)
         chosen = nxt.tolist()  # the step's one device-to-host copy
         self._lengths[:n] += 1
-        cap, eos = self.cfg.max_branch_tokens, self.model.eos_id
+        eos = self.model.eos_id
         keep_rows: list[int] = []
         still: list[_Video] = []
         for v in active:
             v.steps += 1
+            cap = v.opts.max_branch_tokens
             alive = []
             for i, e in enumerate(v.events):
                 row = v.first_row + i
@@ -451,8 +483,11 @@ class CaptionEngine:
             if req.cancelled():
                 continue
             try:
-                dec = monolithic(self.model, req.sample, self.cfg, req.control)
-            except DecodeError as e:
+                opts = req.options.resolve(self.cfg)
+                cfg = dataclasses.replace(self.cfg, **{f: getattr(opts, f) for f in
+                                                       ("max_events", "max_branch_tokens", "temperature", "top_p", "seed")})
+                dec = monolithic(self.model, req.sample, cfg, req.control)
+            except ValueError as e:  # DecodeError, or options out of range
                 emit(req, e)
                 continue
             emit(req, dec)

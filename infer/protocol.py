@@ -50,6 +50,7 @@ class EventOut(BaseModel):
     start: float = Field(..., description="seconds")
     end: float = Field(..., description="seconds")
     caption: str
+    capped: bool = Field(False, description="the caption was cut at infer.max_branch_tokens (no end-of-text)")
 
 
 class CaptionResponse(BaseModel):
@@ -58,6 +59,8 @@ class CaptionResponse(BaseModel):
     events: list[EventOut]
     timings: dict[str, float] = Field(..., description="seconds per stage (fetch, probe, features, decode, total, and the engine's own)")
     model: str
+    segments_kept: int = Field(0, description="time segments the model saw (fewer than segments_total: a long video shortened to fit)")
+    segments_total: int = Field(0, description="time segments of the video")
 
 
 class ErrorDetail(BaseModel):

@@ -40,6 +40,7 @@ from typing import Any, Callable, Protocol
 from pydantic import ValidationError
 
 from infer.batching import EngineBatcher
+from infer.engine import VideoOptions
 from infer.errors import RequestError
 from infer.protocol import CaptionOptions, error_message
 from infer.uris import UriPolicy, materialize
@@ -47,7 +48,6 @@ from pipeline.config import Config, InferConfig, section_hash
 from pipeline.schema import Sample
 
 log = logging.getLogger("padcap.serve")
-MAX_CACHED_ENGINES = 8
 
 
 class Engine(Protocol):
@@ -147,7 +147,7 @@ class CaptionService:
         workers = cfg.serve.decode_workers or max(1, cfg.serve.max_ongoing_requests)
         self._decode_pool = ThreadPoolExecutor(workers, thread_name_prefix="padcap-decode")
         self._batcher = EngineBatcher(cfg.serve.batch_videos or max(1, cfg.infer.max_batch_videos))
-        self._engines: collections.OrderedDict[tuple, Engine] = collections.OrderedDict()
+        self._engine: Engine | None = None
         self.counters = collections.Counter()
         self.config_hash = section_hash({"model": dataclasses.asdict(cfg.model), "features": dataclasses.asdict(cfg.features)})
 
@@ -171,18 +171,12 @@ class CaptionService:
                 raise RequestError(422, "bad_options", f"options.{name}: {value} is over this server's limit of {cap} (infer.{name})")
         return options
 
-    def engine_for(self, options: CaptionOptions) -> tuple[tuple, Engine]:
-        """(key, engine) for these options' effective InferConfig (a small LRU; engines share the model)."""
-        infer_cfg = dataclasses.replace(self.cfg.infer, **options.overrides())
-        key = tuple(sorted(dataclasses.asdict(infer_cfg).items()))
-        engine = self._engines.get(key)
-        if engine is None:
-            engine = self._engine_factory(infer_cfg)
-            self._engines[key] = engine
-            while len(self._engines) > MAX_CACHED_ENGINES:
-                self._engines.popitem(last=False)
-        self._engines.move_to_end(key)
-        return key, engine
+    def engine(self) -> Engine:
+        """The replica's one engine (built on first use from infer.*): requests with any decoding
+        options share it and its decode steps; each request's options travel with it."""
+        if self._engine is None:
+            self._engine = self._engine_factory(self.cfg.infer)
+        return self._engine
 
     # ------------------------------------------------------------------ requests
 
@@ -210,9 +204,8 @@ class CaptionService:
         except RequestError:
             self.counters["rejected"] += 1
             raise
-        key, engine = self.engine_for(opts)
         t1 = time.perf_counter()
-        result = await self._batcher.submit(key, engine, sample)
+        result = await self._batcher.submit("engine", self.engine(), sample, VideoOptions(**opts.overrides()))
         timings["decode_s"] = time.perf_counter() - t1
         error = getattr(result, "error", None)
         if error:  # the engine refused this video (too many segments, too long a sequence, ...)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import enum
 import importlib
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,9 @@ def effective_linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tenso
     return weight, base.bias
 
 
+_SNAPSHOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (parameter key, StepWeights)
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer as the step uses it: HF norm / activation modules + linear weights."""
@@ -131,6 +135,7 @@ class StepWeights:
     built before further training does not see the new weights (build a new one).
     """
 
+    @torch.no_grad()
     def __init__(self, model):
         dec = model.decoder
         cfg = model.hf_config.get_text_config(decoder=True)
@@ -166,6 +171,19 @@ class StepWeights:
         self.head_bias = getattr(base.get_output_embeddings(), "bias", None)
         self.device = self.embed.device
         self._cos = self._sin = None
+
+    @classmethod
+    def of(cls, model) -> "StepWeights":
+        """The snapshot for `model`, shared by every engine built on it (Serve builds several: one
+        per set of engine-level settings) while its parameters are unchanged (same device, dtype
+        and in-place version counters); otherwise a fresh one."""
+        key = tuple((id(p), p._version, p.device, p.dtype) for p in model.parameters())
+        cached = _SNAPSHOTS.get(model)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        weights = cls(model)
+        _SNAPSHOTS[model] = (key, weights)
+        return weights
 
     def rope_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [positions, D] in the model dtype, computed by the backbone's own rotary

@@ -358,3 +358,28 @@ def test_throughput_benchmark_smoke(capsys, monkeypatch):
     chain = out["single_chain"]
     assert chain["single_chain_fast"]["tokens_equal_single_chain"] is True
     assert chain["single_chain"]["tokens"] == chain["single_chain_fast"]["tokens"] == chain["single_chain"]["steps"]
+
+
+def test_per_request_options_share_one_batch(model, videos):
+    """Requests with their own max_events / max_branch_tokens / sampling in one batch get what an
+    engine configured with those options gives each alone; out-of-range options are refused."""
+    from infer.engine import VideoOptions
+
+    opts = [VideoOptions(max_events=2, max_branch_tokens=4), VideoOptions(),
+            VideoOptions(temperature=0.8, top_p=0.9, seed=3, max_branch_tokens=6), VideoOptions(max_events=1)]
+    eng = CaptionEngine(model, CPU)
+    got, spans = {}, []
+    step = eng.runner.step
+    eng.runner.step = lambda e, meta: (spans.append(len(meta.spans)), step(e, meta))[1]
+    reqs = [Request(v, tag=i, options=o) for i, (v, o) in enumerate(zip(videos[:4], opts))]
+    eng.run(iter(reqs), lambda req, res: got.__setitem__(req.tag, res))
+    assert max(spans) == 4
+    for i, (v, o) in enumerate(zip(videos[:4], opts)):
+        fields = {k: getattr(o, k) for k in ("max_events", "max_branch_tokens", "temperature", "top_p", "seed")
+                  if getattr(o, k) is not None}
+        alone = CaptionEngine(model, dataclasses.replace(CPU, **fields)).decode(v)
+        assert got[i].tokens == alone.tokens and got[i].intervals == alone.intervals
+    assert got[0].num_events <= 2 and got[3].num_events == 1 and all(len(t) <= 4 for t in got[0].tokens)
+    bad = []
+    eng.run(iter([Request(videos[0], options=VideoOptions(max_events=99))]), lambda req, res: bad.append(res))
+    assert isinstance(bad[0], ValueError) and "max_events" in str(bad[0])

@@ -97,8 +97,8 @@ def test_options_reach_the_engine(service, parts, tree):
 
 def test_concurrent_requests_share_decode_steps(service, parts, tree):
     """Requests in flight together are decoded in the same steps (rows of several videos per
-    step), a request that arrives mid-decode joins the running batch, and every one gets
-    the captions it would get alone."""
+    step), whatever their decoding options; a request that arrives mid-decode joins the
+    running batch; every one gets the captions it would get alone."""
     factory, card, cfg = parts
     spans_per_step: list[int] = []
     engines = []
@@ -121,7 +121,8 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
     names = ["a.mp4", "b.mp4", "c.mp4"]
     try:
         async def scenario():
-            first = [asyncio.ensure_future(svc.caption_file(str(tree.good), n)) for n in names]
+            first = [asyncio.ensure_future(svc.caption_file(str(tree.good), n, {"max_events": 2} if n == "b.mp4" else None))
+                     for n in names]
             await asyncio.sleep(0.2)
             late = asyncio.ensure_future(svc.caption_file(str(tree.good), "late.mp4"))
             return await asyncio.gather(*first, late)
@@ -130,8 +131,9 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
     finally:
         svc.close()
     alone = _events(direct_caption(factory, cfg, tree.good, "good"))
+    alone_b = _events(direct_caption(factory, cfg, tree.good, "good", max_events=2))
     assert [b["video_id"] for b in bodies] == ["a", "b", "c", "late"]
-    assert all(_events(b) == alone for b in bodies)
+    assert [_events(b) for b in bodies] == [alone, alone_b, alone, alone]  # b's own options, in the same batch
     assert len(engines) == 1 and max(spans_per_step) >= 2  # several videos' rows in one step
     assert svc._batcher.max_in_flight >= 2
 
