@@ -26,7 +26,9 @@ with N in flight over one at a time), "end_to_end_speedup" (same form, whole set
 "tokens_equal" (every video's tokens identical across all engine modes), tokens/s and
 videos/min per mode, ms per step against a cost model (`cost_model`: the step's GEMMs
 and prefix attention timed alone at each step's rows and prefixes: what the step would
-cost with no other work and no Python or launch overhead), and the kernel.
+cost with no other work and no Python or launch overhead), the memory floor per step
+(weights + the prefix KV of every video in the step, over the measured copy bandwidth:
+each video in flight costs one read of its prefix per step), and the kernel.
 
 Run:
   .venv/bin/python bench/throughput.py                         # cpu-small, 64 videos, ~10 min on 2 cores
@@ -51,7 +53,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model  # noqa: E402
+from decode import (A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token,  # noqa: E402
+                    measure_bandwidth, weight_bytes)
 
 from infer.engine import CaptionEngine, Request, _Admit  # noqa: E402
 from infer.front import StageTimer, decode_reserve, prepare_example, run_front  # noqa: E402
@@ -103,12 +106,13 @@ def engine_mode(model, cfg: InferConfig, videos, fronts, in_flight: int) -> dict
     eng = CaptionEngine(model, ecfg)
     eng._front = lambda req, emit: _Admit(req, fronts[req.sample.video_id][0],
                                           copy.deepcopy(fronts[req.sample.video_id][1]))
-    rows: list[tuple[int, int]] = []  # per step: (rows, sum over videos of rows x prefix keys)
+    rows: list[tuple[int, int, int]] = []  # per step: (rows, sum of rows x prefix keys, prefix keys read)
     step = eng.runner.step
     kv = eng.runner.prefix.kv
 
     def recording(e, meta):
-        rows.append((e.shape[0], sum(n * kv[slot][0][0].shape[1] for slot, _, n in meta.spans)))
+        lens = [(n, kv[slot][0][0].shape[1]) for slot, _, n in meta.spans]
+        rows.append((e.shape[0], sum(n * lp for n, lp in lens), sum(lp for _, lp in lens)))
         return step(e, meta)
 
     eng.runner.step = recording
@@ -215,10 +219,10 @@ def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: int, reps
 
 
 def modelled_ms(costs: dict, steps: list[tuple[int, int]]) -> float:
-    """Mean modelled step time over `steps` [(rows, sum of rows x prefix keys)]."""
+    """Mean modelled step time over `steps` [(rows, sum of rows x prefix keys, prefix keys read)]."""
     xs = [int(r) for r in costs["gemm_ms_at_rows"]]
-    g = np.interp([r for r, _ in steps], xs, list(costs["gemm_ms_at_rows"].values()))
-    a = np.array([rk for _, rk in steps], dtype=float) * costs["prefix_attention_ms_per_row_key"]
+    g = np.interp([r for r, _, _ in steps], xs, list(costs["gemm_ms_at_rows"].values()))
+    a = np.array([rk for _, rk, _ in steps], dtype=float) * costs["prefix_attention_ms_per_row_key"]
     return float(np.mean(g + a))
 
 
@@ -275,10 +279,11 @@ def main(argv=None) -> dict:
             chain["single_chain"] = {"videos": len(sub), "decode_ms": round(ms, 1), "tokens": toks, "steps": steps,
                                      "ms_per_step": round(ms / steps, 3), "tokens_per_s": round(toks / ms * 1000, 2)}
             chain["single_chain_fast"]["tokens_equal_single_chain"] = equal
-        rows_all = [r for m in modes.values() for r, _ in m["_rows"]]
+        rows_all = [r for m in modes.values() for r, _, _ in m["_rows"]]
         prefix_mean = statistics.mean(len(fronts[s.video_id][0].keys.order) for s, _ in videos)
         costs = cost_model(CaptionEngine(model, cfg), sorted(set(rows_all)), int(prefix_mean))
 
+    w_bytes, kv_bytes, bandwidth = weight_bytes(model), kv_bytes_per_token(model), measure_bandwidth(device)
     base = modes["one_at_a_time"]
     ref_tokens = base["_tokens"]
     tokens_equal = all(m["_tokens"] == ref_tokens for m in modes.values())
@@ -290,6 +295,9 @@ def main(argv=None) -> dict:
         m["end_to_end_ms"] = round(e2e, 1)
         m["videos_per_min"] = round(n_videos / (e2e / 60000.0), 2)
         m["modelled_ms_per_step"] = round(modelled_ms(costs, rows), 3)
+        prefix_read = statistics.mean(p for _, _, p in rows)
+        m["prefix_kv_mb_per_step"] = round(prefix_read * kv_bytes / 1e6, 1)
+        m["floor_ms_per_step"] = round((w_bytes + prefix_read * kv_bytes) / (bandwidth * 1e9) * 1e3, 3)
         m["overhead_ms_per_step"] = round(m["ms_per_step"] - m["modelled_ms_per_step"], 3)
     speed = {str(n): round(modes[f"in_flight_{n}"]["tokens_per_s"] / base["tokens_per_s"], 3) for n in in_flight}
     e2e = {str(n): round(base["end_to_end_ms"] / modes[f"in_flight_{n}"]["end_to_end_ms"], 3) for n in in_flight}
@@ -301,6 +309,7 @@ def main(argv=None) -> dict:
                      "kv_heads": c.num_key_value_heads},
            "videos": n_videos, "prefix_range": pr, "events_range": kr, "length_range": lr,
            "total_tokens": base["tokens"], "front_ms_total": round(front_ms, 1),
+           "bandwidth_gbs": round(bandwidth, 1), "weight_mb": round(w_bytes / 1e6, 1),
            "kernel": base["kernel"], "throughput_speedup": speed, "end_to_end_speedup": e2e,
            "tokens_equal": tokens_equal, "modes": modes, **({"single_chain": chain} if chain else {}),
            "cost_model": costs}

@@ -445,7 +445,8 @@ class CaptionEngine:
         m = len(keep_rows)
         if m:
             live = max(len(v.tokens[e]) for v in kept for e in v.events) if kept else 1
-            self.runner.branch.compact(idx, live)
+            start = next((i for i, r in enumerate(keep_rows) if r != i), m)  # rows before the first hole stay
+            self.runner.branch.compact(idx, live, start)
             for buf in (self._lengths, self._anchor, self._slots):
                 buf[:m] = buf.index_select(0, idx)
             if nxt is not None:

@@ -292,12 +292,18 @@ class BranchPool:
         self.k[layer][rows, :, lengths] = k
         self.v[layer][rows, :, lengths] = v
 
-    def compact(self, keep: torch.Tensor, live_tokens: int) -> None:
-        """Rows `keep` (device long, increasing) -> rows 0..len(keep)-1, first live_tokens entries."""
+    def compact(self, keep: torch.Tensor, live_tokens: int, start: int = 0) -> None:
+        """Rows `keep` (device long, increasing) -> rows 0..len(keep)-1, first live_tokens entries.
+
+        start: rows before it are already in place (keep[:start] == arange(start)): not copied.
+        """
         n, t = keep.shape[0], max(1, live_tokens)
+        if start >= n:
+            return
+        moved = keep[start:]
         for store in (self.k, self.v):
             for buf in store:
-                buf[:n, :, :t] = buf.index_select(0, keep)[:, :, :t]
+                buf[start:n, :, :t] = buf[:, :, :t].index_select(0, moved)
 
 
 class VarlenPrefix:

@@ -164,7 +164,7 @@ def test_finished_branches_are_dropped_not_padded(model, video, monkeypatch):
     fed, kept = [], []
     step, compact = StepRunner.step, BranchPool.compact
     monkeypatch.setattr(StepRunner, "step", lambda self, e, meta: (fed.append(e.shape[0]), step(self, e, meta))[1])
-    monkeypatch.setattr(BranchPool, "compact", lambda self, idx, t: (kept.append(idx.tolist()), compact(self, idx, t))[1])
+    monkeypatch.setattr(BranchPool, "compact", lambda self, idx, *a: (kept.append(idx.tolist()), compact(self, idx, *a))[1])
     engine(model).decode(video, DecodeControl(num_events=5, lengths=lengths))
     assert fed == [sum(n > j for n in lengths) for j in range(max(lengths))]
     assert kept == [[0, 1, 3, 4], [1, 2, 3], [0, 1], [0]]  # rows among the active ones
