@@ -106,13 +106,13 @@ def engine_mode(model, cfg: InferConfig, videos, fronts, in_flight: int) -> dict
     eng = CaptionEngine(model, ecfg)
     eng._front = lambda req, emit: _Admit(req, fronts[req.sample.video_id][0],
                                           copy.deepcopy(fronts[req.sample.video_id][1]))
-    rows: list[tuple[int, int, int]] = []  # per step: (rows, sum of rows x prefix keys, prefix keys read)
+    rows: list[tuple[int, int, int, int]] = []  # per step: (rows, sum of rows x prefix keys, prefix keys read, videos)
     step = eng.runner.step
     kv = eng.runner.prefix.kv
 
     def recording(e, meta):
         lens = [(n, kv[slot][0][0].shape[1]) for slot, _, n in meta.spans]
-        rows.append((e.shape[0], sum(n * lp for n, lp in lens), sum(lp for _, lp in lens)))
+        rows.append((e.shape[0], sum(n * lp for n, lp in lens), sum(lp for _, lp in lens), len(lens)))
         return step(e, meta)
 
     eng.runner.step = recording
@@ -175,8 +175,10 @@ def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: int, reps
     GEMMs: every linear of every layer + the LM head on R rows (F.linear, the step's own
     weights), timed at a few R and interpolated. Prefix attention: one packed block of 32
     rows (x g query heads) against `prefix_keys` keys in every layer, through the engine's
-    kernel, as ms per (row x prefix key); a step's share is that rate x sum over its videos
-    of rows x prefix length. Everything else a step does (branch-part attention, merge,
+    kernel, as ms per (row x prefix key), hot (one prefix, cached across layers: a lone
+    video's step) and cold (a distinct prefix per call: several videos in flight stream
+    their prefixes from memory every step); a step's share is that rate x sum over its
+    videos of rows x prefix length. Everything else a step does (branch-part attention, merge,
     norms, RoPE, sampling, bookkeeping, Python) is what `overhead_ms_per_step` measures.
     """
     w = eng.weights
@@ -210,19 +212,24 @@ def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: int, reps
 
         gemm[r] = time_it(lin)
     lp, rows = max(1, int(prefix_keys)), 32
-    kp = torch.randn(1, w.kv_heads, lp, w.head_dim, device=dev, dtype=dt)
     q = torch.randn(1, w.kv_heads, rows * (w.heads // w.kv_heads), w.head_dim, device=dev, dtype=dt)
-    attn = time_it(lambda: [eng.kernel(q, kp, kp, 0.1) for _ in w.layers])
+    # hot: one prefix, read by every layer (it stays in cache: a lone video's step); cold: a distinct
+    # prefix per call, 16 videos' worth (more than the last-level cache: many videos in flight)
+    kvs = [torch.randn(1, w.kv_heads, lp, w.head_dim, device=dev, dtype=dt) for _ in range(16)]
+    hot = time_it(lambda: [eng.kernel(q, kvs[0], kvs[0], 0.1) for _ in w.layers])
+    cold = time_it(lambda: [eng.kernel(q, kv, kv, 0.1) for kv in kvs for _ in w.layers]) / len(kvs)
     return {"gemm_ms_at_rows": {str(r): round(gemm[r], 2) for r in probe},
-            "prefix_attention_ms_per_row_key": attn / (rows * lp), "prefix_attention_probe": {"rows": rows, "keys": lp,
-                                                                                           "ms": round(attn, 2)}}
+            "prefix_attention_ms_per_row_key": {"hot": hot / (rows * lp), "cold": cold / (rows * lp)},
+            "prefix_attention_probe": {"rows": rows, "keys": lp, "hot_ms": round(hot, 2), "cold_ms": round(cold, 2)}}
 
 
 def modelled_ms(costs: dict, steps: list[tuple[int, int]]) -> float:
-    """Mean modelled step time over `steps` [(rows, sum of rows x prefix keys, prefix keys read)]."""
+    """Mean modelled step time over `steps` [(rows, sum of rows x prefix keys, prefix keys read, videos)]:
+    GEMMs at the step's rows + prefix attention at the hot rate (one video) or the cold one (several)."""
     xs = [int(r) for r in costs["gemm_ms_at_rows"]]
-    g = np.interp([r for r, _, _ in steps], xs, list(costs["gemm_ms_at_rows"].values()))
-    a = np.array([rk for _, rk, _ in steps], dtype=float) * costs["prefix_attention_ms_per_row_key"]
+    g = np.interp([st[0] for st in steps], xs, list(costs["gemm_ms_at_rows"].values()))
+    rate = costs["prefix_attention_ms_per_row_key"]
+    a = np.array([st[1] * (rate["hot"] if st[3] == 1 else rate["cold"]) for st in steps], dtype=float)
     return float(np.mean(g + a))
 
 
@@ -279,7 +286,7 @@ def main(argv=None) -> dict:
             chain["single_chain"] = {"videos": len(sub), "decode_ms": round(ms, 1), "tokens": toks, "steps": steps,
                                      "ms_per_step": round(ms / steps, 3), "tokens_per_s": round(toks / ms * 1000, 2)}
             chain["single_chain_fast"]["tokens_equal_single_chain"] = equal
-        rows_all = [r for m in modes.values() for r, _, _ in m["_rows"]]
+        rows_all = [st[0] for m in modes.values() for st in m["_rows"]]
         prefix_mean = statistics.mean(len(fronts[s.video_id][0].keys.order) for s, _ in videos)
         costs = cost_model(CaptionEngine(model, cfg), sorted(set(rows_all)), int(prefix_mean))
 
@@ -295,7 +302,7 @@ def main(argv=None) -> dict:
         m["end_to_end_ms"] = round(e2e, 1)
         m["videos_per_min"] = round(n_videos / (e2e / 60000.0), 2)
         m["modelled_ms_per_step"] = round(modelled_ms(costs, rows), 3)
-        prefix_read = statistics.mean(p for _, _, p in rows)
+        prefix_read = statistics.mean(st[2] for st in rows)
         m["prefix_kv_mb_per_step"] = round(prefix_read * kv_bytes / 1e6, 1)
         m["floor_ms_per_step"] = round((w_bytes + prefix_read * kv_bytes) / (bandwidth * 1e9) * 1e3, 3)
         m["overhead_ms_per_step"] = round(m["ms_per_step"] - m["modelled_ms_per_step"], 3)

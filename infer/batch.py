@@ -55,6 +55,9 @@ RESULT_COLUMNS: dict[str, pa.DataType] = {
     "model_id": pa.string(),
     "config_hash": pa.string(),
     "chunk": pa.string(),
+    "capped": pa.string(),  # JSON list of bool, per event: caption cut at infer.max_branch_tokens
+    "segments_kept": pa.int64(),  # segments the model saw (fewer than segments_total: shortened to fit)
+    "segments_total": pa.int64(),
 }
 SAMPLE_COLUMNS = [KEY, *FIELDS]
 
@@ -174,7 +177,8 @@ class CaptionVideos:
         n = len(batch["video_id"])
         rows = [{"video_id": str(batch["video_id"][i]), "uri": str(batch["uri"][i]), "chunk": str(batch["chunk"][i]),
                  "status": str(batch["status"][i]), "error": str(batch["error"][i]), "duration": None,
-                 "events": "[]", "timings": "{}", "model_id": self.model_id, "config_hash": self.config_hash}
+                 "events": "[]", "timings": "{}", "model_id": self.model_id, "config_hash": self.config_hash,
+                 "capped": "[]", "segments_kept": 0, "segments_total": 0}
                 for i in range(n)]
         todo = []
         for i, row in enumerate(rows):
@@ -204,7 +208,11 @@ class CaptionVideos:
                 rows[i].update(duration=float(res.duration),
                                events=json.dumps([{"start": e.start, "end": e.end, "caption": e.caption}
                                                   for e in res.events], ensure_ascii=False),
-                               timings=json.dumps({**res.timings, "featurize_s": float(batch["seconds"][i])}))
+                               timings=json.dumps({**res.timings, "featurize_s": float(batch["seconds"][i]),
+                                                   "kernel": self.engine.kernel.name if hasattr(self.engine, "kernel")
+                                                   else "monolithic"}),
+                               capped=json.dumps(res.capped), segments_kept=res.segments_kept,
+                               segments_total=res.segments_total)
         return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
 
 
@@ -238,7 +246,8 @@ def consolidate(out: str) -> list[dict[str, Any]]:
     _write_parquet(storage.join(out, "captions.parquet"), rows)
     lines = []
     for r in rows:
-        rec = {**r, "events": json.loads(r["events"] or "[]"), "timings": json.loads(r["timings"] or "{}")}
+        rec = {**r, "events": json.loads(r["events"] or "[]"), "timings": json.loads(r["timings"] or "{}"),
+               "capped": json.loads(r.get("capped") or "[]")}
         lines.append(json.dumps(rec, ensure_ascii=False))
     storage.write_bytes(storage.join(out, "captions.jsonl"), ("\n".join(lines) + "\n").encode("utf-8"))
     return rows
@@ -250,6 +259,7 @@ def read_results(out: str) -> list[dict[str, Any]]:
     for r in rows:
         r["events"] = json.loads(r["events"] or "[]")
         r["timings"] = json.loads(r["timings"] or "{}")
+        r["capped"] = json.loads(r.get("capped") or "[]")
     return rows
 
 

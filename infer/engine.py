@@ -213,6 +213,7 @@ class CaptionEngine:
         rows, d = cfg.max_batch_rows, self.weights.hidden
         self._embeds = torch.zeros(rows, d, dtype=dtype, device=self.device)
         self._lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._caps = torch.zeros(rows, dtype=torch.long, device=self.device)  # per row: its video's token cap
         self._anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._slots = torch.full((rows,), cfg.max_batch_videos, dtype=torch.long, device=self.device)
         self._ranks = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -333,6 +334,7 @@ class CaptionEngine:
         rows = slice(first, first + k)
         self._embeds[rows] = front.anchors.to(self._embeds.dtype)
         self._lengths[rows] = 0
+        self._caps[rows] = opts.max_branch_tokens
         self._anchor[rows] = front.anchor_pos
         self._slots[rows] = slot
         self._ranks[rows] = torch.arange(k, device=self.device)
@@ -388,23 +390,21 @@ class CaptionEngine:
                         spans=[(v.slot, v.first_row, v.rows) for v in active], max_length=max_len + 1)
         hidden = (self.graphed or self.runner.step)(self._embeds[:r], meta)
         logits = self.runner.logits(hidden)
-        nxt = self._choose(logits, active)
-        chosen = nxt.tolist()  # the step's one device-to-host copy
+        nxt = self._choose(logits, active)[:n]
         self._lengths[:n] += 1
-        eos = self.model.eos_id
+        ended = (nxt == self.model.eos_id) | (self._lengths[:n] >= self._caps[:n])  # on the device
+        chosen, done = torch.stack([nxt, ended.long()]).tolist()  # the step's one device-to-host copy
         keep_rows: list[int] = []
         still: list[_Video] = []
         for v in active:
             v.steps += 1
-            cap = v.opts.max_branch_tokens
             alive = []
             for i, e in enumerate(v.events):
                 row = v.first_row + i
-                tok = chosen[row]
-                v.tokens[e].append(tok)
+                v.tokens[e].append(chosen[row])
                 if v.traced is not None:
                     v.traced[e].append(logits[row].float().cpu())
-                if tok != eos and len(v.tokens[e]) < cap:
+                if not done[row]:
                     alive.append(e)
                     keep_rows.append(row)
             v.events = alive
@@ -417,7 +417,7 @@ class CaptionEngine:
         if len(keep_rows) != n:
             self._compact(still, keep_rows, nxt)
         else:
-            self._embeds[:n] = self.runner.embed(nxt[:n])
+            self._embeds[:n] = self.runner.embed(nxt)
         self.stats["steps"] += 1
         self.stats["row_steps"] += n
         self.stats["step_ms"] += (time.perf_counter() - t0) * 1000.0
@@ -447,7 +447,7 @@ class CaptionEngine:
             live = max(len(v.tokens[e]) for v in kept for e in v.events) if kept else 1
             start = next((i for i, r in enumerate(keep_rows) if r != i), m)  # rows before the first hole stay
             self.runner.branch.compact(idx, live, start)
-            for buf in (self._lengths, self._anchor, self._slots):
+            for buf in (self._lengths, self._caps, self._anchor, self._slots):
                 buf[:m] = buf.index_select(0, idx)
             if nxt is not None:
                 self._embeds[:m] = self.runner.embed(nxt.index_select(0, idx))

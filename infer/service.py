@@ -278,6 +278,7 @@ class CaptionService:
             "config_hash": self.config_hash,
             "features_hash": section_hash(self.cfg.features),
             "decoding": dataclasses.asdict(self.cfg.infer),
+            "engine": self.engine().describe() if hasattr(self.engine(), "describe") else {},
             "options": {name: {"type": f.annotation.__args__[0].__name__ if hasattr(f.annotation, "__args__") else str(f.annotation),
                                "description": f.description}
                         for name, f in CaptionOptions.model_fields.items()},
