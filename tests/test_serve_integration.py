@@ -75,9 +75,11 @@ def test_uri_and_upload_match_the_engine(app_url, tree):
     url, cfg = app_url
     status, by_uri, headers = post_json(url, {"video": str(tree.good)})
     assert status == 200, by_uri
-    assert set(by_uri) == {"video_id", "duration", "events", "timings", "model"} and headers["x-request-id"]
+    assert set(by_uri) == {"video_id", "duration", "events", "timings", "model", "segments_kept", "segments_total"}
+    assert headers["x-request-id"] and 0 < by_uri["segments_kept"] == by_uri["segments_total"]
     for e in by_uri["events"]:
         assert 0 <= e["start"] <= e["end"] <= by_uri["duration"] + 1e-6 and isinstance(e["caption"], str)
+        assert isinstance(e["capped"], bool)
     status, by_upload, _ = post_upload(url, [("file", "good.mp4", "video/mp4", tree.good.read_bytes())])
     assert status == 200, by_upload
     factory, _, cfg2 = tiny_engine(cfg)
