@@ -217,7 +217,10 @@ class CaptionEngine:
         self._anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._slots = torch.full((rows,), cfg.max_batch_videos, dtype=torch.long, device=self.device)
         self._ranks = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self.stats = {"steps": 0, "row_steps": 0, "step_ms": 0.0, "front_ms": 0.0}
+        # steps, rows summed over steps, ms in decode steps / in fronts, and ms per Mode (a step with any
+        # branch token counts as BRANCH, one of anchors only as ANCHOR; grounding counts as PLAN)
+        self.stats: dict[str, Any] = {"steps": 0, "row_steps": 0, "step_ms": 0.0, "front_ms": 0.0,
+                                      "mode_ms": {m.value: 0.0 for m in Mode}}
 
     # ------------------------------------------------------------------ public API
 
@@ -322,6 +325,8 @@ class CaptionEngine:
             emit(req, e)
             return None
         self.stats["front_ms"] += (time.perf_counter() - t0) * 1000.0
+        for mode, key in ((Mode.PREFILL, "prefill_ms"), (Mode.PLAN, "planning_ms"), (Mode.PLAN, "grounding_ms")):
+            self.stats["mode_ms"][mode.value] += timer.ms.get(key, 0.0)
         return _Admit(req, front, timer)
 
     def _admit(self, ready: "_Admit", slot: int, first: int) -> _Video:
@@ -418,9 +423,11 @@ class CaptionEngine:
             self._compact(still, keep_rows, nxt)
         else:
             self._embeds[:n] = self.runner.embed(nxt)
+        ms = (time.perf_counter() - t0) * 1000.0
         self.stats["steps"] += 1
         self.stats["row_steps"] += n
-        self.stats["step_ms"] += (time.perf_counter() - t0) * 1000.0
+        self.stats["step_ms"] += ms
+        self.stats["mode_ms"][(Mode.ANCHOR if max_len == 0 else Mode.BRANCH).value] += ms
         return still
 
     def bucket_rows(self, n: int) -> int:
@@ -502,5 +509,3 @@ class _Admit:
     front: Front
     timer: StageTimer
 
-
-MODES = tuple(m.value for m in Mode)
