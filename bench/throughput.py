@@ -173,8 +173,8 @@ def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: int, reps
     """The kernels of a step timed alone, for a step cost with no per-step overhead.
 
     GEMMs: every linear of every layer + the LM head on R rows (F.linear, the step's own
-    weights), timed at a few R and interpolated. Prefix attention: one packed block of 32
-    rows (x g query heads) against `prefix_keys` keys in every layer, through the engine's
+    weights), timed at a few R and interpolated. Prefix attention: one packed block of 5
+    rows (x g query heads; a video's live rows in a step of the prescribed mix) against `prefix_keys` keys in every layer, through the engine's
     kernel, as ms per (row x prefix key), hot (one prefix, cached across layers: a lone
     video's step) and cold (a distinct prefix per call: several videos in flight stream
     their prefixes from memory every step); a step's share is that rate x sum over its
@@ -211,7 +211,7 @@ def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: int, reps
             F.linear(x, w.head)
 
         gemm[r] = time_it(lin)
-    lp, rows = max(1, int(prefix_keys)), 32
+    lp, rows = max(1, int(prefix_keys)), 5  # ~ a video's live rows in a step of the prescribed mix
     q = torch.randn(1, w.kv_heads, rows * (w.heads // w.kv_heads), w.head_dim, device=dev, dtype=dt)
     # hot: one prefix per layer, the same every call (a lone video's step: it stays in cache); cold: a
     # distinct key and value tensor per call, 64 of each (far more than a last-level cache: many
