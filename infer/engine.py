@@ -228,7 +228,7 @@ class CaptionEngine:
         """One video alone -> Decoded (raises DecodeError for a sample that does not fit the model)."""
         out: list[Any] = []
         self.run(iter([Request(sample, control)]), lambda req, res: out.append(res))
-        if isinstance(out[0], DecodeError):
+        if isinstance(out[0], Exception):  # DecodeError, or per-video options out of range
             raise out[0]
         return out[0]
 
@@ -283,6 +283,8 @@ class CaptionEngine:
         poll = feed if callable(feed) else (lambda it=iter(feed): next(it, None))
         active: list[_Video] = []
         free = deque(range(self.cfg.max_batch_videos))
+        for slot in free:  # a run that raised may have left videos admitted: their slots start empty
+            self.runner.release(slot)
         ready: _Admit | None = None
         while True:
             # admission: fronts of new videos while a slot is free and their rows fit

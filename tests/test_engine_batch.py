@@ -383,3 +383,22 @@ def test_per_request_options_share_one_batch(model, videos):
     bad = []
     eng.run(iter([Request(videos[0], options=VideoOptions(max_events=99))]), lambda req, res: bad.append(res))
     assert isinstance(bad[0], ValueError) and "max_events" in str(bad[0])
+
+
+def test_engine_recovers_after_a_run_that_raised(model, videos, controls, alone):
+    """A step that raises (a server bug on some input) ends that run with the exception; the next
+    run on the same engine starts from empty slots and decodes as if nothing had happened."""
+    eng = CaptionEngine(model, CPU)
+    step, calls = eng.runner.step, {"n": 0}
+
+    def flaky(embeds, meta):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return step(embeds, meta)
+
+    eng.runner.step = flaky
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.caption(videos[:3], controls=controls[:3])
+    got = eng.decode(videos[3], controls[3])
+    assert_same(got, alone[3])
