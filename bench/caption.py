@@ -1,6 +1,7 @@
 """Offline captioning throughput: many videos per step vs one at a time vs the monolithic decoder.
 
     python bench/caption.py [--model runs/default/train/model] [--videos 12] [--seconds 30]
+    python bench/caption.py --shape bench-small        # a random model of the cpu-small shape
 
 Generates a synthetic corpus, then runs the same Ray Data captioning job
 (infer/batch.py: featurize actor pool -> engine actor pool -> JSONL/Parquet) three times
@@ -28,12 +29,47 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def random_model(cfg, out: str) -> str:
+    """A random-init PadCaptioner of bench/decode.py's cpu-small backbone shape, saved under `out`.
+
+    The backbone is written as a local HF directory (the captioning actors rebuild it from
+    the path), the model on top of it with the configured encoders' feature dims.
+    """
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from decode import BENCH_SHAPE
+
+    from infer.loading import feature_dims
+    from pipeline import backbone as backbone_mod
+    from pipeline.model import PadCaptioner
+    from pipeline.tokens import build_tokenizer
+
+    backbone_mod.PRESETS.setdefault("bench-small", BENCH_SHAPE)
+    hf_cfg = backbone_mod.preset_config("bench-small", len(build_tokenizer(cfg.model)))
+    torch.manual_seed(0)
+    base_dir = os.path.join(out, "backbone")
+    AutoModelForCausalLM.from_config(copy.deepcopy(hf_cfg)).save_pretrained(base_dir)
+    dv, da = feature_dims(cfg)
+    model_cfg = copy.deepcopy(cfg.model)
+    model_cfg.backbone = base_dir
+    PadCaptioner(model_cfg, visual_dim=dv, audio_dim=da).save_pretrained(os.path.join(out, "padcaptioner"))
+    return os.path.join(out, "padcaptioner")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "runs/default/train/model"))
     ap.add_argument("--videos", type=int, default=12)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--shape", default="", choices=["", "bench-small"],
+                    help="instead of --model: a random-init model of this backbone shape (bench/decode.py's cpu-small: "
+                         "hidden 512, 8 layers), saved to a temp dir, so decoding weighs what it does for a real model")
+    ap.add_argument("--max-events", type=int, default=8, help="infer.max_events (a random model plans up to it)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -46,13 +82,16 @@ def main() -> int:
     model = args.model if Path(args.model).is_dir() else ""
     base = load_config(ROOT / "cluster/configs/default.yaml", [
         f"data.synthetic.num_videos={args.videos}", f"data.synthetic.min_duration={args.seconds}",
-        f"data.synthetic.max_duration={args.seconds}", "data.synthetic.seed=7",
+        f"data.synthetic.max_duration={args.seconds}", "data.synthetic.seed=7", f"infer.max_events={args.max_events}",
         f"infer.max_branch_tokens={args.max_tokens}", "cluster.preprocess_actors=1", "cluster.caption_actors=1"])
     tmp = tempfile.mkdtemp(prefix="bench-caption-")
+    if args.shape:
+        model = random_model(base, os.path.join(tmp, "model"))
     info = generate_corpus(os.path.join(tmp, "synth"), base.data.synthetic, progress=False)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    result = {"videos": len(info.videos), "seconds_per_video": args.seconds, "model": model or "tiny random",
+    result = {"videos": len(info.videos), "seconds_per_video": args.seconds,
+              "model": f"{args.shape} random" if args.shape else (model or "tiny random"),
               "max_branch_tokens": args.max_tokens}
     try:
         # Warm-up (not timed): the first Ray Data job of a process pays worker start-up and imports.
