@@ -60,7 +60,8 @@ from infer.engine import CaptionEngine, Request, _Admit  # noqa: E402
 from infer.front import StageTimer, decode_reserve, prepare_example, run_front  # noqa: E402
 from infer.reference import monolithic  # noqa: E402
 from infer.sampling import DecodeControl  # noqa: E402
-from infer.step import StepMeta, StepRunner  # noqa: E402
+from infer.kv_pool import StepMeta  # noqa: E402
+from infer.step import StepRunner  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 from pipeline.layout import shared_position  # noqa: E402
 from pipeline.schema import Sample  # noqa: E402

@@ -240,31 +240,37 @@ def auto_prefix_splits(prefix_len: int, device: torch.device) -> int:
 # cascade attention
 
 
-def _prefix_part(qb, prefix_k, prefix_v, scale, kernel, splits):
-    """All branch queries against the shared prefix, packed per KV head.
+def prefix_partials(kernel, qp, prefix_k, prefix_v, scale, splits):
+    """A packed query block against a prefix, optionally in KV chunks (flash-decoding style).
 
-    qb: [K, Hkv, G, D] (G = group * t rows per KV head); prefix_k/v: [Hkv, Lp, D].
-    The queries become one block [1, Hkv, K*G, D]; only they are copied, never the KV.
-    With splits = S > 1 the prefix is viewed as [S, Hkv, Lp/S, D] (no copy) and run as a
-    batch of S (plus one call for the last Lp % S keys).
-    Returns o [P, Hkv, K, G, D] and lse [P, Hkv, K, G]: P partial results (P = 1 unsplit)
-    over disjoint key chunks, to be merged by LSE.
+    qp: [1, Hkv, Q, D]; prefix_k/v: [Hkv, Lp, D]. With splits = S > 1 (clamped to Lp: more
+    chunks than keys would make empty chunks, a SIGFPE in the CPU kernel) the prefix is
+    viewed as [S, Hkv, Lp/S, D] (no copy) and run as a batch of S, plus one call for the
+    last Lp % S keys. Returns o [P, Hkv, Q, D] and lse [P, Hkv, Q]: P partial results
+    (P = 1 unsplit) over disjoint key chunks, to be merged by LSE (`merge_partials`).
     """
-    K, Hkv, G, D = qb.shape
     Lp = prefix_k.shape[1]
-    splits = max(1, min(int(splits), Lp))  # more chunks than keys would make empty chunks (SIGFPE in the CPU kernel)
+    splits = max(1, min(int(splits), Lp))
+    if splits == 1:
+        return kernel(qp, prefix_k.unsqueeze(0), prefix_v.unsqueeze(0), scale)
+    chunk = Lp // splits
+    main = splits * chunk
+    ks = prefix_k[:, :main].unflatten(1, (splits, chunk)).transpose(0, 1)  # [S, Hkv, chunk, D] view
+    vs = prefix_v[:, :main].unflatten(1, (splits, chunk)).transpose(0, 1)
+    o, lse = kernel(qp.expand(splits, -1, -1, -1).contiguous(), ks, vs, scale)
+    if main < Lp:
+        o_t, lse_t = kernel(qp, prefix_k[None, :, main:], prefix_v[None, :, main:], scale)
+        o, lse = torch.cat([o, o_t]), torch.cat([lse, lse_t])
+    return o, lse
+
+
+def _prefix_part(qb, prefix_k, prefix_v, scale, kernel, splits):
+    """All branch queries qb [K, Hkv, G, D] against the shared prefix as one packed block
+    [1, Hkv, K*G, D] (only the queries are copied, never the KV; `prefix_partials`).
+    Returns o [P, Hkv, K, G, D] and lse [P, Hkv, K, G]."""
+    K, Hkv, G, D = qb.shape
     qp = qb.transpose(0, 1).reshape(1, Hkv, K * G, D)
-    if splits <= 1:
-        o, lse = kernel(qp, prefix_k.unsqueeze(0), prefix_v.unsqueeze(0), scale)
-    else:
-        chunk = Lp // splits
-        main = splits * chunk
-        ks = prefix_k[:, :main].unflatten(1, (splits, chunk)).transpose(0, 1)  # [S, Hkv, chunk, D] view
-        vs = prefix_v[:, :main].unflatten(1, (splits, chunk)).transpose(0, 1)
-        o, lse = kernel(qp.expand(splits, -1, -1, -1).contiguous(), ks, vs, scale)
-        if main < Lp:
-            o_t, lse_t = kernel(qp, prefix_k[None, :, main:], prefix_v[None, :, main:], scale)
-            o, lse = torch.cat([o, o_t]), torch.cat([lse, lse_t])
+    o, lse = prefix_partials(kernel, qp, prefix_k, prefix_v, scale, splits)
     return o.unflatten(2, (K, G)), lse.unflatten(2, (K, G))
 
 
@@ -393,3 +399,65 @@ def cascade_attention(
         lse = lse.reshape(K, Hq, t) if return_lse else None
     out = out.transpose(1, 2)
     return (out, lse.float()) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------
+# the decode step's kernel (infer/step.py, infer/kv_pool.py)
+
+
+def length_mask(lengths: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """lengths [B] -> bool [B, 1, 1, kv_len]: keys [0, lengths[b]) visible."""
+    return (torch.arange(kv_len, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+
+
+class Kernel:
+    """The attention kernel of the step, chosen once per engine (`choose_kernel`).
+
+    kernel(q, k, v, scale, visible=None): q [B, H, Lq, D], k/v [B, H, Lk, D] (same H:
+    GQA is done by packing query heads into rows); `visible` from `kernel.visible(lengths,
+    Lk, dtype)` (keys [0, lengths[b]) of batch element b; None = all), built once per step
+    and shared by every layer. Returns o [B, H, Lq, D] and lse [B, H, Lq] (natural log, fp32).
+    name: "sdpa" | "math" | "flash"; reason: why this one (a fallback says so).
+    """
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+
+    def visible(self, lengths: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+        """The kernel's form of "keys [0, lengths[b]) visible": int32 lengths (flash-attn), an
+        additive mask [B, 1, 1, Lk] in `dtype` (sdpa) or a bool mask (math)."""
+        if self.name == "flash":
+            return lengths.to(torch.int32)
+        mask = length_mask(lengths, kv_len)
+        return additive(mask, dtype) if self.name == "sdpa" else mask
+
+    def __call__(self, q, k, v, scale: float, visible: torch.Tensor | None = None):
+        if self.name == "flash":
+            return lse_attention_flash(q, k, v, scale, visible)
+        if self.name == "sdpa":
+            return lse_attention_sdpa(q, k, v, scale, visible, strict=True)
+        return lse_attention_math(q, k, v, scale, visible)
+
+
+def choose_kernel(backend: str, dtype: torch.dtype, device: torch.device, head_dim: int) -> Kernel:
+    """The step's kernel: "flash" (flash-attn) where asked for / auto and usable; else
+    "sdpa" (torch's fused kernels with an LSE) when a probe on this device and dtype runs
+    both the unmasked and the length-masked case; else "math", logged once with the reason.
+    """
+    name = resolve_backend(backend, torch.zeros(1, dtype=dtype, device=device))
+    if name == "flash":
+        return Kernel("flash", "flash-attn 2")
+    if name == "math":
+        return Kernel("math", "requested")
+    probe = Kernel("sdpa", "")
+    q = torch.zeros(2, 1, 2, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(2, 1, 3, head_dim, dtype=dtype, device=device)
+    try:
+        probe(q, k, k, 1.0)
+        probe(q, k, k, 1.0, probe.visible(torch.tensor([1, 3], device=device), 3, dtype))
+    except RuntimeError as e:
+        reason = str(e).splitlines()[0][:200]
+        log.warning("attention: the fused SDPA kernel does not run on %s/%s (%s); using the math kernel",
+                    device, dtype, reason)
+        return Kernel("math", f"fallback from sdpa: {reason}")
+    return Kernel("sdpa", "torch fused SDPA with LSE")

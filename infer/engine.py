@@ -51,7 +51,10 @@ from transformers.cache_utils import DynamicCache
 from infer.decoded import Decoded, to_events
 from infer.front import DecodeError, Front, StageTimer, prepare_example, run_front
 from infer.sampling import NO_CONTROL, DecodeControl, top_p_filter, video_generator
-from infer.step import GraphedStep, Mode, StepMeta, StepRunner, StepWeights, choose_kernel
+from infer.attention import choose_kernel
+from infer.kv_pool import StepMeta
+from infer.step import GraphedStep, Mode, StepRunner
+from infer.step_weights import StepWeights
 from pipeline.backbone import DTYPES
 from pipeline.config import InferConfig
 from pipeline.schema import Event, Sample

@@ -153,7 +153,7 @@ def test_cascade_rejects_bad_shapes():
 
 @pytest.mark.parametrize("name", ["sdpa", "math"])
 def test_step_kernel_length_masks(name):
-    from infer.step import Kernel
+    from infer.attention import Kernel
 
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(3, 2, 4, 16, generator=gen) for _ in range(3))

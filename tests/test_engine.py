@@ -158,7 +158,8 @@ def test_termination_leaves_other_branches_unchanged(model, video):
 def test_finished_branches_are_dropped_not_padded(model, video, monkeypatch):
     """The step at branch step j carries exactly the branches with len > j; the branch KV
     pool is compacted to the same rows (in order) whenever one ends."""
-    from infer.step import BranchPool, StepRunner
+    from infer.kv_pool import BranchPool
+    from infer.step import StepRunner
 
     lengths = [2, 11, 1, 6, 3]
     fed, kept = [], []

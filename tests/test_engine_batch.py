@@ -274,7 +274,7 @@ def test_bf16_cascade_merge_adds_no_rounding_beyond_one_kernel():
     """Attention level, bf16: prefix part + own-branch part merged by LSE is as close to the
     fp64 answer as one bf16 SDPA kernel over all the keys. Rounding the merge weight to
     bf16 (the old merge) doubles the error, so the bound below does tell them apart."""
-    from infer.step import Kernel, merge
+    from infer.attention import Kernel, merge_lse
 
     torch.manual_seed(0)
     R, H, g, D, Lp, Lb = 16, 2, 4, 64, 500, 20
@@ -291,7 +291,7 @@ def test_bf16_cascade_merge_adds_no_rounding_beyond_one_kernel():
     o_b, l_b = kern(q.to(bf), bk.to(bf), bv.to(bf), scale)
     err = lambda x: float((x.double() - ref).abs().max())  # noqa: E731
     bound = 1.5 * err(single)
-    assert err(merge(o_a, l_a, o_b, l_b, bf)) <= bound
+    assert err(merge_lse(o_a, l_a, o_b, l_b, with_lse=False)[0].to(bf)) <= bound
     w16 = torch.sigmoid(l_a.float() - l_b.float()).unsqueeze(-1).to(bf)
     assert err(torch.lerp(o_b, o_a.to(bf), w16)) > bound  # the weight rounded to bf16 first
 
