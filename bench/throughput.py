@@ -56,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import (A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token,  # noqa: E402
                     measure_bandwidth, weight_bytes)
 
-from infer.engine import CaptionEngine, Request, _Admit  # noqa: E402
+from infer.engine import CaptionEngine, _Admit  # noqa: E402
+from infer.requests import Request  # noqa: E402
 from infer.front import StageTimer, decode_reserve, prepare_example, run_front  # noqa: E402
 from infer.reference import monolithic  # noqa: E402
 from infer.sampling import DecodeControl  # noqa: E402
@@ -105,7 +106,7 @@ def engine_mode(model, cfg: InferConfig, videos, fronts, in_flight: int) -> dict
     kmax = max(c.num_events for _, c in videos)
     ecfg = replace(cfg, max_batch_videos=in_flight, max_batch_rows=max(cfg.max_events, in_flight * kmax))
     eng = CaptionEngine(model, ecfg)
-    eng._front = lambda req, emit: _Admit(req, fronts[req.sample.video_id][0],
+    eng._front = lambda req, emit: _Admit(req, req.options.resolve(eng.cfg), fronts[req.sample.video_id][0],
                                           copy.deepcopy(fronts[req.sample.video_id][1]))
     rows: list[tuple[int, int, int, int]] = []  # per step: (rows, sum of rows x prefix keys, prefix keys read, videos)
     step = eng.runner.step

@@ -170,6 +170,8 @@ class CaptionVideos:
         cfg = Config.from_json(cfg_json)
         model, card, cfg = load_model(cfg, model_dir)
         self.engine = CaptionEngine(model, cfg.infer)
+        # what decoded the rows: the step's attention kernel, or HF's forward for the single chain
+        self.kernel = self.engine.kernel.name if cfg.infer.decoder == "parallel" else "hf-forward (monolithic)"
         self.model_id = card.model_id
         self.config_hash = caption_config_hash(cfg)
 
@@ -209,8 +211,7 @@ class CaptionVideos:
                                events=json.dumps([{"start": e.start, "end": e.end, "caption": e.caption}
                                                   for e in res.events], ensure_ascii=False),
                                timings=json.dumps({**res.timings, "featurize_s": float(batch["seconds"][i]),
-                                                   "kernel": self.engine.kernel.name if hasattr(self.engine, "kernel")
-                                                   else "monolithic"}),
+                                                   "kernel": self.kernel}),
                                capped=json.dumps(res.capped), segments_kept=res.segments_kept,
                                segments_total=res.segments_total)
         return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}

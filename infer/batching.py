@@ -25,10 +25,10 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable
 
-from infer.engine import Request
+from infer.requests import Request
 
 
 @dataclass(eq=False)
@@ -40,7 +40,7 @@ class _Item:
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     cancelled: bool = False
-    settled: bool = field(default=False)
+    settled: bool = False
 
     def gone(self) -> bool:
         return self.cancelled or self.future.cancelled()

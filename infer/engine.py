@@ -25,8 +25,8 @@ prefill, once per video. The video's K anchor rows then join the decode step
 
 Each row's arithmetic depends only on its own video, so greedy tokens equal decoding the
 video alone, whatever else shares the step or when it was admitted (tests/test_engine.py
-and tests/test_batching_engine.py check this against infer/reference.py). Events come back sorted by
-start with well-formed intervals (start < end inside [0, duration]); a branch cut by
+and tests/test_engine_batch.py check this against infer/reference.py). Events come back
+sorted by start with well-formed intervals (start < end inside [0, duration]); a branch cut by
 the cap is marked `capped`; a video longer than the model takes is shortened as training
 shortens it (pipeline/fitting.py) and says so (segments kept / total).
 
@@ -37,127 +37,36 @@ the single-chain baseline (infer/reference.py) one video at a time behind the sa
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicCache
 
-from infer.decoded import Decoded, to_events
-from infer.front import DecodeError, Front, StageTimer, prepare_example, run_front
-from infer.sampling import NO_CONTROL, DecodeControl, top_p_filter, video_generator
 from infer.attention import choose_kernel
+from infer.decoded import Decoded, to_events
+from infer.front import DecodeError, Front, StageTimer, decode_reserve, prepare_example, run_front
 from infer.kv_pool import StepMeta
+from infer.requests import Request, VideoResult, check_config, resolve_device, resolve_dtype
+from infer.sampling import NO_CONTROL, DecodeControl, TokenChooser, video_chooser
 from infer.step import GraphedStep, Mode, StepRunner
 from infer.step_weights import StepWeights
 from pipeline.backbone import DTYPES
 from pipeline.config import InferConfig
-from pipeline.schema import Event, Sample
+from pipeline.schema import Sample
 
 log = logging.getLogger("padcap.infer")
-
-
-@dataclass
-class VideoResult:
-    """One video's captions: events sorted by start; timings in ms (+ steps, tokens, events).
-
-    capped[i]: event i's caption was cut at infer.max_branch_tokens (no <eos>).
-    segments_kept / segments_total: time segments the model saw / the video has (fewer
-    when a long video was shortened to fit the model).
-    """
-
-    video_id: str
-    duration: float
-    events: list[Event]
-    timings: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-    capped: list[bool] = field(default_factory=list)
-    segments_kept: int = 0
-    segments_total: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        capped = self.capped or [False] * len(self.events)
-        out = {"video_id": self.video_id, "duration": float(self.duration),
-               "events": [{"start": float(e.start), "end": float(e.end), "caption": e.caption, "capped": bool(c)}
-                          for e, c in zip(self.events, capped)],
-               "timings": dict(self.timings), "segments_kept": self.segments_kept, "segments_total": self.segments_total}
-        if self.error is not None:
-            out["error"] = self.error
-        return out
-
-
-@dataclass(frozen=True)
-class VideoOptions:
-    """Per-video decoding options (a Serve request's); None fields take the engine's infer.* value.
-
-    max_events / max_branch_tokens may only lower the engine's own (its buffers are sized by them).
-    """
-
-    max_events: int | None = None
-    max_branch_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-
-    def resolve(self, cfg: InferConfig) -> "VideoOptions":
-        out = VideoOptions(*(cfg.__dict__[f] if getattr(self, f) is None else getattr(self, f) for f in
-                             ("max_events", "max_branch_tokens", "temperature", "top_p", "seed")))
-        if not (1 <= out.max_events <= cfg.max_events and 1 <= out.max_branch_tokens <= cfg.max_branch_tokens):
-            raise ValueError(f"per-video max_events / max_branch_tokens must be in [1, the engine's "
-                             f"{cfg.max_events} / {cfg.max_branch_tokens}], got {out.max_events} / {out.max_branch_tokens}")
-        if out.temperature < 0 or not 0 < out.top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1 (got {out.temperature}, {out.top_p})")
-        return out
-
-
-@dataclass
-class Request:
-    """One video to decode: its sample, options, test hooks, and a cancellation check (Serve)."""
-
-    sample: Sample
-    control: DecodeControl = field(default_factory=DecodeControl)
-    cancelled: Callable[[], bool] = lambda: False
-    tag: Any = None
-    options: VideoOptions = field(default_factory=VideoOptions)
-
-
-def resolve_device(name: str) -> torch.device:
-    """infer.device -> torch.device (auto = CUDA when available)."""
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def resolve_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
-    """infer.dtype -> torch dtype (auto = bfloat16 on CUDA, the model's own on the CPU)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else model_dtype
-    return DTYPES[name]
-
-
-def check_config(cfg: InferConfig) -> None:
-    if cfg.max_events < 1 or cfg.max_branch_tokens < 1:
-        raise ValueError(f"infer.max_events and infer.max_branch_tokens must be >= 1 "
-                         f"(got {cfg.max_events}, {cfg.max_branch_tokens})")
-    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
-        raise ValueError(f"need infer.temperature >= 0 and 0 < infer.top_p <= 1 (got {cfg.temperature}, {cfg.top_p})")
-    if cfg.attention_prefix_splits < 0:
-        raise ValueError(f"infer.attention_prefix_splits must be >= 0 (0 = auto), got {cfg.attention_prefix_splits}")
-    if cfg.max_batch_videos < 1 or cfg.max_batch_rows < cfg.max_events:
-        raise ValueError(f"need infer.max_batch_videos >= 1 and infer.max_batch_rows >= infer.max_events (one video's "
-                         f"rows must fit a step); got {cfg.max_batch_videos}, {cfg.max_batch_rows} < {cfg.max_events}")
 
 
 class _Video:
     """A video in flight: its front, rows, tokens and timings."""
 
-    def __init__(self, request: Request, opts: VideoOptions, front: Front, timer: StageTimer, slot: int,
-                 first_row: int, segments_total: int, generator: torch.Generator | None, eos_id: int):
+    def __init__(self, request: Request, opts: InferConfig, front: Front, timer: StageTimer, slot: int,
+                 first_row: int, sampler: TokenChooser | None, eos_id: int):
         self.request, self.opts, self.front, self.timer, self.slot = request, opts, front, timer, slot
         self.first_row = first_row
         k = front.num_events
@@ -165,9 +74,8 @@ class _Video:
         self.tokens: list[list[int]] = [[] for _ in range(k)]
         self.traced: list[list[torch.Tensor]] | None = [[] for _ in range(k)] if request.control.trace else None
         self.processors = request.control.processors(eos_id)
-        self.generator = generator
-        self.steps = 0
-        self.segments_total = segments_total
+        self.sampler = sampler  # None: greedy
+        self.steps = 0  # steps taken = tokens of every active row (lock-step within a video)
         self.t_admit = time.perf_counter()
 
     @property
@@ -283,7 +191,7 @@ class CaptionEngine:
         `cancelled()` turns true leaves the batch at the next step, without a result."""
         if self.cfg.decoder == "monolithic":
             return self._run_monolithic(feed, emit)
-        poll = feed if callable(feed) else (lambda it=iter(feed): next(it, None))
+        poll = _poller(feed)
         active: list[_Video] = []
         free = deque(range(self.cfg.max_batch_videos))
         for slot in free:  # a run that raised may have left videos admitted: their slots start empty
@@ -323,7 +231,7 @@ class CaptionEngine:
             emit(req, DecodeError(str(e)))
             return None
         try:
-            example = prepare_example(self.model, req.sample, opts.max_events + opts.max_branch_tokens)
+            example = prepare_example(self.model, req.sample, decode_reserve(opts))
             front = run_front(self.model, example, DynamicCache(config=self.model.hf_config), opts.max_events,
                               req.control, timer)
         except DecodeError as e:
@@ -332,14 +240,14 @@ class CaptionEngine:
         self.stats["front_ms"] += (time.perf_counter() - t0) * 1000.0
         for mode, key in ((Mode.PREFILL, "prefill_ms"), (Mode.PLAN, "planning_ms"), (Mode.PLAN, "grounding_ms")):
             self.stats["mode_ms"][mode.value] += timer.ms.get(key, 0.0)
-        return _Admit(req, front, timer)
+        return _Admit(req, opts, front, timer)
 
     def _admit(self, ready: "_Admit", slot: int, first: int) -> _Video:
         front, k = ready.front, ready.front.num_events
         cache = front.cache
         prefix_kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
         self.runner.admit(slot, prefix_kv)
-        opts = ready.request.options.resolve(self.cfg)
+        opts = ready.opts
         self.weights.rope_tables(front.anchor_pos + opts.max_branch_tokens + 1)
         rows = slice(first, first + k)
         self._embeds[rows] = front.anchors.to(self._embeds.dtype)
@@ -348,11 +256,9 @@ class CaptionEngine:
         self._anchor[rows] = front.anchor_pos
         self._slots[rows] = slot
         self._ranks[rows] = torch.arange(k, device=self.device)
-        gen = None
-        if opts.temperature > 0:
-            gen = video_generator(opts.seed, ready.request.sample.video_id, self.device)
-        return _Video(ready.request, opts, front, ready.timer, slot, first, int(ready.request.sample.num_segments), gen,
-                      self.model.eos_id)
+        sampler = video_chooser(self.model.ids, opts, ready.request.sample.video_id, self.device) \
+            if opts.temperature > 0 else None
+        return _Video(ready.request, opts, front, ready.timer, slot, first, sampler, self.model.eos_id)
 
     def _drop_cancelled(self, active: list[_Video], free: deque) -> list[_Video]:
         gone = [v for v in active if v.request.cancelled()]
@@ -372,18 +278,13 @@ class CaptionEngine:
         for v in active:
             if v.processors:
                 rows = slice(v.first_row, v.first_row + v.rows)
-                step = len(v.tokens[v.events[0]])  # lock-step within a video: every active row is at this step
                 for proc in v.processors:
-                    scores[rows] = proc(scores[rows], step, v.events)
+                    scores[rows] = proc(scores[rows], v.steps, v.events)
         nxt = scores.argmax(dim=-1)
         for v in active:
-            if v.generator is None:
-                continue
-            rows = slice(v.first_row, v.first_row + v.rows)
-            probs = torch.softmax(scores[rows] / v.opts.temperature, dim=-1)
-            if v.opts.top_p < 1.0:
-                probs = top_p_filter(probs, v.opts.top_p)
-            nxt[rows] = torch.multinomial(probs, 1, generator=v.generator).squeeze(-1)
+            if v.sampler is not None:  # temperature > 0: this video's seeded draw
+                rows = slice(v.first_row, v.first_row + v.rows)
+                nxt[rows] = v.sampler.pick(scores[rows])
         return nxt
 
     def _step(self, active: list[_Video], free: deque, emit) -> list[_Video]:
@@ -394,7 +295,7 @@ class CaptionEngine:
         if self.runner.padded:  # static shapes: pad to the bucket with rows of the scratch slot
             r = self.bucket_rows(n)
             self._pad_rows(n, r)
-        max_len = max(len(v.tokens[e]) for v in active for e in v.events)
+        max_len = max(v.steps for v in active)  # branch KV entries of the longest row
         meta = StepMeta(positions=self._anchor[:r] + self._lengths[:r], lengths=self._lengths[:r],
                         slots=self._slots[:r], ranks=self._ranks[:r],
                         spans=[(v.slot, v.first_row, v.rows) for v in active], max_length=max_len + 1)
@@ -440,7 +341,7 @@ class CaptionEngine:
         b = 8
         while b < n:
             b *= 2
-        return min(b, self.cfg.max_batch_rows) if n <= self.cfg.max_batch_rows else n
+        return min(b, self.cfg.max_batch_rows)
 
     def _pad_rows(self, n: int, r: int) -> None:
         """Rows n..r-1 of a padded step: scratch slot, branch length 0, zero input (results ignored)."""
@@ -456,7 +357,7 @@ class CaptionEngine:
         idx = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
         m = len(keep_rows)
         if m:
-            live = max(len(v.tokens[e]) for v in kept for e in v.events) if kept else 1
+            live = max(v.steps for v in kept)
             start = next((i for i, r in enumerate(keep_rows) if r != i), m)  # rows before the first hole stay
             self.runner.branch.compact(idx, live, start)
             for buf in (self._lengths, self._caps, self._anchor, self._slots):
@@ -480,7 +381,7 @@ class CaptionEngine:
         timings["decode_ms"] = (time.perf_counter() - v.t_admit) * 1000.0
         timings.update(total_ms=sum(timings.values()), steps=float(v.steps), tokens=float(sum(map(len, v.tokens))),
                        events=float(len(v.tokens)), segments_kept=float(front.example.layout.num_segments),
-                       segments_total=float(v.segments_total))
+                       segments_total=float(req.sample.num_segments))
         trace = req.control.trace
         return Decoded(video_id=req.sample.video_id, duration=float(req.sample.duration), intervals=front.intervals,
                        tokens=v.tokens, steps=v.steps, timings=timings,
@@ -491,19 +392,24 @@ class CaptionEngine:
     def _run_monolithic(self, feed, emit) -> None:
         from infer.reference import monolithic
 
-        poll = feed if callable(feed) else (lambda it=iter(feed): next(it, None))
+        poll = _poller(feed)
         while (req := poll()) is not None:
             if req.cancelled():
                 continue
             try:
-                opts = req.options.resolve(self.cfg)
-                cfg = dataclasses.replace(self.cfg, **{f: getattr(opts, f) for f in
-                                                       ("max_events", "max_branch_tokens", "temperature", "top_p", "seed")})
-                dec = monolithic(self.model, req.sample, cfg, req.control)
+                dec = monolithic(self.model, req.sample, req.options.resolve(self.cfg), req.control)
             except ValueError as e:  # DecodeError, or options out of range
                 emit(req, e)
                 continue
             emit(req, dec)
+
+
+def _poller(feed: Iterable[Request] | Callable[[], Request | None]) -> Callable[[], Request | None]:
+    """`run`'s feed as a function: the next request, or None when there is nothing (now)."""
+    if callable(feed):
+        return feed
+    it = iter(feed)
+    return lambda: next(it, None)
 
 
 @dataclass
@@ -511,6 +417,7 @@ class _Admit:
     """A video whose front is done, waiting for room in the step."""
 
     request: Request
+    opts: InferConfig  # the engine's settings with the request's options applied
     front: Front
     timer: StageTimer
 

@@ -40,17 +40,14 @@ from transformers.cache_utils import DynamicCache
 from infer.decoded import Decoded
 from infer.front import (StageTimer, cat_meta, decode_reserve, ground_intervals, prepare_example, row_mask, run_front,
                          token_position_ids)
-from infer.sampling import NO_CONTROL, DecodeControl, TokenChooser, plan_decision, planning_capped
+from infer.sampling import NO_CONTROL, DecodeControl, TokenChooser, plan_decision, planning_capped, video_chooser
 from pipeline.batch import collate
 from pipeline.config import InferConfig
 from pipeline.layout import Role, TokenMeta, branch_position, dense_layout, event_order, shared_position
 
 
 def _chooser(model, cfg: InferConfig, video_id: str) -> TokenChooser:
-    from infer.sampling import video_generator
-
-    gen = video_generator(cfg.seed, video_id, model.device) if cfg.temperature > 0 else None
-    return TokenChooser(model.ids, cfg.temperature, cfg.top_p, gen)
+    return video_chooser(model.ids, cfg, video_id, model.device)
 
 
 def _finish(sample, example, intervals, tokens, steps, timer, planning, branch_logits, grounding, control) -> Decoded:

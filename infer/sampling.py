@@ -175,3 +175,11 @@ def video_generator(seed: int, video_id: str, device: torch.device) -> torch.Gen
     g = torch.Generator(device=device)
     g.manual_seed((int(seed) * 1_000_003 + zlib.crc32(video_id.encode("utf-8"))) % (2**63 - 1))
     return g
+
+
+def video_chooser(ids: dict[str, int], cfg, video_id: str, device: torch.device) -> TokenChooser:
+    """The chooser of one video under decoding settings `cfg` (temperature, top_p, seed): greedy,
+    or sampling with the video's own generator (`video_generator`)."""
+    gen = video_generator(cfg.seed, video_id, device) if cfg.temperature > 0 else None
+    return TokenChooser(ids, cfg.temperature, cfg.top_p, gen)
+

@@ -40,7 +40,7 @@ from typing import Any, Callable, Protocol
 from pydantic import ValidationError
 
 from infer.batching import EngineBatcher
-from infer.engine import VideoOptions
+from infer.requests import VideoOptions
 from infer.errors import RequestError
 from infer.protocol import CaptionOptions, error_message
 from infer.uris import UriPolicy, materialize
@@ -51,6 +51,10 @@ log = logging.getLogger("padcap.serve")
 
 
 class Engine(Protocol):
+    """What the service needs of an engine: infer.engine.CaptionEngine (`run(feed, emit)` +
+    `result`, continuous batching), or any object with `caption(samples)` (test stand-ins,
+    driven in batches by infer/batching.py)."""
+
     def caption(self, samples: list[Sample]) -> list[Any]: ...
 
 

@@ -23,27 +23,15 @@ from infer.reference import branch_sequential, full_recompute, monolithic, paral
 from infer.sampling import DecodeControl
 from pipeline.config import InferConfig
 from pipeline.model import PadCaptioner
-from tests.support.padcap import sample, tiny_cfg
+from tests.support.padcap import decoding_model, sample, tiny_cfg
 
 LOGIT_ATOL = 1e-4
 CPU = InferConfig(device="cpu", max_branch_tokens=16, max_events=30)
 
 
-def randomize(m: PadCaptioner, std: float = 0.15, seed: int = 1) -> PadCaptioner:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-            elif p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return m
-
-
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return randomize(PadCaptioner(tiny_cfg(grounding_threshold=0.99))).eval()
+    return decoding_model()
 
 
 @pytest.fixture(scope="module")

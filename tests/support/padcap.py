@@ -45,3 +45,25 @@ def sample(num_segments: int = 12, intervals=((2.0, 5.0), (7.0, 10.0)), captions
         audio[:] = 0
     return Sample(video_id=video_id, duration=float(t), segment_times=times, visual=visual.astype(np.float16),
                   audio=audio.astype(np.float16), has_audio=has_audio, events=events)
+
+
+def randomize(m, std: float = 0.15, seed: int = 1):
+    """Re-draw a PadCaptioner's matrices with a larger spread (LoRA too), so a random model grounds
+    events to different intervals and its branches emit varied tokens (engine tests)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            elif p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return m
+
+
+def decoding_model(**over):
+    """The engine tests' model: tiny, randomised, grounding only near-max segments, eval mode."""
+    from pipeline.model import PadCaptioner
+
+    torch.manual_seed(0)
+    return randomize(PadCaptioner(tiny_cfg(grounding_threshold=0.99, **over))).eval()
+
