@@ -82,6 +82,14 @@ class ReleaseSettings:
             raise ReleaseError(f"release dtype {self.dtype!r} not in {sorted(DTYPES)}")
 
 
+def settings_from(cfg, *, positions: str | None = None) -> ReleaseSettings:
+    """ReleaseSettings from a project Config (its `release` section, `model.dtype`)."""
+    r = cfg.release
+    return ReleaseSettings(grounding_threshold=r.grounding_threshold, grounding_merge_gap=r.grounding_merge_gap,
+                           positions=positions or r.positions, aggregation=r.aggregation, instruction=r.instruction,
+                           max_seq_len=r.max_seq_len, dtype=cfg.model.dtype)
+
+
 def head(dim: int, out: int) -> nn.Sequential:
     """The release's grounding head: LayerNorm(d) -> Linear(d, d/2) -> GELU -> Linear(d/2, out)."""
     return nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim // 2), nn.GELU(), nn.Linear(dim // 2, out))
