@@ -41,7 +41,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -49,7 +49,8 @@ from transformers.cache_utils import DynamicCache
 
 from infer.attention import choose_kernel
 from infer.decoded import Decoded, to_events
-from infer.front import DecodeError, Front, StageTimer, decode_reserve, prepare_example, run_front
+from infer.front import DecodeError, Front, StageTimer, decode_reserve, prepare_example, run_front, well_formed
+from infer.release_front import release_front
 from infer.kv_pool import StepMeta
 from infer.requests import Request, VideoResult, check_config, resolve_device, resolve_dtype
 from infer.sampling import NO_CONTROL, DecodeControl, TokenChooser, video_chooser
@@ -99,13 +100,18 @@ class CaptionEngine:
         self.device = resolve_device(cfg.device)
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)  # process-wide: an engine owns its process (actor, replica)
+        self.release = is_release_model(model)
+        if self.release and cfg.decoder != "parallel":
+            raise ValueError("the release model decodes in parallel only (infer.decoder=parallel)")
         dtype = resolve_dtype(cfg.dtype, self.device, model.dtype)
         if model.device.type != self.device.type:
             model.to(self.device)
-        if model.new_embed.dtype != dtype:
+        if weights_dtype(model) != dtype:
             model.to(dtype)
-            model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
+            if not self.release:
+                model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
         model.eval()
+        max_seq_len = model.max_seq_len if self.release else model.cfg.max_seq_len
         self.weights = StepWeights.of(model)
         self.kernel = choose_kernel(cfg.attention_backend, dtype, self.device, self.weights.head_dim)
         graphs = cfg.cuda_graphs and self.device.type == "cuda" and cfg.step_attention in ("auto", "padded")
@@ -113,14 +119,15 @@ class CaptionEngine:
         self.runner = StepRunner(self.weights, self.kernel, cfg.max_batch_rows, cfg.max_branch_tokens,
                                  prefix=attention, prefix_splits=cfg.attention_prefix_splits or 0,
                                  slots=cfg.max_batch_videos, rows_per_video=cfg.max_events,
-                                 prefix_cap=model.cfg.max_seq_len if attention == "padded" else 1)
+                                 prefix_cap=max_seq_len if attention == "padded" else 1)
         self.graphed: GraphedStep | None = None
         if graphs:
             # RoPE tables sized once for every position a decode can reach, so captured graphs stay valid
-            self.weights.rope_tables(model.cfg.max_seq_len + cfg.max_events + cfg.max_branch_tokens + 2)
+            self.weights.rope_tables(max_seq_len + cfg.max_events + cfg.max_branch_tokens + 2)
             self.graphed = GraphedStep(self.runner)
         self.bias = torch.zeros(self.weights.head.shape[0], device=self.device)
-        self.bias[[model.g_id, model.s_id]] = float("-inf")  # structural tokens are never caption text
+        banned = [model.g_id, model.s_id] + ([model.shift_id] if self.release else [])
+        self.bias[banned] = float("-inf")  # structural tokens are never caption text
         rows, d = cfg.max_batch_rows, self.weights.hidden
         self._embeds = torch.zeros(rows, d, dtype=dtype, device=self.device)
         self._lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -166,6 +173,8 @@ class CaptionEngine:
             log.warning("cannot caption %s: %s", sample.video_id, res)
             return VideoResult(sample.video_id, float(sample.duration), [], {}, error=str(res),
                                segments_total=int(sample.num_segments))
+        if self.release:  # the release's seconds are not clipped to the video: results are
+            res = replace(res, intervals=[well_formed(s, e, res.duration, 1e-3) for s, e in res.intervals])
         order = sorted(range(res.num_events), key=lambda i: (*res.intervals[i], i))
         events = to_events(res, self.model.tokenizer, self.model.eos_id)
         capped = [self.model.eos_id not in res.tokens[i] for i in order]
@@ -231,15 +240,21 @@ class CaptionEngine:
             emit(req, DecodeError(str(e)))
             return None
         try:
-            example = prepare_example(self.model, req.sample, decode_reserve(opts))
-            front = run_front(self.model, example, DynamicCache(config=self.model.hf_config), opts.max_events,
-                              req.control, timer)
+            cache = DynamicCache(config=self.model.hf_config)
+            if self.release:
+                front = release_front(self.model, req.sample, cache, opts.max_events, req.control, timer)
+            else:
+                example = prepare_example(self.model, req.sample, decode_reserve(opts))
+                front = run_front(self.model, example, cache, opts.max_events, req.control, timer)
         except DecodeError as e:
             emit(req, e)
             return None
         self.stats["front_ms"] += (time.perf_counter() - t0) * 1000.0
         for mode, key in ((Mode.PREFILL, "prefill_ms"), (Mode.PLAN, "planning_ms"), (Mode.PLAN, "grounding_ms")):
             self.stats["mode_ms"][mode.value] += timer.ms.get(key, 0.0)
+        if front.num_events == 0:  # the release model may plan no event: nothing to decode
+            emit(req, self._finish(_Video(req, opts, front, timer, -1, 0, None, self.model.eos_id)))
+            return None
         return _Admit(req, opts, front, timer)
 
     def _admit(self, ready: "_Admit", slot: int, first: int) -> _Video:
@@ -380,7 +395,7 @@ class CaptionEngine:
         timings = dict(v.timer.ms)
         timings["decode_ms"] = (time.perf_counter() - v.t_admit) * 1000.0
         timings.update(total_ms=sum(timings.values()), steps=float(v.steps), tokens=float(sum(map(len, v.tokens))),
-                       events=float(len(v.tokens)), segments_kept=float(front.example.layout.num_segments),
+                       events=float(len(v.tokens)), segments_kept=float(front.segments_kept),
                        segments_total=float(req.sample.num_segments))
         trace = req.control.trace
         return Decoded(video_id=req.sample.video_id, duration=float(req.sample.duration), intervals=front.intervals,
@@ -402,6 +417,16 @@ class CaptionEngine:
                 emit(req, e)
                 continue
             emit(req, dec)
+
+
+def is_release_model(model) -> bool:
+    """The published release's model (pipeline/release), decoded by its own front half."""
+    return hasattr(model, "step_tables")
+
+
+def weights_dtype(model) -> torch.dtype:
+    """The dtype the model's weights are in now."""
+    return model.dtype if is_release_model(model) else model.new_embed.dtype
 
 
 def _poller(feed: Iterable[Request] | Callable[[], Request | None]) -> Callable[[], Request | None]:

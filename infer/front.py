@@ -66,6 +66,10 @@ class Front:
     def num_events(self) -> int:
         return int(self.anchors.shape[0])
 
+    @property
+    def segments_kept(self) -> int:
+        return int(self.example.layout.num_segments)
+
 
 class StageTimer:
     """Wall-clock ms per stage; synchronises CUDA at each boundary so stages are honest."""

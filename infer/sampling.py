@@ -103,15 +103,17 @@ class ForcedLengths(LogitsProcessor):
         return scores
 
 
-def plan_decision(restricted: torch.Tensor, num_events: int, max_events: int, control: DecodeControl = NO_CONTROL) -> bool:
+def plan_decision(restricted: torch.Tensor, num_events: int, max_events: int, control: DecodeControl = NO_CONTROL,
+                  min_events: int = 1) -> bool:
     """restricted [2] = logits of (<G>, <S>) at the current planning row -> emit another <G>?
 
     num_events = <G>s emitted so far. The cap is checked by the caller before computing
-    the logits (`planning_capped`); here: forced K, else at least one, else greedy.
+    the logits (`planning_capped`); here: forced K, else at least `min_events` (1: every
+    video gets an event; the release allows K = 0), else greedy, ties to <G>.
     """
     if control.num_events is not None:
         return num_events < control.num_events
-    if num_events == 0:
+    if num_events < min_events:
         return True
     return bool(restricted[0] >= restricted[1])
 

@@ -37,6 +37,24 @@ def effective_linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tenso
     return weight, base.bias
 
 
+def _folded_tables(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A PadCaptioner's (embed [V, d], head [V, d], head bias): copies of the backbone's tables
+    with the <G>/<S> rows of `new_embed` / `new_out` folded in (one tensor when tied)."""
+    base = model.backbone.get_base_model()
+    in_w = base.get_input_embeddings().weight
+    out_w = base.get_output_embeddings().weight
+    ids = model.new_ids
+    embed = in_w.detach().clone()
+    embed[ids] = model.new_embed.detach().to(embed.dtype)
+    if in_w.data_ptr() == out_w.data_ptr() and model.new_out is None:
+        head = embed
+    else:
+        head = out_w.detach().clone()
+        rows = model.new_embed if model.new_out is None else model.new_out
+        head[ids] = rows.detach().to(head.dtype)
+    return embed, head, getattr(base.get_output_embeddings(), "bias", None)
+
+
 _SNAPSHOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (parameter key, StepWeights)
 
 
@@ -75,7 +93,6 @@ class StepWeights:
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_layers = len(dec.layers)
-        self.dtype = model.new_embed.dtype
         self.layers = []
         for layer in dec.layers:
             at, mlp = layer.self_attn, layer.mlp
@@ -87,19 +104,11 @@ class StepWeights:
         self.norm = dec.norm
         self.rope = dec.rotary_emb
         self.rotate_half = importlib.import_module(type(dec).__module__).rotate_half
-        base = model.backbone.get_base_model()
-        in_w = base.get_input_embeddings().weight
-        out_w = base.get_output_embeddings().weight
-        ids = model.new_ids
-        self.embed = in_w.detach().clone()
-        self.embed[ids] = model.new_embed.detach().to(self.embed.dtype)
-        if in_w.data_ptr() == out_w.data_ptr() and model.new_out is None:
-            self.head = self.embed
+        if hasattr(model, "step_tables"):  # the release model: its <G>/<S> rows live in the tables themselves
+            self.embed, self.head, self.head_bias = model.step_tables()
         else:
-            self.head = out_w.detach().clone()
-            rows = model.new_embed if model.new_out is None else model.new_out
-            self.head[ids] = rows.detach().to(self.head.dtype)
-        self.head_bias = getattr(base.get_output_embeddings(), "bias", None)
+            self.embed, self.head, self.head_bias = _folded_tables(model)
+        self.dtype = self.embed.dtype
         self.device = self.embed.device
         self._cos = self._sin = None
 

@@ -61,12 +61,13 @@ def jitter_intervals(intervals: torch.Tensor, duration: float, frac: float, gene
 
 @torch.no_grad()
 def attention_row(decoder, layer_idx: int, adapter, hidden_in: torch.Tensor, position_ids: torch.Tensor,
-                  query: int, keys: torch.Tensor) -> torch.Tensor:
+                  query: int, keys: torch.Tensor, probs_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Head-averaged attention probabilities of one query row at one decoder layer.
 
     hidden_in [S, d]: the layer's input states; position_ids [S]: backbone position ids;
     query: row index; keys: bool [S] visible keys of that row. Returns [S] (0 on hidden keys),
-    equal to the layer's attention probabilities (mean over heads) for that row.
+    equal to the layer's attention probabilities (mean over heads) for that row. probs_dtype:
+    cast the fp32 probabilities to it before the head mean (as the release does; default fp32).
     """
     layer = decoder.layers[layer_idx]
     attn = layer.self_attn
@@ -80,8 +81,8 @@ def attention_row(decoder, layer_idx: int, adapter, hidden_in: torch.Tensor, pos
     heads, kv_heads = q.shape[0], k.shape[0]
     qg = q.view(kv_heads, heads // kv_heads, hd)  # GQA: group query heads per KV head
     scores = torch.einsum("gqd,gnd->gqn", qg.float(), k.float()) * attn.scaling
-    probs = scores.softmax(dim=-1).reshape(heads, -1).mean(dim=0)  # [N]
-    row = torch.zeros(hidden_in.shape[0], dtype=torch.float32, device=hidden_in.device)
+    probs = scores.softmax(dim=-1).reshape(heads, -1).to(probs_dtype or torch.float32).mean(dim=0)  # [N]
+    row = torch.zeros(hidden_in.shape[0], dtype=probs.dtype, device=hidden_in.device)
     row[key_idx] = probs
     return row
 

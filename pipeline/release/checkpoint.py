@@ -1,0 +1,109 @@
+"""Reading a release checkpoint directory: its weight files, key by key, strictly.
+
+    files = weight_files(dir)                  # pytorch_model.bin | model.safetensors | sharded (+ index)
+    state = read_state_dict(dir)               # {release key: tensor}
+    plan = map_state_dict(state, targets, ignore=IGNORED)   # release key -> (module key) or raise
+
+The public PadCaptioner release saves one `pytorch_model.bin` (tied `lm_head.weight`
+popped) next to `config.json`; a hub re-upload may be (sharded) safetensors. All four
+layouts are read here. Mapping is strict: every tensor in the file is used by exactly
+one target parameter or buffer, or named in an explicit ignore list; a missing target,
+an unknown key or a wrong shape is a `ReleaseError` that names the key.
+Pure torch + safetensors; no ray.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+BIN = "pytorch_model.bin"
+SAFE = "model.safetensors"
+INDEXES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
+
+
+class ReleaseError(ValueError):
+    """A release directory cannot be loaded as it is; the message names the file or key."""
+
+
+def is_release_dir(path: str | Path) -> bool:
+    """A directory with a Qwen2.5-VL `config.json` that carries the release's evidence fields."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        return False
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return cfg.get("model_type") == "qwen2_5_vl" and "evi_token_id" in cfg
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The weight files of a release directory, in load order (raises when there are none)."""
+    path = Path(path)
+    for index in INDEXES:
+        if (path / index).is_file():
+            shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            missing = [s for s in shards if not (path / s).is_file()]
+            if missing:
+                raise ReleaseError(f"{path / index} lists shards that are not there: {missing[:3]}")
+            return [path / s for s in shards]
+    for name in (SAFE, BIN):
+        if (path / name).is_file():
+            return [path / name]
+    raise ReleaseError(f"{path}: no weights ({BIN}, {SAFE} or a sharded index {INDEXES})")
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a release directory on the CPU, keyed as the release names them."""
+    state: dict[str, torch.Tensor] = {}
+    for f in weight_files(path):
+        part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu",
+                                                                                 weights_only=True, mmap=True)
+        dup = state.keys() & part.keys()
+        if dup:
+            raise ReleaseError(f"{f}: tensor {sorted(dup)[0]!r} appears in more than one shard")
+        state.update(part)
+    return state
+
+
+def map_state_dict(state: Mapping[str, torch.Tensor], rules: Iterable[tuple[str, str]],
+                   targets: Mapping[str, torch.Tensor], ignore: Iterable[str] = (),
+                   optional: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """Release tensors -> {target key: tensor}, by prefix rules, strictly.
+
+    rules: (release prefix, target prefix) pairs, first match wins; ignore: release keys
+    read and dropped on purpose; optional: target keys that may be absent from the file
+    (e.g. a tied lm_head). Raises ReleaseError naming every unknown key, missing target or
+    shape mismatch (the first few of each).
+    """
+    rules = list(rules)
+    ignore = set(ignore)
+    out: dict[str, torch.Tensor] = {}
+    unknown, bad_shape = [], []
+    for key, tensor in state.items():
+        if key in ignore:
+            continue
+        target = next((dst + key[len(src):] for src, dst in rules if key.startswith(src)), None)
+        if target is None or target not in targets:
+            unknown.append(key)
+            continue
+        if tuple(tensor.shape) != tuple(targets[target].shape):
+            bad_shape.append(f"{key}: file {tuple(tensor.shape)} vs model {tuple(targets[target].shape)}")
+            continue
+        out[target] = tensor
+    missing = [k for k in targets if k not in out and k not in set(optional)]
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} unexpected tensor(s) {unknown[:4]}")
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s) {missing[:4]}")
+    if bad_shape:
+        problems.append(f"{len(bad_shape)} shape mismatch(es) {bad_shape[:4]}")
+    if problems:
+        raise ReleaseError("checkpoint does not match the release model: " + "; ".join(problems))
+    return out

@@ -1,0 +1,84 @@
+"""The release's grounding readout and aggregation, as pure functions (RELEASE.md 4.4).
+
+    a, b = find_and_merge(sim, threshold=0.7, merge_gap=2)        # timestep indices, inclusive
+    feat = aggregate(attn_row, h_agg, lay, (a, b), mode, audio_weight)   # [d]
+
+find_and_merge: salient timesteps are those with sim >= threshold * max(sim); contiguous
+runs of them are bridged when the gap between two runs is at most `merge_gap` timesteps;
+the bridged span with the largest sum of sim over the whole span (the non-salient gap
+steps included) wins, the first on ties.
+
+aggregate: for every timestep a..b the video (audio) index lists are concatenated,
+duplicates kept (neighbouring audio sets overlap); weights over those tokens come from
+the aggregation row (head-mean attention probabilities of the user turn's <|im_end|> at
+layer `vision_audio_layer_index`): "release" = softmax of those probabilities (what the
+release does; nearly uniform, REFERENCE.md names it a defect), "renormalised" = the
+probabilities divided by their sum (ours); feature = sum w h (video) + audio_weight x
+sum w h (audio), h = that layer's input states. Pure torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def salient_runs(sim: torch.Tensor, threshold: float) -> list[tuple[int, int]]:
+    """[T] -> inclusive (start, end) runs of timesteps with sim >= threshold * max(sim)."""
+    keep = (sim >= threshold * sim.max()).tolist()
+    runs, start = [], None
+    for t, k in enumerate(keep + [False]):
+        if k and start is None:
+            start = t
+        elif not k and start is not None:
+            runs.append((start, t - 1))
+            start = None
+    return runs
+
+
+def find_and_merge(sim: torch.Tensor, threshold: float, merge_gap: int) -> tuple[int, int]:
+    """Similarities [T] -> the grounded interval (a, b) in timestep indices, inclusive (module doc)."""
+    runs = salient_runs(sim, threshold)
+    spans: list[tuple[int, int]] = []
+    for s, e in runs:
+        if spans and s - spans[-1][1] - 1 <= merge_gap:
+            spans[-1] = (spans[-1][0], e)
+        else:
+            spans.append((s, e))
+    best, best_mass = spans[0], None
+    for s, e in spans:
+        mass = sim[s:e + 1].sum()
+        if best_mass is None or mass > best_mass:
+            best, best_mass = (s, e), mass
+    return best
+
+
+def interval_tokens(lay, interval: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence indices of the video and audio tokens of timesteps a..b (duplicates kept)."""
+    a, b = interval
+    vid = [i for t in range(a, b + 1) for i in lay.video_sets[t]]
+    aud = [i for t in range(a, b + 1) for i in lay.audio_sets[t]]
+    v = lay.video_slots[torch.tensor(vid, dtype=torch.long)] if vid else torch.zeros(0, dtype=torch.long)
+    au = lay.audio_slots[torch.tensor(aud, dtype=torch.long)] if aud else torch.zeros(0, dtype=torch.long)
+    return v, au
+
+
+def token_weights(scores: torch.Tensor, mode: str) -> torch.Tensor:
+    """Aggregation-row values of the selected tokens [n] -> weights [n] summing to 1."""
+    if mode == "release":
+        return scores.softmax(dim=-1)
+    total = scores.float().sum()
+    if total <= 0:
+        return torch.full_like(scores, 1.0 / scores.numel())
+    return (scores.float() / total).to(scores.dtype)
+
+
+def aggregate(row: torch.Tensor, hidden: torch.Tensor, lay, interval: tuple[int, int], mode: str,
+              audio_weight: float) -> torch.Tensor:
+    """row [L] (aggregation probabilities), hidden [L, d] (layer input states) -> feature [d]."""
+    v, a = interval_tokens(lay, interval)
+    dev = hidden.device
+    v, a = v.to(dev), a.to(dev)
+    feat = token_weights(row[v], mode).to(hidden.dtype) @ hidden[v]
+    if a.numel():
+        feat = feat + audio_weight * (token_weights(row[a], mode).to(hidden.dtype) @ hidden[a])
+    return feat

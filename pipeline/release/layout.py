@@ -1,0 +1,184 @@
+"""The release's token layout of one video: prompt ids, AV interleave, index sets, M-RoPE ids.
+
+    grid = AVGrid(timesteps=T, rows=H', cols=W', seconds_per_step=d, audio_tokens=A_total)
+    lay = build_layout(tokenizer, ids, grid, instruction)
+    lay.input_ids [L]; lay.video_slots / lay.audio_slots (sequence index of each token);
+    lay.video_sets / lay.audio_sets (per-timestep index lists); lay.query_index (aggregation row)
+    pos, delta = mrope_ids(lay, mode)      # [3, L] and the rope delta; mode "release" | "training"
+
+Facts (RELEASE.md 2, 3, 4.3):
+  * prompt: `<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\n
+    <|vision_start|>` AV `<|vision_end|>\\n{instruction}<|im_end|>\\n<|im_start|>assistant\\n`;
+  * AV block: per timestep t its V = H'W' `<|video_pad|>` then a_t `<|audio_pad|>`, with
+    tau(t) = int(float32(float32(t d) * 2)), a_t = tau(t+1) - tau(t), the last timestep
+    taking the rest of A_total = 60 ceil(samples / 480000) (none without an audio track);
+  * grounding / aggregation index sets (not the interleave counts): timestep t covers
+    [t d, (t+1) d] in float64; its video tokens are those of segments
+    [floor(t d / d), ceil((t+1) d / d)) and its audio tokens [floor(t d / 0.5),
+    ceil((t+1) d / 0.5)), both clamped; neighbours' audio ranges overlap, and float error
+    can give a timestep two segments: both are kept, as the release keeps them;
+  * the aggregation query is the user turn's `<|im_end|>`; grounding reads the last row.
+Positions: "training" is what the model learnt (video (t, r, c) -> (p0 + tau(t), p0 + r,
+p0 + c), audio j -> (p0 + j, p0, p0 + j), text after the block from its temporal max + 1);
+"release" is what the release computes at test time (the first T V tokens after p0 take
+the video grid in raster order whatever their type, everything later is text from
+p0 + max(tau(T-1), H'-1, W'-1) + 1). After the prompt every token is text in both modes:
+position = cache index + delta on all three axes. Pure torch; no ray.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SYSTEM = "You are a helpful assistant."
+AUDIO_SECONDS_PER_TOKEN = 0.5
+TOKENS_PER_SECOND = 2  # Qwen2.5-VL vision_config.tokens_per_second
+POSITION_MODES = ("release", "training")
+
+
+class LayoutError(ValueError):
+    """The video cannot be laid out for the release model; says why."""
+
+
+@dataclass(frozen=True)
+class AVGrid:
+    """What the layout needs to know of one video's encoded media."""
+
+    timesteps: int  # T: temporal grid steps (two frames each)
+    rows: int  # H': merged token rows per timestep
+    cols: int  # W': merged token columns per timestep
+    seconds_per_step: float  # d = 2 / fps
+    audio_tokens: int  # A_total (0: no audio track)
+
+    @property
+    def per_step(self) -> int:
+        return self.rows * self.cols
+
+
+def tau(grid: AVGrid) -> torch.Tensor:
+    """[T] int64: the temporal position offset of each timestep, float32 as the release computes it."""
+    return (torch.arange(grid.timesteps) * float(grid.seconds_per_step) * TOKENS_PER_SECOND).long()
+
+
+def audio_counts(grid: AVGrid) -> list[int]:
+    """Audio tokens after each timestep's video tokens in the interleave (sums to A_total).
+
+    Bounds are clamped to A_total, so an audio track shorter than the video gives the late
+    timesteps no tokens instead of negative counts.
+    """
+    if grid.audio_tokens <= 0:
+        return [0] * grid.timesteps
+    bounds = [min(int(b), grid.audio_tokens) for b in tau(grid).tolist()] + [grid.audio_tokens]
+    return [bounds[t + 1] - bounds[t] for t in range(grid.timesteps)]
+
+
+def index_sets(grid: AVGrid) -> tuple[list[list[int]], list[list[int]]]:
+    """Per timestep the video-token and audio-token indices (into each modality's own sequence)."""
+    d = float(grid.seconds_per_step)
+    video, audio = [], []
+    for t in range(grid.timesteps):
+        start, end = t * d, (t + 1) * d
+        s0, s1 = math.floor(start / d), min(math.ceil(end / d), grid.timesteps)
+        video.append(list(range(s0 * grid.per_step, s1 * grid.per_step)))
+        if grid.audio_tokens > 0:
+            a0 = min(math.floor(start / AUDIO_SECONDS_PER_TOKEN), grid.audio_tokens)
+            a1 = min(math.ceil(end / AUDIO_SECONDS_PER_TOKEN), grid.audio_tokens)
+            audio.append(list(range(a0, a1)))
+        else:
+            audio.append([])
+    return video, audio
+
+
+@dataclass
+class ReleaseLayout:
+    """One video's prompt (module doc); index tensors are positions in the token sequence."""
+
+    input_ids: torch.Tensor  # [L]
+    grid: AVGrid
+    p0: int  # first AV token
+    video_slots: torch.Tensor  # [T*V] sequence index of the k-th <|video_pad|>
+    audio_slots: torch.Tensor  # [A_total]
+    video_sets: list[list[int]]  # per timestep: indices into the video tokens
+    audio_sets: list[list[int]]
+    query_index: int  # the user turn's <|im_end|> (aggregation query)
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def block_len(self) -> int:
+        return self.grid.timesteps * self.grid.per_step + self.grid.audio_tokens
+
+
+def build_layout(tokenizer, ids: dict[str, int], grid: AVGrid, instruction: str) -> ReleaseLayout:
+    """The dense-captioning prompt of one video (module doc). ids: the release token ids
+    (`vision_start`, `vision_end`, `video`, `audio`, `im_end`)."""
+    if grid.timesteps < 1 or grid.per_step < 1:
+        raise LayoutError(f"a video needs at least one timestep of video tokens, got {grid}")
+
+    def enc(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    head = enc(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n") + enc("<|im_start|>user\n") + [ids["vision_start"]]
+    block: list[int] = []
+    for count in audio_counts(grid):
+        block += [ids["video"]] * grid.per_step + [ids["audio"]] * count
+    tail = [ids["vision_end"]] + enc(f"\n{instruction}<|im_end|>\n") + enc("<|im_start|>assistant\n")
+    input_ids = torch.tensor(head + block + tail, dtype=torch.long)
+    p0 = len(head)
+    video_slots = torch.nonzero(input_ids == ids["video"]).flatten()
+    audio_slots = torch.nonzero(input_ids == ids["audio"]).flatten()
+    if video_slots.numel() != grid.timesteps * grid.per_step or audio_slots.numel() != grid.audio_tokens:
+        raise LayoutError("the instruction text contains video/audio placeholder tokens")
+    im_end = torch.nonzero(input_ids == ids["im_end"]).flatten().tolist()
+    query = next(i for i in im_end if i > p0)
+    video_sets, audio_sets = index_sets(grid)
+    return ReleaseLayout(input_ids, grid, p0, video_slots, audio_slots, video_sets, audio_sets, query)
+
+
+def mrope_ids(lay: ReleaseLayout, mode: str) -> tuple[torch.Tensor, int]:
+    """[3, L] M-RoPE ids (t, h, w) of the prompt and the rope delta (max + 1 - L)."""
+    if mode not in POSITION_MODES:
+        raise LayoutError(f"position mode {mode!r} is not one of {POSITION_MODES}")
+    g, p0, L = lay.grid, lay.p0, lay.length
+    pos = torch.arange(L).repeat(3, 1)
+    taus = tau(g)
+    n_grid = g.timesteps * g.per_step
+    if mode == "release":
+        k = torch.arange(n_grid)
+        grid_ids = torch.stack([p0 + taus[k // g.per_step], p0 + (k % g.per_step) // g.cols, p0 + k % g.cols])
+        pos[:, p0:p0 + n_grid] = grid_ids
+        start = p0 + max(int(taus[-1]), g.rows - 1, g.cols - 1) + 1
+        rest = torch.arange(L - p0 - n_grid)
+        pos[:, p0 + n_grid:] = start + rest
+    else:
+        k = torch.arange(n_grid)
+        t, r, c = k // g.per_step, (k % g.per_step) // g.cols, k % g.cols
+        pos[:, lay.video_slots] = torch.stack([p0 + taus[t], p0 + r, p0 + c])
+        j = torch.arange(g.audio_tokens)
+        pos[:, lay.audio_slots] = torch.stack([p0 + j, torch.full_like(j, p0), p0 + j])
+        block_end = p0 + lay.block_len
+        start = p0 + max(int(taus[-1]), g.audio_tokens - 1) + 1
+        pos[:, block_end:] = start + torch.arange(L - block_end)
+    delta = int(pos.max()) + 1 - L
+    return pos, delta
+
+
+class MRope:
+    """Position adapter of the Qwen2.5-VL LLM: ids [N, 3] (t, h, w) per row -> its M-RoPE rotation."""
+
+    kind = "mrope"
+
+    def rotate(self, decoder, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """x [..., N, head_dim] rotated at ids [N, 3] (or [N] for text: the same id on all axes)."""
+        import importlib
+
+        rotate_half = importlib.import_module(type(decoder).__module__).rotate_half
+        ids = position_ids if position_ids.ndim == 2 else position_ids[:, None].expand(-1, 3)
+        cos, sin = decoder.rotary_emb(x, ids.T[:, None, :])  # [1, N, head_dim]
+        cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
+        return x * cos + rotate_half(x) * sin

@@ -1,0 +1,290 @@
+"""The published PadCaptioner checkpoint as a model this project decodes and fine-tunes.
+
+    model = ReleaseCaptioner.from_release(dir, settings=ReleaseSettings(...))
+    video = model.encode_video(pixel_values, grid_thw)    # [T*V, d]  (vision tower + merger)
+    audio = model.encode_audio(mel)                       # [C*60, d] (Whisper + window Q-Former)
+
+Parts (RELEASE.md 1.2), mapped by key prefix onto HF 5.24 classes and our own modules:
+  `model.*`   -> Qwen2_5_VLForConditionalGeneration.model.language_model (the LLM, M-RoPE)
+  `visual.*`  -> ....model.visual (Qwen2.5-VL vision tower + merger)
+  `audio.*`   -> ReleaseAudio (HF WhisperEncoder + the window Q-Former + audio_proj)
+  `frm_head.*`, `evi_head.*` -> the segment and event grounding heads
+  (LayerNorm -> Linear(d, d/2) -> GELU -> Linear(d/2, d))
+  ignored on purpose: `score_head.*` (unused by the release with use_score_head false) and
+  the Q-Former's `position_ids` buffer; `lm_head.weight` is tied (absent from the file).
+Every other tensor, missing one or wrong shape is an error that names it
+(pipeline/release/checkpoint.py). Token ids come from config.json and must agree with
+the tokenizer saved beside it.
+
+The model exposes what the decoding engine uses of a PadCaptioner (decoder, ids,
+tokenizer, dtype/device, `step_tables`), so the release gets the same cascade,
+many-videos-per-step decode (infer/release_front.py builds its front half).
+Pure torch + HF; no ray.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+from pipeline.release.audio import ReleaseAudio
+from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
+from pipeline.release.layout import POSITION_MODES
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AGGREGATIONS = ("release", "renormalised")
+TOKENS = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "video": "<|video_pad|>",
+          "audio": "<|audio_pad|>", "im_start": "<|im_start|>", "im_end": "<|im_end|>", "g": "<G>", "s": "<S>",
+          "shift": "<shift>", "pad": "<|endoftext|>"}
+CONFIG_IDS = {"video": "video_token_id", "vision_start": "vision_start_token_id", "vision_end": "vision_end_token_id",
+              "audio": "audio_token_id", "g": "evi_token_id", "s": "evi_end_token_id", "shift": "shift_token_id",
+              "im_end": "eos_token_id"}
+IGNORED_SUFFIXES = ("audio.qformer.bert.embeddings.position_ids",)
+DEFAULT_INSTRUCTION = "Could you outline the incidents that happened during different time periods in the video?"
+
+
+@dataclass
+class ReleaseSettings:
+    """Test-time settings of the release (they are not in its config.json; RELEASE.md 4.4).
+
+    grounding_threshold 0.7 is the release's ChronusAV setting (0.5 for LongVALE);
+    positions: "release" = the ids the release computes at test time (parity), "training"
+    = the ids the model was trained on; aggregation: "release" = softmax over the
+    attention probabilities (what the release does; REFERENCE.md calls it a defect: nearly
+    uniform), "renormalised" = the probabilities renormalised inside the interval (ours).
+    max_events / max_branch_tokens: None = the checkpoint's fields, else the release's
+    code defaults (30 / 320); a branch holds at most 1 + max_branch_tokens tokens.
+    """
+
+    grounding_threshold: float = 0.7
+    grounding_merge_gap: int = 2
+    positions: str = "release"
+    aggregation: str = "release"
+    max_events: int | None = None
+    max_branch_tokens: int | None = None
+    instruction: str = DEFAULT_INSTRUCTION
+    dtype: str = "float32"
+    max_seq_len: int = 32768  # the release's prefill applies a 32768 sliding window that HF 5.24 does not: refuse longer
+
+    def check(self) -> None:
+        if self.positions not in POSITION_MODES:
+            raise ReleaseError(f"release positions {self.positions!r} not in {POSITION_MODES}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ReleaseError(f"release aggregation {self.aggregation!r} not in {AGGREGATIONS}")
+        if not 0.0 < self.grounding_threshold <= 1.0:
+            raise ReleaseError(f"grounding_threshold must be in (0, 1], got {self.grounding_threshold}")
+        if self.dtype not in DTYPES:
+            raise ReleaseError(f"release dtype {self.dtype!r} not in {sorted(DTYPES)}")
+
+
+def head(dim: int, out: int) -> nn.Sequential:
+    """The release's grounding head: LayerNorm(d) -> Linear(d, d/2) -> GELU -> Linear(d/2, out)."""
+    return nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim // 2), nn.GELU(), nn.Linear(dim // 2, out))
+
+
+@dataclass
+class ReleaseOptions:
+    """What the layout of the release model is, for code that asks a model (`model.options.mask`)."""
+
+    mask: str = "factorized"
+
+
+class ReleaseCaptioner(nn.Module):
+    """See the module docstring. Build with `from_release` (weights) or `from_config` (random)."""
+
+    def __init__(self, hf_config, tokenizer, settings: ReleaseSettings | None = None):
+        super().__init__()
+        settings = settings or ReleaseSettings()
+        settings.check()
+        self.settings = settings
+        self.hf_cfg = hf_config
+        self.options = ReleaseOptions()
+        raw = hf_config.to_dict()
+        text = hf_config.get_text_config(decoder=True)
+        self.hf = Qwen2_5_VLForConditionalGeneration._from_config(hf_config, dtype=torch.float32,
+                                                                  attn_implementation="sdpa")
+        d = text.hidden_size
+        audio_cfg = raw.get("audio_config")
+        self.audio = ReleaseAudio(audio_cfg, d) if audio_cfg else None
+        self.frm_head = head(d, d)
+        self.evi_head = head(d, d)
+        self.tokenizer = tokenizer
+        self.ids = check_token_ids(hf_config, tokenizer)
+        self.g_id, self.s_id, self.eos_id, self.pad_id = self.ids["g"], self.ids["s"], self.ids["eos"], self.ids["pad"]
+        self.shift_id = self.ids["shift"]
+        n_layers = text.num_hidden_layers
+        self.aggregation_layer = int(raw.get("vision_audio_layer_index", n_layers // 2))
+        if not 0 <= self.aggregation_layer < n_layers:
+            raise ReleaseError(f"vision_audio_layer_index {self.aggregation_layer} outside [0, {n_layers})")
+        self.audio_mean_weight = float(raw.get("audio_mean_weight", 1.0))
+        self.max_events = int(settings.max_events or raw.get("max_planning_events", 30))
+        self.max_branch_tokens = int(settings.max_branch_tokens or raw.get("max_branch_tokens", 320))
+        if not raw.get("use_evidence", True) or raw.get("use_score_head", False) or raw.get("union_aggregation", False):
+            raise ReleaseError("only the shipped evidence setting is supported (use_evidence true, use_score_head "
+                               "false, union_aggregation false); this config.json asks for another")
+        self.to(DTYPES[settings.dtype])
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def from_release(cls, path: str | Path, settings: ReleaseSettings | None = None) -> "ReleaseCaptioner":
+        """Load a release directory (config.json, weights, tokenizer), strictly (module doc)."""
+        path = Path(path)
+        if not is_release_dir(path):
+            raise ReleaseError(f"{path} is not a PadCaptioner release directory (config.json of model_type "
+                               "qwen2_5_vl with evi_token_id)")
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = cls(hf_config, tokenizer, settings)
+        model.load_release_state(read_state_dict(path))
+        model.source = str(path.resolve())
+        return model
+
+    def release_rules(self) -> list[tuple[str, str]]:
+        return [("model.", "hf.model.language_model."), ("visual.", "hf.model.visual."), ("lm_head.", "hf.lm_head."),
+                ("audio.q_tokens", "audio.q_tokens"), ("audio.qformer.", "audio.qformer."),
+                ("audio.audio_proj.", "audio.audio_proj."), ("audio.", "audio.whisper."),
+                ("frm_head.", "frm_head."), ("evi_head.", "evi_head.")]
+
+    def load_release_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load release-named tensors strictly (a missing, unexpected or misshapen one raises)."""
+        targets = self.state_dict()
+        ignore = [k for k in state if k.startswith("score_head.") or k.endswith(IGNORED_SUFFIXES)]
+        optional = ["hf.lm_head.weight"] if self.tied else []
+        mapped = map_state_dict(state, self.release_rules(), targets, ignore=ignore, optional=optional)
+        dtype = self.dtype
+        with torch.no_grad():
+            for k, v in mapped.items():
+                targets[k].copy_(v.to(dtype) if v.is_floating_point() else v)
+        if self.tied:
+            self.hf.tie_weights()
+
+    def release_state_dict(self) -> dict[str, torch.Tensor]:
+        """This model's tensors under the release's key names (what the release saves; tied head left out)."""
+        inverse = [(dst, src) for src, dst in self.release_rules()]
+        out = {}
+        for k, v in self.state_dict().items():
+            if k == "hf.lm_head.weight" and self.tied:
+                continue
+            src = next(s + k[len(d):] for d, s in inverse if k.startswith(d))
+            out[src] = v
+        return out
+
+    # ------------------------------------------------------------------ pieces the engine uses
+
+    @property
+    def tied(self) -> bool:
+        return bool(getattr(self.hf_cfg, "tie_word_embeddings", False) or
+                    getattr(self.hf_cfg.get_text_config(decoder=True), "tie_word_embeddings", False))
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The LLM (Qwen2_5_VLTextModel): layers, norm, rotary_emb, embed_tokens."""
+        return self.hf.model.language_model
+
+    @property
+    def visual(self) -> nn.Module:
+        return self.hf.model.visual
+
+    @property
+    def hf_config(self):
+        return self.hf_cfg
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @property
+    def hidden_size(self) -> int:
+        return self.decoder.embed_tokens.weight.shape[1]
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.settings.max_seq_len)
+
+    def step_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(embed [V, d], head [V, d], head bias) for the decode step: the release's rows are in the tables."""
+        emb = self.decoder.embed_tokens.weight.detach()
+        out = self.hf.lm_head.weight.detach()
+        return emb, (emb if out.data_ptr() == emb.data_ptr() else out), getattr(self.hf.lm_head, "bias", None)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_tokens(ids.to(self.device))
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.hf.lm_head(hidden)
+
+    def segment_vectors(self, hidden: torch.Tensor, lay) -> torch.Tensor:
+        """Grounding-layer states [L, d] -> per-timestep keys [T, d] (RELEASE.md 4.4).
+
+        frm_head on every AV token, then per timestep the mean over its video index set plus
+        audio_mean_weight x the mean over its audio index set (zero for an empty set).
+        """
+        dev = hidden.device
+        v = self.frm_head(hidden[lay.video_slots.to(dev)])
+        a = self.frm_head(hidden[lay.audio_slots.to(dev)]) if lay.audio_slots.numel() else None
+        rows = []
+        for vs, aus in zip(lay.video_sets, lay.audio_sets):
+            seg = v[vs].mean(0)
+            if aus and a is not None:
+                seg = seg + self.audio_mean_weight * a[aus].mean(0)
+            rows.append(seg)
+        return torch.stack(rows)
+
+    def similarity(self, event: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        """evi_head(state) [d] x segment keys [T, d] -> sigmoid similarities [T], in the model dtype."""
+        evi = self.evi_head(event)
+        return torch.sigmoid(segments @ evi / math.sqrt(evi.shape[-1]))
+
+    # ------------------------------------------------------------------ encoders
+
+    @torch.no_grad()
+    def encode_video(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [N, 3*2*14*14], grid_thw [1, 3] (patches) -> merged tokens [T*H'*W', d]."""
+        vis = self.visual
+        out = vis(pixel_values.to(self.device, vis.dtype), grid_thw=grid_thw.to(self.device))
+        return out.pooler_output
+
+    @torch.no_grad()
+    def encode_audio(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel [C, 128, 3000] -> audio tokens [C*60, d] (2 per second of the audio stream)."""
+        if self.audio is None:
+            raise ReleaseError("this checkpoint has no audio tower (no audio_config)")
+        return self.audio(mel.to(self.device)).flatten(0, 1)
+
+    def describe(self) -> dict:
+        return {"kind": "release", **asdict(self.settings), "aggregation_layer": self.aggregation_layer,
+                "max_events": self.max_events, "max_branch_tokens": self.max_branch_tokens}
+
+
+def check_token_ids(hf_config, tokenizer) -> dict[str, int]:
+    """The release's token ids from config.json, checked against the tokenizer (RELEASE.md 1.2)."""
+    raw = hf_config.to_dict()
+    ids: dict[str, int] = {}
+    wrong = []
+    for name, token in TOKENS.items():
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if tid is None or tid == tokenizer.unk_token_id:
+            wrong.append(f"{token} is not in the tokenizer")
+            continue
+        ids[name] = int(tid)
+        key = CONFIG_IDS.get(name)
+        want = raw.get(key) if key else None
+        if isinstance(want, list):
+            want = want[0]
+        if want is not None and int(want) != int(tid):
+            wrong.append(f"{key}={want} in config.json but the tokenizer has {token}={tid}")
+    if wrong:
+        raise ReleaseError("config.json and tokenizer disagree: " + "; ".join(wrong))
+    ids["eos"] = ids["im_end"]
+    return ids

@@ -1,0 +1,42 @@
+"""One video as the release model takes it: its encoder inputs or its encoded tokens.
+
+    video = ReleaseVideo(video_id, duration, seconds_per_step=d, grid_thw=[T, H, W],
+                         pixel_values=..., mel=...)               # raw: encoded online
+    video = ReleaseVideo(..., video_embeds=[T*V, d], audio_embeds=[A, d])   # stored tokens
+
+grid_thw is the patch grid of the vision tower (T timesteps of two frames, H x W patches
+of 14 px); the LLM sees H/2 x W/2 merged tokens per timestep. `mel` [C, 128, 3000] is the
+Whisper log-mel of each 30 s chunk of the audio stream, None for a video without audio
+(then it gets no audio tokens at all, as in the release). Pure torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.release.layout import AVGrid
+
+
+@dataclass
+class ReleaseVideo:
+    video_id: str
+    duration: float
+    seconds_per_step: float  # d = 2 / fps: seconds per timestep
+    grid_thw: tuple[int, int, int]  # patch grid (T, H, W)
+    pixel_values: torch.Tensor | None = None  # [T*H*W, 3*2*14*14]
+    mel: torch.Tensor | None = None  # [C, 128, 3000]
+    video_embeds: torch.Tensor | None = None  # [T*H'*W', d] (merged, raster order per timestep)
+    audio_embeds: torch.Tensor | None = None  # [A_total, d]
+    instruction: str | None = None  # None: the settings' instruction
+    merge: int = 2  # spatial merge of the vision tower
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.grid_thw[0])
+
+    def grid(self, audio_tokens: int) -> AVGrid:
+        t, h, w = (int(x) for x in self.grid_thw)
+        return AVGrid(timesteps=t, rows=h // self.merge, cols=w // self.merge,
+                      seconds_per_step=float(self.seconds_per_step), audio_tokens=int(audio_tokens))
