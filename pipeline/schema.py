@@ -124,6 +124,9 @@ def _npy_load(data: bytes) -> np.ndarray:
 
 def encode(sample: Sample) -> dict[str, Any]:
     """Sample -> WebDataset fields (`__key__` plus bytes per field). Validates first."""
+    if not isinstance(sample, Sample):
+        raise SchemaError(f"{getattr(sample, 'video_id', '?')!r}: a {type(sample).__name__} is not a Sample; encoder "
+                          "inputs (features.release_features=online) are encoded by the engine, not stored")
     validate(sample)
     meta = {
         "schema_version": SCHEMA_VERSION,

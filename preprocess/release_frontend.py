@@ -41,11 +41,8 @@ chunk_length=30) with its default max-length padding -> [128, 3000]; A_total = 6
 A file without an audio stream (or whose audio cannot be decoded: the release's `process_audio` returns
 None on any error) gets no audio tokens at all.
 
-Interleave (D:61-88). tau(t) = (torch.arange(T) * d * 2).long() (float32 arithmetic, truncation);
-a_t = tau(t+1) - tau(t) for t < T-1, a_{T-1} = A_total - tau(T-1). Index sets (D:1055-1153): timestep t
-covers [t*d, (t+1)*d] in float64; its video tokens are the segments [floor(t*d/d), ceil((t+1)*d/d)) (so a
-float error can give two segments), its audio tokens [floor(t*d/0.5), ceil((t+1)*d/0.5)) clamped to
-A_total (neighbours overlap; audio padding past the video's end is in no set).
+Interleave counts a_t and per-timestep index sets come from pipeline/release/layout.py (`audio_counts`,
+`index_sets`, RELEASE.md §2 and §4.3), given this front end's grid, d and A_total (`av_grid`).
 """
 
 from __future__ import annotations
@@ -57,6 +54,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pipeline.release.layout import AVGrid, audio_counts, index_sets
 
 PATCH = 14
 TEMPORAL_PATCH = 2
@@ -226,32 +225,10 @@ def mel_chunks(waveform: np.ndarray, extractor=None) -> tuple[np.ndarray, int]:
 # --------------------------------------------------------------------------- interleave and index sets
 
 
-def interleave_counts(timesteps: int, d: float, audio_total: int) -> list[int]:
-    """a_t: audio tokens after segment t's video tokens (all zero without audio: audio_total = 0)."""
-    if audio_total <= 0:
-        return [0] * timesteps
-    tau = (torch.arange(timesteps) * d * 2).long()  # float32 arithmetic, truncation: the release's expression
-    counts = torch.diff(tau).tolist()
-    counts.append(audio_total - sum(counts))
-    return counts
-
-
-def timestep_index_sets(timesteps: int, tokens_per_timestep: int, d: float,
-                        audio_total: int) -> tuple[list[list[tuple[int, int]]], list[list[tuple[int, int]]]]:
-    """(video, audio) [start, end) ranges per timestep: indices into the video-only / audio-only token sequences."""
-    video, audio = [], []
-    for t in range(timesteps):
-        start, end = 0.0 + t * d, 0.0 + (t + 1) * d  # float64, as the release
-        lo = max(0, min(int(math.floor(max(0, start) / d)), timesteps))
-        hi = max(lo, min(int(math.ceil(max(0, end) / d)), timesteps))
-        video.append([(lo * tokens_per_timestep, hi * tokens_per_timestep)] if lo < hi else [])
-        if audio_total > 0:
-            a_lo = max(0, min(int(math.floor(max(0, start) / AUDIO_TOKEN_SECONDS)), audio_total))
-            a_hi = max(a_lo, min(int(math.ceil(max(0, end) / AUDIO_TOKEN_SECONDS)), audio_total))
-            audio.append([(a_lo, a_hi)] if a_lo < a_hi else [])
-        else:
-            audio.append([])
-    return video, audio
+def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int) -> AVGrid:
+    """The release layout's view of one video (pipeline/release/layout.py owns the interleave and index-set rules)."""
+    return AVGrid(timesteps=int(grid_thw[0]), rows=int(grid_thw[1]) // MERGE, cols=int(grid_thw[2]) // MERGE,
+                  seconds_per_step=float(d), audio_tokens=int(audio_total))
 
 
 # --------------------------------------------------------------------------- one video
@@ -270,8 +247,8 @@ class ReleaseInputs:
     audio_samples: int  # after the 1 s pad; 0 without audio
     audio_total: int  # A_total; 0 without audio
     audio_counts: list[int]  # a_t, sum = audio_total
-    video_sets: list[list[tuple[int, int]]]
-    audio_sets: list[list[tuple[int, int]]]
+    video_sets: list[list[int]]  # per timestep: indices into the video-token sequence
+    audio_sets: list[list[int]]  # per timestep: indices into the audio-token sequence ([] without audio)
     source_size: tuple[int, int] = (0, 0)  # (height, width) before resizing
     num_source_frames: int = 0
     average_fps: float = 0.0
@@ -327,11 +304,11 @@ def build_inputs(frames: np.ndarray | torch.Tensor, frame_indices: np.ndarray, n
     if waveform is not None:
         mel, samples = mel_chunks(waveform, extractor)
         total = audio_token_total(samples)
-    v = (grid[1] // MERGE) * (grid[2] // MERGE)
-    video_sets, audio_sets = timestep_index_sets(grid[0], v, d, total)
+    layout_grid = av_grid(grid, d, total)
+    video_sets, audio_sets = index_sets(layout_grid)
     return ReleaseInputs(frames=resized, frame_indices=np.asarray(frame_indices), length_s=length,
                          seconds_per_timestep=d, grid_thw=grid, mel=mel, audio_samples=samples, audio_total=total,
-                         audio_counts=interleave_counts(grid[0], d, total), video_sets=video_sets,
+                         audio_counts=audio_counts(layout_grid), video_sets=video_sets,
                          audio_sets=audio_sets, source_size=(int(frames.shape[1]), int(frames.shape[2])),
                          num_source_frames=int(num_source_frames), average_fps=float(average_fps))
 

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from pipeline.release.layout import audio_counts, index_sets
 from preprocess import release_frontend as rf
 from preprocess.media import MediaError
 from tests.support.mp4 import solid_frames, tone, write_mp4
 
-GOLDEN = Path("/work/shared/release-golden")
+GOLDEN = Path(__file__).parent / "data" / "release_golden"  # the fixture copied from shared/release-golden
 CFG = rf.FrontendConfig()
 
 
@@ -136,45 +136,38 @@ def test_fixture_grid_and_timestep_length():
 # --------------------------------------------------------------------------- interleave and index sets
 
 
-def test_interleave_counts_match_the_fixture():
+def counts_and_sets(grid_thw, d, audio_total):
+    grid = rf.av_grid(grid_thw, d, audio_total)
+    return audio_counts(grid), *index_sets(grid)
+
+
+def test_interleave_counts_and_index_sets_match_the_fixture():
     x = golden_inputs()
     d = x["second_per_grid_ts"][0]
-    assert rf.interleave_counts(6, d, x["audio_lengths"][0]) == [10, 10, 11, 10, 10, 69]
+    counts, video, audio = counts_and_sets((6, 4, 6), d, x["audio_lengths"][0])
+    assert counts == [10, 10, 11, 10, 10, 69]
     assert rf.audio_token_total(496000) == x["audio_lengths"][0] == 120
+    as_ranges = lambda sets: [[[min(s), max(s) + 1]] if s else [] for s in sets]  # noqa: E731
+    assert as_ranges(video) == [[list(r) for r in rs] for rs in x["video_token_indices_per_timestep"]]
+    assert as_ranges(audio) == [[list(r) for r in rs] for rs in x["audio_token_indices_per_timestep"]]
+    assert max(max(s) for s in audio) == 61  # tokens 62..119 (padding of chunk 2) are in no set
 
 
 def test_interleave_counts_of_a_12_second_video():
     # RELEASE.md §2: 12 s, 64 frames -> d = 0.375 s, T = 32: counts [0, 1, 1, 1, 0, ...] ending in 37
     idx, length = rf.sample_indices(300, 25.0, CFG)
     d = rf.timestep_seconds(len(idx), length)
-    counts = rf.interleave_counts(32, d, rf.audio_token_total(12 * 16000))
+    counts = counts_and_sets((32, 4, 4), d, rf.audio_token_total(12 * 16000))[0]
     assert d == 0.375 and counts[:5] == [0, 1, 1, 1, 0] and counts[-1] == 37 and sum(counts) == 60
     assert counts[:-1] == [int(0.75 * (t + 1)) - int(0.75 * t) for t in range(31)]
-    assert rf.interleave_counts(32, d, 0) == [0] * 32  # no audio: no audio tokens anywhere
+    assert counts_and_sets((32, 4, 4), d, 0)[0] == [0] * 32  # no audio: no audio tokens anywhere
 
 
-def test_index_sets_match_the_fixture():
-    x = golden_inputs()
-    video, audio = rf.timestep_index_sets(6, 6, x["second_per_grid_ts"][0], 120)
-    as_lists = lambda sets: [[list(r) for r in ranges] for ranges in sets]  # noqa: E731
-    assert as_lists(video) == as_lists(x["video_token_indices_per_timestep"])
-    assert as_lists(audio) == as_lists(x["audio_token_indices_per_timestep"])
-    assert audio[0] == [(0, 11)] and audio[1] == [(10, 21)]  # neighbours overlap
-    assert max(r[1] for ranges in audio for r in ranges) == 62  # tokens 62..119 are in no set
-
-
-def test_index_sets_follow_float64_floor_and_ceil():
+def test_index_sets_keep_the_two_segment_float_quirk():
     # d = 2 * 29.32 / 64 = 0.91625 s: ceil((t+1)*d/d) exceeds t+1 by float error for 4 of the 32
     # timesteps (RELEASE.md §4.3), which then cover two segments
-    d = 2 * 29.32 / 64
-    video, audio = rf.timestep_index_sets(32, 4, d, 60)
-    for t, ranges in enumerate(video):
-        lo, hi = ranges[0]
-        assert lo == 4 * math.floor(t * d / d) and hi == 4 * min(32, math.ceil((t + 1) * d / d))
-    assert sum(hi - lo == 8 for (lo, hi), in video) == 4
-    for t, ranges in enumerate(audio):
-        assert ranges == [(math.floor(t * d / 0.5), min(60, math.ceil((t + 1) * d / 0.5)))]
-    assert rf.timestep_index_sets(3, 4, 2.0, 0)[1] == [[], [], []]
+    _, video, _ = counts_and_sets((32, 2, 2), 2 * 29.32 / 64, 60)
+    assert sum(len(s) == 2 for s in video) == 4 and all(len(s) in (1, 2) for s in video)
 
 
 # --------------------------------------------------------------------------- audio
