@@ -269,7 +269,8 @@ class CaptionService:
         timings["features_s"] = time.perf_counter() - t0
         if not (math.isfinite(sample.duration) and sample.duration <= limits.max_duration_s):
             raise RequestError(422, "too_long", f"{name!r} lasts {sample.duration:.1f} s, over the limit of {limits.max_duration_s} s (serve.max_duration_s)")
-        return dataclasses.replace(sample, video_id=safe_video_id(name), events=[]), timings
+        unannotated = {"events": []} if hasattr(sample, "events") else {}  # a ReleaseVideo (online release encoders) has none
+        return dataclasses.replace(sample, video_id=safe_video_id(name), **unannotated), timings
 
     # ------------------------------------------------------------------ info
 

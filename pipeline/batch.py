@@ -73,6 +73,9 @@ def make_example(
     """Sample -> Example. Events are sorted by (start, end); captions are cut to
     `max_caption_tokens`; with a generator, aggregation intervals get +-`aggregation_jitter`."""
     vid = sample.video_id
+    if getattr(sample, "audio_counts", None) is not None:
+        raise ExampleError(f"{vid}: ragged audio (the release encoders' schema-2 layout) needs the release model, "
+                           "not this project's layout")
     visual = torch.from_numpy(sample.visual).float()
     audio = torch.from_numpy(sample.audio).float()
     if not sample.has_audio:

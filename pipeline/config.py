@@ -72,8 +72,8 @@ class DataConfig:
 class FeaturesConfig:
     """Media decoding and the per-segment audio-visual feature encoders."""
 
-    visual_encoder: Literal["pixels", "hf_vision"] = "pixels"
-    audio_encoder: Literal["mel", "whisper"] = "mel"
+    visual_encoder: Literal["pixels", "hf_vision", "release"] = "pixels"
+    audio_encoder: Literal["mel", "whisper", "release"] = "mel"
     vision_path: str = ""  # local HF SigLIP/CLIP vision model dir (hf_vision)
     audio_path: str = ""  # local HF Whisper model dir (whisper)
     frame_policy: Literal["count", "fps"] = "count"
@@ -94,6 +94,12 @@ class FeaturesConfig:
     decode_threads: int = 0  # decord threads per video; 0 = decord's automatic choice
     max_media_bytes: int = 8 * 1024**3  # larger files are rejected (bounds the temp copy of remote files); 0 = no limit
     duration_tolerance_s: float = 2.0  # annotated times up to this far past the media's end are clipped, further is an error
+    # the released PadCaptioner-3B's own encoders (visual_encoder = audio_encoder = "release",
+    # preprocess/release_encoders.py); frames by min_frames / max_frames / seconds_per_frame
+    release_path: str = ""  # the release checkpoint dir whose vision tower and Whisper + Q-Former encode
+    release_features: Literal["stored", "online"] = "stored"  # stored: tokens in shards; online: the engine encodes
+    release_max_frame_pixels: float = 61250.0  # per-frame pixel budget (scaled up below max_frames frames)
+    release_min_frame_pixels: float = 784.0
 
 
 @dataclass

@@ -10,6 +10,20 @@ segments of one video:
     events         list[Event]         ground-truth intervals (seconds) + captions
     video_id, duration, source (dataset name), feature_hash (config that made it)
 
+Version 2 adds what the released PadCaptioner-3B's features need (preprocess/release_encoders.py), all
+optional and None for the project's own encoders, whose samples keep the version-1 layout:
+
+    audio_counts        int32 [T] or None  ragged audio: a_t tokens after segment t; `audio` is then
+                                           [sum(a_t), Da], all audio tokens of the file in order
+                                           (A_total = 60 per started 30 s chunk, padding included;
+                                           [0, Da] and all zeros without audio)
+    grid_thw            (T, gh, gw) or None  the frame grid in 14-px patches (the release's
+                                           video_grid_thw); V = (gh/2)(gw/2) merged tokens per segment
+    seconds_per_timestep  float or None    d = 2 / fps (segment t covers [t d, (t+1) d])
+
+They travel in meta.json (a few numbers), so the WebDataset fields stay the four of version 1.
+Version-1 shards decode as before (the three fields None).
+
 `encode(sample)` gives the dict of WebDataset fields (bytes), `decode(fields)`
 the sample back, `validate(sample)` raises `SchemaError` with a clear reason.
 """
@@ -25,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # decode accepts these
 
 # WebDataset field names (the extension decides nothing: we decode ourselves).
 KEY = "__key__"
@@ -37,6 +52,7 @@ FIELDS = (META, TIMES, VISUAL, AUDIO)
 
 FEATURE_DTYPE = np.float16
 TIME_DTYPE = np.float32
+COUNT_DTYPE = np.int32
 
 
 class SchemaError(ValueError):
@@ -68,10 +84,25 @@ class Sample:
     source: str = ""
     feature_hash: str = ""
     split: str = ""
+    audio_counts: np.ndarray | None = None  # v2: int32 [T], ragged audio (module doc)
+    grid_thw: tuple[int, int, int] | None = None  # v2: (T, gh, gw) frame grid in 14-px patches
+    seconds_per_timestep: float | None = None  # v2: d
 
     @property
     def num_segments(self) -> int:
         return int(self.segment_times.shape[0])
+
+    @property
+    def ragged_audio(self) -> bool:
+        """True when `audio` is [sum(audio_counts), Da] (the release's layout), not [T, A, Da]."""
+        return self.audio_counts is not None
+
+    def audio_of_segment(self, t: int) -> np.ndarray:
+        """[a_t, Da] (ragged) or [A, Da]: the audio tokens placed after segment t's visual tokens."""
+        if self.audio_counts is None:
+            return self.audio[t]
+        start = int(np.sum(self.audio_counts[:t]))
+        return self.audio[start:start + int(self.audio_counts[t])]
 
 
 def sample_key(video_id: str) -> str:
@@ -93,6 +124,9 @@ def _npy_load(data: bytes) -> np.ndarray:
 
 def encode(sample: Sample) -> dict[str, Any]:
     """Sample -> WebDataset fields (`__key__` plus bytes per field). Validates first."""
+    if not isinstance(sample, Sample):
+        raise SchemaError(f"{getattr(sample, 'video_id', '?')!r}: a {type(sample).__name__} is not a Sample; encoder "
+                          "inputs (features.release_features=online) are encoded by the engine, not stored")
     validate(sample)
     meta = {
         "schema_version": SCHEMA_VERSION,
@@ -104,6 +138,12 @@ def encode(sample: Sample) -> dict[str, Any]:
         "feature_hash": sample.feature_hash,
         "split": sample.split,
     }
+    if sample.audio_counts is not None:
+        meta["audio_counts"] = [int(c) for c in sample.audio_counts]
+    if sample.grid_thw is not None:
+        meta["grid_thw"] = [int(g) for g in sample.grid_thw]
+    if sample.seconds_per_timestep is not None:
+        meta["seconds_per_timestep"] = float(sample.seconds_per_timestep)
     return {
         KEY: sample_key(sample.video_id),
         META: json.dumps(meta, ensure_ascii=False).encode("utf-8"),
@@ -121,8 +161,10 @@ def decode(fields: dict[str, Any]) -> Sample:
     raw_meta = fields[META]
     meta = json.loads(raw_meta.decode("utf-8") if isinstance(raw_meta, (bytes, bytearray)) else raw_meta)
     version = meta.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise SchemaError(f"sample {meta.get('video_id')!r} has schema version {version}, expected {SCHEMA_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise SchemaError(f"sample {meta.get('video_id')!r} has schema version {version}, "
+                          f"this code reads {list(READABLE_VERSIONS)}")
+    counts, grid, d = meta.get("audio_counts"), meta.get("grid_thw"), meta.get("seconds_per_timestep")
     sample = Sample(
         video_id=meta["video_id"],
         duration=float(meta["duration"]),
@@ -134,6 +176,9 @@ def decode(fields: dict[str, Any]) -> Sample:
         source=meta.get("source", ""),
         feature_hash=meta.get("feature_hash", ""),
         split=meta.get("split", ""),
+        audio_counts=None if counts is None else np.asarray(counts, dtype=COUNT_DTYPE),
+        grid_thw=None if grid is None else tuple(int(g) for g in grid),
+        seconds_per_timestep=None if d is None else float(d),
     )
     validate(sample)
     return sample
@@ -152,8 +197,11 @@ def validate(sample: Sample) -> None:
     t = times.shape[0]
     if vis.ndim != 3 or vis.shape[0] != t:
         raise SchemaError(f"{vid}: visual must be [T={t}, V, Dv], got {list(vis.shape)}")
-    if aud.ndim != 3 or aud.shape[0] != t:
+    if sample.audio_counts is not None:
+        _validate_ragged(sample, t)
+    elif aud.ndim != 3 or aud.shape[0] != t:
         raise SchemaError(f"{vid}: audio must be [T={t}, A, Da], got {list(aud.shape)}")
+    _validate_grid(sample, t)
     if vis.dtype != FEATURE_DTYPE or aud.dtype != FEATURE_DTYPE:
         raise SchemaError(f"{vid}: features must be float16, got visual {vis.dtype} / audio {aud.dtype}")
     for name, arr in (("segment_times", times), ("visual", vis), ("audio", aud)):
@@ -176,3 +224,31 @@ def validate(sample: Sample) -> None:
             raise SchemaError(f"{vid}: event {i} [{e.start}, {e.end}] lies outside the duration {sample.duration}")
         if not isinstance(e.caption, str):
             raise SchemaError(f"{vid}: event {i} caption must be a string")
+
+
+def _validate_ragged(sample: Sample, t: int) -> None:
+    """Version-2 ragged audio: counts [T] >= 0 summing to the audio rows."""
+    vid, aud, counts = sample.video_id, sample.audio, np.asarray(sample.audio_counts)
+    if counts.ndim != 1 or counts.shape[0] != t or not np.issubdtype(counts.dtype, np.integer):
+        raise SchemaError(f"{vid}: audio_counts must be integers [T={t}], got {counts.dtype} {list(counts.shape)}")
+    if (counts < 0).any():
+        raise SchemaError(f"{vid}: audio_counts has a negative count")
+    if aud.ndim != 2 or aud.shape[0] != int(counts.sum()):
+        raise SchemaError(f"{vid}: ragged audio must be [sum(audio_counts)={int(counts.sum())}, Da], got {list(aud.shape)}")
+    if not sample.has_audio and aud.shape[0] != 0:
+        raise SchemaError(f"{vid}: has_audio is false but {aud.shape[0]} audio tokens are stored")
+
+
+def _validate_grid(sample: Sample, t: int) -> None:
+    """Version-2 frame grid and timestep length, when present."""
+    vid = sample.video_id
+    if sample.grid_thw is not None:
+        g = tuple(sample.grid_thw)
+        if len(g) != 3 or g[0] != t or g[1] % 2 or g[2] % 2 or min(g) < 1:
+            raise SchemaError(f"{vid}: grid_thw must be (T={t}, even gh, even gw), got {list(g)}")
+        if sample.visual.shape[1] != (g[1] // 2) * (g[2] // 2):
+            raise SchemaError(f"{vid}: grid_thw {list(g)} means {(g[1] // 2) * (g[2] // 2)} visual tokens per segment, "
+                              f"visual has {sample.visual.shape[1]}")
+    d = sample.seconds_per_timestep
+    if d is not None and not (np.isfinite(d) and d > 0):
+        raise SchemaError(f"{vid}: seconds_per_timestep must be positive, got {d}")

@@ -9,7 +9,9 @@ An encoder turns a `DecodedVideo` into features aligned to its segments:
 
 Registered here: `pixels` (visual) and `mel` (audio), weight-free, for the embedded
 run; `hf_vision` and `whisper` (HF models from local paths) live in
-`preprocess/hf_encoders.py` and register themselves when this module is imported.
+`preprocess/hf_encoders.py` and register themselves when this module is imported, as
+do `release` (visual and audio: the released PadCaptioner-3B's own towers, with their
+own front end) from `preprocess/release_encoders.py`.
 Add an encoder with `@register_visual("name")` / `@register_audio("name")` on a
 subclass of VisualEncoder / AudioEncoder.
 
@@ -383,3 +385,4 @@ class MelEncoder(AudioEncoder):
 
 # The HF encoders register themselves (transformers is imported only when one is built).
 from preprocess import hf_encoders as _hf_encoders  # noqa: E402,F401
+from preprocess import release_encoders as _release_encoders  # noqa: E402,F401

@@ -13,6 +13,8 @@ MediaError(kind="annotation") ("annotation points beyond the video"); a smaller
 overshoot is clipped to the media's end (and a negative start to 0). An event
 that would be empty after clipping is an error too, never dropped silently.
 feature_hash = section_hash(cfg.features), so shards record the settings that made them.
+With the `release` encoders the release's own front end and towers run instead
+(preprocess/release_encoders.py `ReleaseFeaturizer`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pipeline.config import Config, section_hash
 from pipeline.schema import Event, Sample, validate
 from preprocess.encoders import get_audio_encoder, get_visual_encoder
 from preprocess.media import MediaError, decode_video
+from preprocess.release_encoders import ReleaseFeaturizer, uses_release
 
 
 def align_events(events: Sequence[Event], media_duration: float, tolerance: float, video_id: str,
@@ -55,11 +58,18 @@ class Featurizer:
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
         self.cfg = cfg
         self.storage_options = storage_options
+        self.release = None
+        if uses_release(cfg.features):  # the release's own front end and towers (preprocess/release_encoders.py)
+            self.release = ReleaseFeaturizer(cfg, storage_options)
+            self.feature_hash = self.release.feature_hash
+            return
         self.visual = get_visual_encoder(cfg.features)
         self.audio = get_audio_encoder(cfg.features)
         self.feature_hash = section_hash(cfg.features)
 
     def __call__(self, uri: str, annotation: Any) -> Sample:
+        if self.release is not None:  # a schema-2 Sample, or a ReleaseVideo with release_features=online
+            return self.release(uri, annotation)
         decoded = decode_video(uri, self.cfg.features, self.storage_options)
         events = align_events(annotation.events, decoded.duration, self.cfg.features.duration_tolerance_s,
                               annotation.video_id, getattr(annotation, "duration", None))

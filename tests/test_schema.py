@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,6 +103,85 @@ def test_decode_rejects_other_schema_versions_and_missing_fields():
     del broken[schema.VISUAL]
     with pytest.raises(SchemaError, match="lacks fields"):
         decode(broken)
-    fields[schema.META] = fields[schema.META].replace(b'"schema_version": 1', b'"schema_version": 99')
+    fields[schema.META] = fields[schema.META].replace(b'"schema_version": 2', b'"schema_version": 99')
     with pytest.raises(SchemaError, match="schema version 99"):
         decode(fields)
+
+
+# --------------------------------------------------------------------------- version 2 (release layout)
+
+V1_SHARD = Path(__file__).parent / "data" / "schema_v1_shard.tar"  # written by the version-1 code (commit f5b500d)
+
+
+def make_ragged_sample(counts=(0, 3, 2, 7), gh=4, gw=6, has_audio=True, seed=1) -> Sample:
+    """A release-layout sample: V = (gh/2)(gw/2) visual tokens per segment, audio ragged by `counts`."""
+    rng = np.random.default_rng(seed)
+    t, d = len(counts), 1.5
+    counts = np.asarray(counts if has_audio else [0] * t, dtype=np.int32)
+    times = np.stack([np.arange(t) * d, np.arange(1, t + 1) * d], axis=1).astype(np.float32)
+    return Sample(
+        video_id="release video", duration=t * d, segment_times=times,
+        visual=rng.standard_normal((t, (gh // 2) * (gw // 2), 8)).astype(np.float16),
+        audio=rng.standard_normal((int(counts.sum()), 8)).astype(np.float16), has_audio=has_audio,
+        events=[Event(0.0, 2.0, "x")], audio_counts=counts, grid_thw=(t, gh, gw), seconds_per_timestep=d,
+    )
+
+
+def test_v2_ragged_round_trip_and_segment_slices():
+    s = make_ragged_sample()
+    got = decode(encode(s))
+    assert_same(got, s)
+    assert got.ragged_audio and got.grid_thw == (4, 4, 6) and got.seconds_per_timestep == 1.5
+    assert got.audio_of_segment(0).shape == (0, 8)
+    assert np.array_equal(got.audio_of_segment(2), s.audio[3:5])
+    assert np.array_equal(got.audio_of_segment(3), s.audio[5:12])
+    assert b'"schema_version": 2' in encode(s)[schema.META]
+
+
+def test_v2_video_without_audio_has_no_audio_tokens():
+    s = make_ragged_sample(has_audio=False)
+    got = decode(encode(s))
+    assert got.audio.shape == (0, 8) and list(got.audio_counts) == [0, 0, 0, 0] and not got.has_audio
+
+
+def test_project_encoders_keep_the_v1_layout_under_v2():
+    s = make_sample()
+    fields = encode(s)
+    meta = json.loads(fields[schema.META])
+    assert meta["schema_version"] == 2 and not {"audio_counts", "grid_thw", "seconds_per_timestep"} & set(meta)
+    got = decode(fields)
+    assert got.audio_counts is None and got.grid_thw is None and got.audio.shape == (5, 2, 6)
+    assert np.array_equal(got.audio_of_segment(1), s.audio[1])
+
+
+def test_a_shard_written_by_version_1_code_still_reads():
+    got = [decode(f) for f in wds.WebDataset(str(V1_SHARD), shardshuffle=False)]
+    assert [s.video_id for s in got] == ["v1 with audio", "v1 silent"]
+    rng = np.random.default_rng(7)  # the values the v1 writer drew
+    vis0, aud0, vis1 = (rng.standard_normal(shape).astype(np.float16) for shape in ((3, 2, 4), (3, 2, 3), (3, 2, 4)))
+    assert np.array_equal(got[0].visual, vis0) and np.array_equal(got[0].audio, aud0)
+    assert np.array_equal(got[1].visual, vis1) and not got[1].has_audio and got[1].split == "test"
+    assert got[0].events == [Event(0.5, 3.0, "a red circle", "a red circle", None)]
+    assert all(s.audio_counts is None and s.grid_thw is None and s.seconds_per_timestep is None for s in got)
+    assert_same(decode(encode(got[0])), got[0])  # rewritten as version 2, same content
+
+
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda s: setattr(s, "audio_counts", s.audio_counts[:-1]), "audio_counts must be integers"),
+        (lambda s: setattr(s, "audio_counts", s.audio_counts.astype(np.float32)), "audio_counts must be integers"),
+        (lambda s: s.audio_counts.__setitem__(0, -1), "negative"),
+        (lambda s: setattr(s, "audio", s.audio[:-1]), "ragged audio must be"),
+        (lambda s: setattr(s, "has_audio", False), "has_audio is false but 12 audio tokens"),
+        (lambda s: setattr(s, "grid_thw", (4, 4, 8)), "visual has 6"),
+        (lambda s: setattr(s, "grid_thw", (3, 4, 6)), "grid_thw must be"),
+        (lambda s: setattr(s, "grid_thw", (4, 3, 6)), "grid_thw must be"),
+        (lambda s: setattr(s, "seconds_per_timestep", 0.0), "seconds_per_timestep must be positive"),
+    ],
+)
+def test_v2_validation_errors(mutate, needle):
+    s = make_ragged_sample()
+    mutate(s)
+    with pytest.raises(SchemaError, match=needle):
+        validate(s)

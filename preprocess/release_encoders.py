@@ -1,0 +1,211 @@
+"""The released PadCaptioner-3B's own encoders, registered as `release`: its vision tower, Whisper + Q-Former.
+
+    features.visual_encoder = features.audio_encoder = "release"; features.release_path = the checkpoint dir
+    featurizer = Featurizer(cfg)          # preprocess/featurize.py hands a release config to ReleaseFeaturizer
+    item = featurizer(uri, annotation)
+
+The front end is preprocess/release_frontend.py (the release's frame and audio rules); the towers are the
+checkpoint's (pipeline/release/model.py `ReleaseCaptioner.encode_video` / `encode_audio`). Two ways to use
+them, by features.release_features:
+
+  stored  the featurizer encodes: a schema-2 `Sample` (pipeline/schema.py) with visual float16 [T, V, d]
+          (V = (gh/2)(gw/2) merged tokens per timestep, LLM width d), ragged audio float16 [A_total, d] with
+          per-segment counts a_t (all 60 tokens per started 30 s chunk, padding included; none without
+          audio), grid_thw and seconds_per_timestep. ~35 MB per 256-frame video at d = 2048 (RELEASE.md §7).
+  online  the featurizer runs only the front end: a `pipeline.release.video.ReleaseVideo` holding
+          pixel_values and mel, which the captioning engine encodes with its own model on its own device
+          (infer/release_front.py `media_tokens`), so a Serve replica or caption actor holds one copy of
+          the towers and nothing is stored. Not storable in shards (schema.encode refuses it).
+
+`release_video(sample)` turns a stored schema-2 Sample into the ReleaseVideo the engine takes.
+The encoders load the checkpoint lazily, on first use, once per process and device (`release_model`),
+on features.device (auto = CUDA when present), in bfloat16 on CUDA (as the release runs) and float32 on
+CPU. `dim` is read from config.json without loading weights. Pure torch, no ray.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.config import Config, FeaturesConfig, section_hash
+from pipeline.schema import COUNT_DTYPE, FEATURE_DTYPE, Sample, SchemaError, validate
+from preprocess.encoders import AudioEncoder, VisualEncoder, register_audio, register_visual
+from preprocess.media import DecodedVideo
+from preprocess.release_frontend import FrontendConfig, ReleaseInputs, read_release_inputs, whisper_extractor
+
+_MODELS: dict[tuple[str, str], Any] = {}
+_LOCK = threading.Lock()
+
+
+def uses_release(cfg: FeaturesConfig) -> bool:
+    """True when either encoder is `release` (then both must be: one timeline, the release's)."""
+    return "release" in (cfg.visual_encoder, cfg.audio_encoder)
+
+
+def _need_release_path(cfg: FeaturesConfig) -> Path:
+    if cfg.visual_encoder != "release" or cfg.audio_encoder != "release":
+        raise ValueError(f"the release encoders work as a pair: features.visual_encoder={cfg.visual_encoder!r}, "
+                         f"audio_encoder={cfg.audio_encoder!r}; set both to 'release'")
+    if not cfg.release_path:
+        raise ValueError("features.release_path must name the release checkpoint directory for the release encoders")
+    path = Path(cfg.release_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"features.release_path={cfg.release_path!r} has no config.json")
+    return path.resolve()
+
+
+def release_width(path: Path) -> int:
+    """The LLM width d (what both towers output), from config.json alone."""
+    return int(json.loads((path / "config.json").read_text())["hidden_size"])
+
+
+def release_model(path: str | Path, device: torch.device):
+    """The checkpoint as a ReleaseCaptioner on `device`, loaded once per process (shared by both encoders)."""
+    from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
+
+    key = (str(Path(path).resolve()), str(device))
+    with _LOCK:
+        if key not in _MODELS:
+            dtype = "bfloat16" if device.type == "cuda" else "float32"
+            model = ReleaseCaptioner.from_release(key[0], ReleaseSettings(dtype=dtype)).to(device).eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+            _MODELS[key] = model
+        return _MODELS[key]
+
+
+class _ReleaseTower:
+    """What the two release encoders share: the checkpoint path, its width, the lazily loaded model."""
+
+    version = 1
+
+    def _setup(self, cfg: FeaturesConfig) -> None:
+        self.path = _need_release_path(cfg)
+        self.dim = release_width(self.path)
+
+    @property
+    def model(self):
+        return release_model(self.path, self.device)
+
+    def encode(self, decoded: DecodedVideo) -> np.ndarray:
+        raise TypeError("the release encoders take the release front end's ReleaseInputs (encode_inputs), not a "
+                        "DecodedVideo: its frames and audio follow other rules; Featurizer routes a release config")
+
+
+@register_visual("release")
+class ReleaseVisualEncoder(_ReleaseTower, VisualEncoder):
+    """The checkpoint's Qwen2.5-VL vision tower + merger: V merged tokens of width d per timestep."""
+
+    def __init__(self, cfg: FeaturesConfig):
+        VisualEncoder.__init__(self, cfg)
+        self._setup(cfg)
+        self.tokens = 0  # per video: (gh/2)(gw/2), from the frame grid
+
+    @torch.inference_mode()
+    def encode_inputs(self, inputs: ReleaseInputs) -> np.ndarray:
+        """-> float16 [T, V, d]."""
+        grid = torch.tensor([list(inputs.grid_thw)])
+        tokens = self.model.encode_video(inputs.pixel_values(), grid).float().cpu()
+        t, v = inputs.num_timesteps, inputs.tokens_per_timestep
+        if tokens.shape != (t * v, self.dim):
+            raise ValueError(f"the vision tower gave {list(tokens.shape)} tokens for grid {list(inputs.grid_thw)}, "
+                             f"expected [{t * v}, {self.dim}]")
+        return tokens.reshape(t, v, self.dim).numpy().astype(FEATURE_DTYPE)
+
+
+@register_audio("release")
+class ReleaseAudioEncoder(_ReleaseTower, AudioEncoder):
+    """The checkpoint's Whisper encoder + window Q-Former: 60 tokens of width d per 30 s chunk."""
+
+    def __init__(self, cfg: FeaturesConfig):
+        AudioEncoder.__init__(self, cfg)
+        self._setup(cfg)
+
+    @torch.inference_mode()
+    def encode_inputs(self, inputs: ReleaseInputs) -> np.ndarray:
+        """-> float16 [A_total, d] (all audio tokens in order), [0, d] without audio.
+
+        Chunks are encoded `features.audio_batch_size` at a time (Whisper sees each alone, as in the release).
+        """
+        if inputs.mel is None:
+            return np.zeros((0, self.dim), dtype=FEATURE_DTYPE)
+        mel = torch.from_numpy(inputs.mel)
+        step = max(1, self.cfg.audio_batch_size)
+        tokens = torch.cat([self.model.encode_audio(mel[i:i + step]).float().cpu() for i in range(0, mel.shape[0], step)])
+        if tokens.shape != (inputs.audio_total, self.dim):
+            raise ValueError(f"the audio tower gave {list(tokens.shape)} tokens for {mel.shape[0]} chunks, "
+                             f"expected [{inputs.audio_total}, {self.dim}]")
+        return tokens.numpy().astype(FEATURE_DTYPE)
+
+
+class ReleaseFeaturizer:
+    """A video (+ annotation) -> schema-2 Sample (stored) or ReleaseVideo (online); see the module doc."""
+
+    def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
+        features = cfg.features
+        self.path = _need_release_path(features)
+        self.cfg = cfg
+        self.storage_options = storage_options
+        self.frontend = FrontendConfig.from_features(features)
+        self.online = features.release_features == "online"
+        self.extractor = whisper_extractor()
+        self.feature_hash = section_hash(features)
+        self.visual = self.audio = None
+        if not self.online:
+            self.visual = ReleaseVisualEncoder(features)
+            self.audio = ReleaseAudioEncoder(features)
+
+    def inputs(self, uri: str) -> ReleaseInputs:
+        f = self.cfg.features
+        return read_release_inputs(uri, self.frontend, self.storage_options, f.max_media_bytes, f.decode_threads,
+                                   self.extractor)
+
+    def __call__(self, uri: str, annotation: Any):
+        from preprocess.featurize import align_events
+
+        inputs = self.inputs(uri)
+        if self.online:
+            return inputs_video(inputs, annotation.video_id)
+        events = align_events(annotation.events, inputs.length_s, self.cfg.features.duration_tolerance_s,
+                              annotation.video_id, getattr(annotation, "duration", None))
+        sample = Sample(
+            video_id=annotation.video_id, duration=float(inputs.length_s), segment_times=inputs.segment_times(),
+            visual=self.visual.encode_inputs(inputs), audio=self.audio.encode_inputs(inputs),
+            has_audio=inputs.has_audio, events=events,
+            source=getattr(annotation, "source", "") or self.cfg.data.dataset, feature_hash=self.feature_hash,
+            split=getattr(annotation, "split", "") or "",
+            audio_counts=np.asarray(inputs.audio_counts, dtype=COUNT_DTYPE), grid_thw=tuple(inputs.grid_thw),
+            seconds_per_timestep=float(inputs.seconds_per_timestep),
+        )
+        validate(sample)
+        return sample
+
+
+def inputs_video(inputs: ReleaseInputs, video_id: str):
+    """Front-end output -> a ReleaseVideo with pixel_values and mel (encoded later, by the engine's model)."""
+    from pipeline.release.video import ReleaseVideo
+
+    mel = None if inputs.mel is None else torch.from_numpy(inputs.mel)
+    return ReleaseVideo(video_id=video_id, duration=float(inputs.length_s),
+                        seconds_per_step=float(inputs.seconds_per_timestep), grid_thw=tuple(inputs.grid_thw),
+                        pixel_values=inputs.pixel_values(), mel=mel)
+
+
+def release_video(sample: Sample):
+    """A stored schema-2 Sample (release encoders) -> the ReleaseVideo with its tokens, for the engine."""
+    from pipeline.release.video import ReleaseVideo
+
+    if sample.audio_counts is None or sample.grid_thw is None or sample.seconds_per_timestep is None:
+        raise SchemaError(f"{sample.video_id}: not a release-encoder sample (no audio_counts / grid_thw / "
+                          "seconds_per_timestep): features from other encoders cannot feed the release model")
+    t, v, d = sample.visual.shape
+    return ReleaseVideo(video_id=sample.video_id, duration=float(sample.duration),
+                        seconds_per_step=float(sample.seconds_per_timestep), grid_thw=tuple(sample.grid_thw),
+                        video_embeds=torch.from_numpy(sample.visual.reshape(t * v, d)).float(),
+                        audio_embeds=torch.from_numpy(np.ascontiguousarray(sample.audio)).float())

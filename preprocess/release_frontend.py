@@ -1,0 +1,386 @@
+"""The released PadCaptioner-3B's front end: frames and audio prepared exactly as its test path does.
+
+Pure python + torch, no ray. What the release (showlab/PadCaptioner @ da150ad, video-SALMONN 2+ base)
+feeds its vision tower and Whisper encoder, re-implemented from /work/shared/RELEASE.md §2, §4.1-4.3
+(citations there: `D` = qwenvl/data/dataset.py, `P` = its vendored Qwen2VLImageProcessorFast):
+
+    inputs = read_release_inputs("a.mp4", FrontendConfig())
+    inputs.pixel_values()          # float32 [T*gh*gw, 1176], the processor's patch layout
+    inputs.grid_thw                # (T, gh, gw) in 14-px patches (the release's video_grid_thw)
+    inputs.mel                     # float32 [C, 128, 3000] Whisper log-mel per 30 s chunk, or None
+    inputs.audio_counts            # a_t: <|audio_pad|> tokens after segment t (sum = A_total)
+    inputs.video_sets, inputs.audio_sets   # per-timestep [start, end) index ranges (grounding / aggregation)
+
+Frames (D:563-603). L = num_frames / average_fps of the stream's metadata; n = min(max(round(L / 0.5),
+64), 256) with Python's round (half to even); indices np.unique(np.linspace(0, N-1, n, dtype=int));
+fps = len(indices) / L; per-frame pixel budget 61250, scaled to 0.95 * 256 / len(indices) * 61250 when fewer
+than 256 frames were kept (so 255 frames get less than 256 do); min 784. `smart_resize` (factor 28), then a
+BICUBIC antialiased resize of the uint8 frames, the CLIP mean/std rescale+normalise fused in float32
+((x - 255 mean) / (255 std)), an odd frame count padded by repeating the last frame, and the patchify
+permute(0, 3, 6, 4, 7, 2, 1, 5, 8) -> [T*gh*gw, 3*2*14*14]. Seconds per timestep d = 2 / fps.
+
+Resize. The release calls torchvision v2 `F.resize(..., BICUBIC)` (antialias on by default) on uint8 CPU
+tensors. On CPU that function hands uint8 straight to `torch.nn.functional.interpolate(mode="bicubic",
+antialias=True, align_corners=False)` (torchvision 0.28 `_do_native_uint8_resize_on_cpu`), which is what
+`resize_frames` calls, so torchvision is not needed for pixel parity. (torchvision cannot be installed
+here anyway: the only 0.28.0 wheel for torch 2.13 is the CUDA build, whose ops fail to register on CPU
+torch.) Do not move frames to a GPU before resizing: torchvision's GPU path goes through float32 and
+differs by 1 grey level on ~10% of pixels.
+
+Decoding. The release's primary reader is torchcodec 0.4 (`VideoDecoder` / `AudioDecoder`), which is
+not available to this project; frames come from decord (the reader preprocess/media.py uses), indexed
+by the same rule, and L from decord's frame count and average fps, which for ordinary constant-frame-rate
+files equal torchcodec's header metadata (files with a wrong header count may differ). Audio comes from
+PyAV with FFmpeg's swresample doing the resample to 16 kHz and the downmix to mono (as torchcodec does
+with FFmpeg; preprocess/media.py instead averages channels), the whole stream from its own start, not
+aligned or trimmed to the video timeline (D:483-522).
+
+Audio (D:483-522, RELEASE.md §4.2). Shorter than 1 s -> zero-padded to 1 s; cut into 30 s pieces; each
+piece through WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160,
+chunk_length=30) with its default max-length padding -> [128, 3000]; A_total = 60 * ceil(samples / 480000).
+A file without an audio stream (or whose audio cannot be decoded: the release's `process_audio` returns
+None on any error) gets no audio tokens at all.
+
+Interleave counts a_t and per-timestep index sets come from pipeline/release/layout.py (`audio_counts`,
+`index_sets`, RELEASE.md §2 and §4.3), given this front end's grid, d and A_total (`av_grid`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.release.layout import AVGrid, audio_counts, index_sets
+
+PATCH = 14
+TEMPORAL_PATCH = 2
+MERGE = 2
+FACTOR = PATCH * MERGE  # 28: resized sides are multiples of this
+PATCH_DIM = 3 * TEMPORAL_PATCH * PATCH * PATCH  # 1176
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+RESCALE = 1 / 255
+SAMPLE_RATE = 16000
+CHUNK_SECONDS = 30
+CHUNK_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000
+TOKENS_PER_CHUNK = 60  # Whisper's 1500 frames in windows of 25, one Q-Former query each
+AUDIO_TOKEN_SECONDS = 0.5
+N_MELS = 128
+MEL_FRAMES = 3000
+
+
+class FrontendError(ValueError):
+    """A video cannot be prepared the release's way; the message says why."""
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """The release's test-time front-end settings (scripts_run/test.sh): 64-256 frames at 0.5 s, 61250 / 784 px."""
+
+    seconds_per_frame: float = 0.5  # base_interval
+    min_frames: int = 64  # video_min_frames
+    max_frames: int = 256  # video_max_frames
+    max_frame_pixels: float = 61250  # video_max_frame_pixels
+    min_frame_pixels: float = 784  # video_min_frame_pixels
+
+    @classmethod
+    def from_features(cls, features: Any) -> "FrontendConfig":
+        """From pipeline.config.FeaturesConfig (its frame-count fields and the release pixel budgets)."""
+        return cls(seconds_per_frame=float(features.seconds_per_frame), min_frames=int(features.min_frames),
+                   max_frames=int(features.max_frames),
+                   max_frame_pixels=float(getattr(features, "release_max_frame_pixels", cls.max_frame_pixels)),
+                   min_frame_pixels=float(getattr(features, "release_min_frame_pixels", cls.min_frame_pixels)))
+
+
+# --------------------------------------------------------------------------- frames
+
+
+def frame_count(length_s: float, cfg: FrontendConfig) -> int:
+    """n = min(max(round(L / seconds_per_frame), min_frames), max_frames); Python round (half to even)."""
+    return min(max(round(length_s / cfg.seconds_per_frame), cfg.min_frames), cfg.max_frames)
+
+
+def sample_indices(num_frames: int, average_fps: float, cfg: FrontendConfig) -> tuple[np.ndarray, float]:
+    """(frame indices, L): np.unique(np.linspace(0, N - 1, n, dtype=int)) with L = N / average_fps."""
+    if num_frames < 1 or not (math.isfinite(average_fps) and average_fps > 0):
+        raise FrontendError(f"the video stream reports {num_frames} frames at {average_fps} fps")
+    length = num_frames / average_fps
+    idx = np.unique(np.linspace(0, num_frames - 1, frame_count(length, cfg), dtype=int))
+    return idx, length
+
+
+def pixel_budget(kept_frames: int, cfg: FrontendConfig) -> tuple[float, float]:
+    """(max_pixels, min_pixels) per frame: max scaled by 0.95 * max_frames / kept when kept < max_frames."""
+    top = cfg.max_frame_pixels
+    if kept_frames < cfg.max_frames:
+        top = 0.95 * cfg.max_frames / kept_frames * top
+    return top, cfg.min_frame_pixels
+
+
+def smart_resize(height: int, width: int, factor: int = FACTOR, min_pixels: float = 56 * 56,
+                 max_pixels: float = 14 * 14 * 4 * 1280) -> tuple[int, int]:
+    """Qwen2-VL's resize rule: both sides multiples of `factor`, area in [min, max], aspect kept.
+
+    round (half to even) to the factor; if over max_pixels, scale down by sqrt(area / max) and floor
+    (never below one factor, as transformers 5.24's rule; 4.51's may lack that floor, which only matters
+    for aspect ratios over ~80:1); if under min_pixels, scale up and ceil.
+    """
+    if min(height, width) < 1:
+        raise FrontendError(f"frame size {height}x{width} is empty")
+    if max(height, width) / min(height, width) > 200:
+        raise FrontendError(f"aspect ratio {max(height, width) / min(height, width):.1f} is over 200 (frame {height}x{width})")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 [N, 3, H, W] (CPU) -> uint8 [N, 3, height, width]: bicubic, antialiased, native uint8 (module doc)."""
+    if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[1] != 3:
+        raise FrontendError(f"frames must be uint8 [N, 3, H, W], got {frames.dtype} {list(frames.shape)}")
+    if tuple(frames.shape[-2:]) == (height, width):
+        return frames  # torchvision returns the input unchanged at the same size
+    return F.interpolate(frames.cpu().contiguous(), size=[height, width], mode="bicubic", align_corners=False,
+                         antialias=True)
+
+
+def normalize(frames: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, 3, H, W] -> float32: (x - mean/RESCALE) / (std/RESCALE), the processor's fused rescale+normalise."""
+    mean = (torch.tensor(CLIP_MEAN) * (1.0 / RESCALE)).view(1, 3, 1, 1)
+    std = (torch.tensor(CLIP_STD) * (1.0 / RESCALE)).view(1, 3, 1, 1)
+    return (frames.to(torch.float32) - mean) / std
+
+
+def pad_temporal(frames: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [N rounded up to TEMPORAL_PATCH, ...], repeating the last frame."""
+    extra = (-frames.shape[0]) % TEMPORAL_PATCH
+    if extra == 0:
+        return frames
+    return torch.cat([frames, frames[-1:].expand(extra, *frames.shape[1:])])
+
+
+def patchify(frames: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """[N even, C, H, W] (H, W multiples of 28) -> ([T*gh*gw, C*2*14*14], (T, gh, gw)), the processor's order.
+
+    Rows run over timesteps, then 2x2 merge windows in raster order, then the 4 patches of a window;
+    a row holds channel, then temporal frame, then the 14x14 pixels.
+    """
+    n, c, h, w = frames.shape
+    if n % TEMPORAL_PATCH or h % FACTOR or w % FACTOR:
+        raise FrontendError(f"cannot patchify {list(frames.shape)}: frames must be even, sides multiples of {FACTOR}")
+    t, gh, gw = n // TEMPORAL_PATCH, h // PATCH, w // PATCH
+    x = frames.reshape(t, TEMPORAL_PATCH, c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(t * gh * gw, c * TEMPORAL_PATCH * PATCH * PATCH), (t, gh, gw)
+
+
+def timestep_seconds(kept_frames: int, length_s: float) -> float:
+    """d = second_per_grid_ts = temporal_patch / fps with fps = kept frames / L."""
+    return TEMPORAL_PATCH / (kept_frames / length_s)
+
+
+# --------------------------------------------------------------------------- audio
+
+
+def audio_token_total(samples: int) -> int:
+    """A_total = 60 * ceil(samples / 480000), samples after the 1 s zero-pad."""
+    return TOKENS_PER_CHUNK * math.ceil(max(samples, SAMPLE_RATE) / CHUNK_SAMPLES)
+
+
+def whisper_extractor():
+    """The release's WhisperFeatureExtractor settings (TR:558-563), built without any files."""
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(feature_size=N_MELS, sampling_rate=SAMPLE_RATE, hop_length=160,
+                                   chunk_length=CHUNK_SECONDS)
+
+
+def mel_chunks(waveform: np.ndarray, extractor=None) -> tuple[np.ndarray, int]:
+    """16 kHz mono float32 [S] -> (float32 [C, 128, 3000] log-mel per 30 s piece, samples after padding)."""
+    audio = np.asarray(waveform, dtype=np.float32).reshape(-1)
+    if not np.isfinite(audio).all():
+        raise FrontendError("the audio decodes to NaN/inf samples")
+    if audio.shape[0] < SAMPLE_RATE:
+        audio = np.pad(audio, (0, SAMPLE_RATE - audio.shape[0]))
+    extractor = extractor or whisper_extractor()
+    pieces = [audio[k:k + CHUNK_SAMPLES] for k in range(0, audio.shape[0], CHUNK_SAMPLES)]
+    mels = [np.asarray(extractor(p, sampling_rate=SAMPLE_RATE, return_tensors="np")["input_features"][0], np.float32)
+            for p in pieces]  # one call per piece, as the release does
+    return np.stack(mels), int(audio.shape[0])
+
+
+# --------------------------------------------------------------------------- interleave and index sets
+
+
+def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int) -> AVGrid:
+    """The release layout's view of one video (pipeline/release/layout.py owns the interleave and index-set rules)."""
+    return AVGrid(timesteps=int(grid_thw[0]), rows=int(grid_thw[1]) // MERGE, cols=int(grid_thw[2]) // MERGE,
+                  seconds_per_step=float(d), audio_tokens=int(audio_total))
+
+
+# --------------------------------------------------------------------------- one video
+
+
+@dataclass
+class ReleaseInputs:
+    """One video prepared the release's way (module doc); frames kept as resized uint8 (4x smaller than pixels)."""
+
+    frames: torch.Tensor  # uint8 [N, 3, h, w] resized, not padded (N = kept frames)
+    frame_indices: np.ndarray  # int [N] source frame numbers
+    length_s: float  # L = num_frames / average_fps
+    seconds_per_timestep: float  # d
+    grid_thw: tuple[int, int, int]  # (T, gh, gw) in 14-px patches
+    mel: np.ndarray | None  # float32 [C, 128, 3000], None without audio
+    audio_samples: int  # after the 1 s pad; 0 without audio
+    audio_total: int  # A_total; 0 without audio
+    audio_counts: list[int]  # a_t, sum = audio_total
+    video_sets: list[list[int]]  # per timestep: indices into the video-token sequence
+    audio_sets: list[list[int]]  # per timestep: indices into the audio-token sequence ([] without audio)
+    source_size: tuple[int, int] = (0, 0)  # (height, width) before resizing
+    num_source_frames: int = 0
+    average_fps: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_timesteps(self) -> int:
+        return self.grid_thw[0]
+
+    @property
+    def tokens_per_timestep(self) -> int:
+        """V = (gh / 2) * (gw / 2) merged tokens per timestep."""
+        return (self.grid_thw[1] // MERGE) * (self.grid_thw[2] // MERGE)
+
+    @property
+    def has_audio(self) -> bool:
+        return self.mel is not None
+
+    def pixel_values(self) -> torch.Tensor:
+        """float32 [T*gh*gw, 1176]: normalised, padded to an even frame count, patchified."""
+        return patchify(pad_temporal(normalize(self.frames)))[0]
+
+    def segment_times(self) -> np.ndarray:
+        """float32 [T, 2]: [t*d, (t+1)*d], the last end clipped to L (an odd frame count overshoots it)."""
+        t = np.arange(self.num_timesteps, dtype=np.float64)
+        ends = np.minimum((t + 1) * self.seconds_per_timestep, self.length_s)
+        return np.stack([t * self.seconds_per_timestep, ends], axis=1).astype(np.float32)
+
+
+def prepare_frames(frames: np.ndarray | torch.Tensor, kept: int, length_s: float,
+                   cfg: FrontendConfig) -> tuple[torch.Tensor, tuple[int, int, int], float]:
+    """Sampled uint8 frames [N, H, W, 3] -> (resized uint8 [N, 3, h, w], grid (T, gh, gw), d)."""
+    x = torch.as_tensor(np.ascontiguousarray(frames)) if isinstance(frames, np.ndarray) else frames
+    if x.dtype != torch.uint8 or x.dim() != 4 or x.shape[-1] != 3:
+        raise FrontendError(f"frames must be uint8 [N, H, W, 3], got {x.dtype} {list(x.shape)}")
+    top, bottom = pixel_budget(kept, cfg)
+    h, w = smart_resize(int(x.shape[1]), int(x.shape[2]), FACTOR, bottom, top)
+    resized = resize_frames(x.permute(0, 3, 1, 2).contiguous(), h, w)
+    grid = (-(-kept // TEMPORAL_PATCH), h // PATCH, w // PATCH)
+    return resized, grid, timestep_seconds(kept, length_s)
+
+
+def build_inputs(frames: np.ndarray | torch.Tensor, frame_indices: np.ndarray, num_source_frames: int,
+                 average_fps: float, waveform: np.ndarray | None, cfg: FrontendConfig,
+                 extractor=None) -> ReleaseInputs:
+    """Sampled frames (by `sample_indices`) + 16 kHz mono audio (or None) -> ReleaseInputs."""
+    length = num_source_frames / average_fps
+    kept = len(frame_indices)
+    if kept < 1 or len(frames) != kept:
+        raise FrontendError(f"{len(frames)} frames for {kept} sampled indices")
+    resized, grid, d = prepare_frames(frames, kept, length, cfg)
+    mel, samples, total = None, 0, 0
+    if waveform is not None:
+        mel, samples = mel_chunks(waveform, extractor)
+        total = audio_token_total(samples)
+    layout_grid = av_grid(grid, d, total)
+    video_sets, audio_sets = index_sets(layout_grid)
+    return ReleaseInputs(frames=resized, frame_indices=np.asarray(frame_indices), length_s=length,
+                         seconds_per_timestep=d, grid_thw=grid, mel=mel, audio_samples=samples, audio_total=total,
+                         audio_counts=audio_counts(layout_grid), video_sets=video_sets,
+                         audio_sets=audio_sets, source_size=(int(frames.shape[1]), int(frames.shape[2])),
+                         num_source_frames=int(num_source_frames), average_fps=float(average_fps))
+
+
+# --------------------------------------------------------------------------- reading files
+
+
+def read_frames(path: str, uri: str, cfg: FrontendConfig, threads: int = 0) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """decord at source resolution: -> (uint8 [n, H, W, 3] RGB, indices, num_frames, average_fps)."""
+    import decord
+
+    from preprocess.media import MediaError, _first_line
+
+    try:
+        vr = decord.VideoReader(path, num_threads=threads)
+        count, fps = len(vr), float(vr.get_avg_fps())
+    except Exception as e:  # decord raises DECORDError / RuntimeError / AssertionError
+        raise MediaError(f"video stream cannot be opened by decord ({_first_line(e)}): {uri}", "undecodable") from e
+    try:
+        idx, _ = sample_indices(count, fps, cfg)
+    except FrontendError as e:
+        raise MediaError(f"{e}: {uri}", "undecodable") from e
+    try:
+        frames = vr.get_batch(idx.tolist()).asnumpy()
+    except Exception as e:
+        raise MediaError(f"video frames cannot be decoded ({_first_line(e)}): {uri}", "undecodable") from e
+    return frames, idx, count, fps
+
+
+def read_audio(path: str) -> np.ndarray | None:
+    """PyAV: the first audio stream, whole, resampled by FFmpeg to 16 kHz mono float32; None if absent or undecodable.
+
+    None on a decoding error too, as the release's process_audio returns None on any error (the video is
+    then captioned without audio tokens).
+    """
+    import av
+
+    from preprocess.media import METADATA_ERRORS
+
+    pieces: list[np.ndarray] = []
+    try:
+        with av.open(path, metadata_errors=METADATA_ERRORS) as container:
+            if not container.streams.audio:
+                return None
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+            for frame in container.decode(container.streams.audio[0]):
+                pieces.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(frame))
+            pieces.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(None))
+    except (av.error.FFmpegError, ValueError):
+        return None
+    if not pieces:
+        return None
+    audio = np.concatenate(pieces).astype(np.float32)
+    return audio if np.isfinite(audio).all() else None
+
+
+def read_release_inputs(uri: str, cfg: FrontendConfig, storage_options: dict[str, Any] | None = None,
+                        max_bytes: int = 0, threads: int = 0, extractor=None) -> ReleaseInputs:
+    """A video file or fsspec URI -> ReleaseInputs. Raises preprocess.media.MediaError for unusable files."""
+    from preprocess.media import MediaError, _probe, _sniff, open_media
+
+    with open_media(uri, storage_options, max_bytes) as path:
+        _sniff(path, uri)
+        probe = _probe(path, uri)
+        if not probe.has_video:
+            what = "an audio-only file" if probe.has_audio else "a container without streams"
+            raise MediaError(f"no video stream ({what}): {uri}", "no_video")
+        frames, idx, count, fps = read_frames(path, uri, cfg, threads)
+        waveform = read_audio(path) if probe.has_audio else None
+    try:
+        inputs = build_inputs(frames, idx, count, fps, waveform, cfg, extractor)
+    except FrontendError as e:
+        raise MediaError(f"{e}: {uri}", "undecodable") from e
+    inputs.meta["uri"] = uri
+    return inputs

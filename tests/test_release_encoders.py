@@ -1,0 +1,146 @@
+"""The `release` encoders (preprocess/release_encoders.py) on the tiny release-format checkpoint and real mp4s.
+
+Stored mode (schema-2 Samples through a real shard round trip) and online mode (a ReleaseVideo the
+engine encodes itself) must feed the release model the same tokens; both caption through CaptionEngine,
+and online mode through CaptionService, as a Serve replica runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer.engine import CaptionEngine
+from infer.release_front import media_tokens
+from infer.sampling import DecodeControl
+from infer.service import CaptionService, ModelCard
+from pipeline.config import Config
+from pipeline.release.video import ReleaseVideo
+from pipeline.schema import SchemaError, decode, encode
+from preprocess.encoders import encoder_versions, get_audio_encoder, get_visual_encoder
+from preprocess.featurize import Featurizer
+from preprocess.release_encoders import ReleaseFeaturizer, release_model, release_video
+from tests.support.mp4 import solid_frames, tone, write_mp4
+
+GOLDEN = Path(__file__).parent / "data" / "release_golden"
+CHECKPOINT = GOLDEN / "checkpoint"
+
+
+@dataclasses.dataclass
+class Ann:
+    video_id: str
+    events: list = dataclasses.field(default_factory=list)
+
+
+def release_config(mode: str = "stored", **features) -> Config:
+    cfg = Config()
+    f = dataclasses.replace(cfg.features, visual_encoder="release", audio_encoder="release", release_path=str(CHECKPOINT),
+                            release_features=mode, device="cpu", **features)
+    return dataclasses.replace(cfg, features=f, infer=dataclasses.replace(cfg.infer, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("release_videos")
+    colours = [(220, 30, 30), (30, 220, 30), (30, 30, 220), (220, 220, 30)]
+    with_audio = write_mp4(root / "av.mp4", solid_frames(40, 64, 96, colours), fps=8, audio=tone(440, 5.0))
+    silent = write_mp4(root / "silent.mp4", solid_frames(24, 56, 84, colours[:2]), fps=8)
+    return {"av": str(with_audio), "silent": str(silent)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return release_model(CHECKPOINT, torch.device("cpu"))
+
+
+def test_registered_and_built_without_loading_weights():
+    cfg = release_config()
+    vis, aud = get_visual_encoder(cfg.features), get_audio_encoder(cfg.features)
+    assert (vis.name, aud.name, vis.dim, aud.dim) == ("release", "release", 16, 16)  # width from config.json
+    assert encoder_versions(cfg.features) == {"visual": "release@1", "audio": "release@1"}
+
+
+@pytest.mark.parametrize("changes, needle", [({"audio_encoder": "mel"}, "work as a pair"),
+                                             ({"release_path": ""}, "release_path must name"),
+                                             ({"release_path": "/nonexistent/dir"}, "has no config.json")])
+def test_misconfigured_release_encoders_are_refused(changes, needle):
+    cfg = release_config()
+    cfg = dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, **changes))
+    with pytest.raises(ValueError, match=needle):
+        ReleaseFeaturizer(cfg)
+
+
+def test_towers_reproduce_the_fixture(model):
+    x = torch.load(GOLDEN / "inputs.pt", weights_only=True)
+    g = torch.load(GOLDEN / "golden_tensors.pt", weights_only=True)
+    assert torch.allclose(model.encode_video(x["pixel_values_videos"], x["video_grid_thw"]), g["visual"], atol=1e-4)
+    assert torch.allclose(model.encode_audio(x["audio_feature"]), g["audio"].flatten(0, 1), atol=1e-4)
+
+
+def test_stored_features_are_schema_2_samples_and_feed_the_model_what_online_mode_does(videos, model):
+    stored = Featurizer(release_config("stored"))(videos["av"], Ann("av"))
+    # 40 frames at 8 fps: 20 timesteps of 56x84 px -> 4x6 patches -> 6 merged tokens, 60 audio tokens
+    assert stored.visual.shape == (20, 6, 16) and stored.audio.shape == (60, 16) and stored.has_audio
+    assert stored.grid_thw == (20, 4, 6) and stored.seconds_per_timestep == 0.25 and stored.duration == 5.0
+    assert int(stored.audio_counts.sum()) == 60 and stored.audio_counts[-1] == 51
+    back = decode(encode(stored))  # through the shard format
+    video = release_video(back)
+    online = Featurizer(release_config("online"))(videos["av"], Ann("av"))
+    assert isinstance(online, ReleaseVideo) and online.pixel_values.shape == (20 * 24, 1176)
+    assert online.mel.shape == (1, 128, 3000) and online.grid_thw == video.grid_thw
+    vis, aud = media_tokens(model, online)  # what the engine encodes itself in online mode
+    assert vis.shape == video.video_embeds.shape and aud.shape == video.audio_embeds.shape
+    assert torch.allclose(vis, video.video_embeds, rtol=2e-3, atol=2e-3)  # stored as float16
+    assert torch.allclose(aud, video.audio_embeds, rtol=2e-3, atol=2e-3)
+
+
+def test_a_video_without_audio_gets_no_audio_tokens(videos, model):
+    stored = Featurizer(release_config("stored"))(videos["silent"], Ann("silent"))
+    assert stored.audio.shape == (0, 16) and not stored.has_audio and list(stored.audio_counts) == [0] * 12
+    online = Featurizer(release_config("online"))(videos["silent"], Ann("silent"))
+    assert online.mel is None and media_tokens(model, online)[1].shape == (0, 16)
+
+
+def test_release_video_refuses_samples_of_other_encoders():
+    from tests.test_schema import make_sample
+
+    with pytest.raises(SchemaError, match="not a release-encoder sample"):
+        release_video(make_sample())
+
+
+def test_online_inputs_cannot_be_written_to_shards(videos):
+    online = Featurizer(release_config("online"))(videos["silent"], Ann("silent"))
+    with pytest.raises(SchemaError, match="not a Sample"):
+        encode(online)
+
+
+def test_both_modes_caption_through_the_engine(videos, model):
+    cfg = release_config("online")
+    engine = CaptionEngine(model, cfg.infer)
+    online = Featurizer(cfg)(videos["av"], Ann("av"))
+    stored = release_video(Featurizer(release_config("stored"))(videos["silent"], Ann("silent")))
+    forced = DecodeControl(num_events=2, lengths=[3])  # the random tiny model plans no event by itself here
+    results = engine.caption([online, stored], controls=[forced, forced])
+    assert [r.error for r in results] == [None, None]
+    assert results[0].duration == pytest.approx(5.0) and results[1].duration == pytest.approx(3.0)
+    assert [r.segments_total for r in results] == [20, 12]
+    for r in results:
+        assert len(r.events) == 2 and all(0.0 <= e.start < e.end <= r.duration for e in r.events)
+
+
+def test_a_serve_replica_runs_the_release_front_end_online(videos, model):
+    cfg = release_config("online")
+    service = CaptionService(cfg, functools.partial(CaptionEngine, model),
+                             ModelCard(model_id="tiny-release", source=str(CHECKPOINT), device="cpu"))
+    try:
+        body = asyncio.run(service.caption_file(videos["av"], "clip one.mp4", None))
+    finally:
+        service.close()
+    assert body["video_id"] == "clip_one" and body["duration"] == pytest.approx(5.0)
+    assert body["model"] == "tiny-release" and body["timings"]["features_s"] > 0
+    assert body["segments_total"] == 20 and body["events"] == []  # the random tiny model plans no event (K = 0)
