@@ -126,9 +126,13 @@ def stage_preprocess(cfg: Config, paths: RunPaths) -> dict[str, Any]:
 def stage_train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     from train.trainer import run_train
 
+    from pipeline.release.checkpoint import is_release_dir
+
     summary = run_train(cfg, paths.shards, paths.train)
-    # The features the model was trained on travel with it (infer/ and serving read them).
-    storage.write_json(storage.join(paths.model, "config.json"), cfg.to_dict())
+    # The features the model was trained on travel with it (infer/ and serving read them); a fine-tuned
+    # release model keeps its HF config.json and carries the run's config as run_config.json.
+    name = "run_config.json" if is_release_dir(cfg.model.backbone) else "config.json"
+    storage.write_json(storage.join(paths.model, name), cfg.to_dict())
     return summary
 
 

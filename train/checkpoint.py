@@ -85,7 +85,8 @@ def save_checkpoint(path: str | Path, *, model, state: TrainState, config_json: 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path / MODEL_DIR)
-    (path / MODEL_DIR / CONFIG_FILE).write_text(config_json)
+    # a release-format model dir already has config.json (the HF config): the run config goes beside it
+    (path / MODEL_DIR / getattr(model, "run_config_file", CONFIG_FILE)).write_text(config_json)
     (path / CONFIG_FILE).write_text(config_json)
     payload = {
         "step": state.step, "epoch": state.epoch, "records_in_epoch": state.records_in_epoch,

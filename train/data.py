@@ -229,7 +229,7 @@ class Augment:
         self.crop, self.noise, self.generator = crop, noise, generator
 
     def __call__(self, sample: Sample) -> Sample:
-        if self.crop <= 0 and self.noise <= 0:
+        if (self.crop <= 0 and self.noise <= 0) or sample.ragged_audio:  # release-encoder samples: not augmented
             return sample
         import torch
 
@@ -258,6 +258,7 @@ class Batcher:
         self.stats = stats if stats is not None else DataStats()
         self.generator = generator
         self.drop_last = drop_last
+        self.collate = getattr(model, "collate", collate)  # the release model has its own batches
 
     def example(self, record: Any):
         """One record -> Example, or None (counted) when it is unusable."""
@@ -266,7 +267,8 @@ class Batcher:
             sample = record if isinstance(record, Sample) else decode_record(record)
             if self.augment is not None:
                 sample = self.augment(sample)
-            sample, cut = fit_to_model(sample, self.model)
+            fit = getattr(self.model, "fit", None)  # the release model fits its own way
+            sample, cut = fit(sample) if fit is not None else fit_to_model(sample, self.model)
             ex = self.model.make_example(sample, generator=self.generator)
         except (SchemaError, ExampleError, ValueError) as e:
             self.stats.skip(str(e)[:300])
@@ -283,7 +285,7 @@ class Batcher:
                 continue
             pending.append(ex)
             if len(pending) == self.batch_size:
-                yield collate(pending)
+                yield self.collate(pending)
                 pending = []
         if pending and not self.drop_last:
-            yield collate(pending)
+            yield self.collate(pending)

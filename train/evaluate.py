@@ -96,6 +96,25 @@ def summary(c: EvalCounts, prefix: str = "") -> dict[str, float]:
     return {prefix + k: v for k, v in out.items()}
 
 
+def loss_counts(model, out: dict) -> EvalCounts:
+    """Teacher-forced counts of one release-model video (pipeline/release/finetune.py outputs):
+    planning (every <G> row says <G>, the last says <S>), grounding P/R@0.5 of the read-out
+    intervals, caption token accuracy. No attribute words (the release's captions are free text)."""
+    c = EvalCounts(videos=1.0)
+    text = out["text_logits"].float()
+    says_g = (text[:, model.model.g_id] > text[:, model.model.s_id]).cpu()
+    c.planning_correct = float(bool(says_g[:-1].all()) and not bool(says_g[-1]))
+    for pred, ref in out.get("grounded", []):
+        p, r, _ = detection(np.asarray(pred, dtype=np.float64).reshape(-1, 2), np.asarray(ref, dtype=np.float64))
+        c.precision_sum += p
+        c.recall_sum += r
+    labels = out["branch_labels"]
+    c.tokens = float(labels.numel())
+    c.tokens_correct = float((out["branch_logits"].argmax(-1) == labels).sum())
+    c.events = float(text.shape[0] - 1)
+    return c
+
+
 def detection(pred: np.ndarray, ref: np.ndarray, t: float = TIOU) -> tuple[float, float, np.ndarray]:
     """(precision, recall, tIoU matrix [P, R]) of one video with the strict tIoU > t."""
     from pipeline.metrics.tiou import tiou_matrix

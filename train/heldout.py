@@ -28,7 +28,7 @@ import torch
 
 from pipeline.config import Config
 from train.data import Batcher, read_samples
-from train.evaluate import EvalCounts, batch_counts, caption_parser, engine_counts, engine_events, summary
+from train.evaluate import EvalCounts, batch_counts, caption_parser, engine_counts, engine_events, loss_counts, summary
 
 HEADLINE = ("planning_acc", "grounding_f1@0.5", "token_acc", "colour_acc", "shape_acc", "motion_acc", "sound_acc",
             "attr_acc")
@@ -40,7 +40,8 @@ def teacher_forced(model, samples: list, parse=None) -> dict[str, float]:
     batcher = Batcher(model, 1)
     for sample in samples:
         for batch in batcher([sample]):
-            counts += batch_counts(model, batch, model.forward_train(batch), parse)
+            out = model.forward_train(batch)
+            counts += batch_counts(model, batch, out, parse) if hasattr(batch, "packed") else loss_counts(model, out)
     out = summary(counts)
     out["skipped"] = batcher.stats.skipped
     return out
@@ -54,7 +55,9 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     except ImportError as e:
         return {"unavailable": f"infer.engine not importable ({e})"}
     infer_cfg = cfg.infer
-    if model.cfg.mask == "causal" and infer_cfg.decoder == "parallel":  # the ablation model decodes as one chain
+    if hasattr(model, "model"):  # the release fine-tuning wrapper: its ReleaseCaptioner decodes
+        model = model.model
+    if getattr(getattr(model, "cfg", None), "mask", "factorized") == "causal" and infer_cfg.decoder == "parallel":  # the ablation model decodes as one chain
         infer_cfg = dataclasses.replace(infer_cfg, decoder="monolithic")
     engine = CaptionEngine(model, infer_cfg)
     t0 = time.perf_counter()
@@ -71,11 +74,16 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
 def evaluate_heldout(cfg: Config, model_dir: str | Path, shard_paths: list[str]) -> dict[str, Any]:
     """Teacher-forced and free-running numbers on the held-out split (see the module doc)."""
     from pipeline.model import PadCaptioner
+    from pipeline.release.checkpoint import is_release_dir
+    from pipeline.release.finetune import release_tuner
 
     samples = read_samples(shard_paths, limit=cfg.train.eval_samples)
     if not samples:
         return {"videos": 0, "note": "no held-out samples"}
-    model = PadCaptioner.from_pretrained(model_dir).eval()
+    if is_release_dir(model_dir):  # a fine-tuned release model: teacher-forced through its training wrapper
+        model = release_tuner(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, backbone=str(model_dir)))).eval()
+    else:
+        model = PadCaptioner.from_pretrained(model_dir).eval()
     parse = caption_parser(cfg)
     tf = teacher_forced(model, samples, parse)
     try:

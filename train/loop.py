@@ -46,7 +46,7 @@ from pipeline.layout import Role
 from pipeline.model import PadCaptioner
 from train import checkpoint as ckpt
 from train.data import Augment, Batcher, DataStats
-from train.evaluate import EvalCounts, batch_counts, summary
+from train.evaluate import ATTRIBUTES, EvalCounts, batch_counts, loss_counts, summary
 from train.losses import compute_losses
 from train.optim import build_optimizer, build_scheduler
 
@@ -304,10 +304,13 @@ def validate(model: PadCaptioner, samples: list, ctx, parse=None, autocast: bool
         with amp:
             out = model.forward_train(batch)
         if i < len(mine):
-            counts += batch_counts(model, batch, out, parse)
+            counts += batch_counts(model, batch, out, parse) if hasattr(batch, "packed") else loss_counts(model, out)
     counts = EvalCounts.from_tensor(all_reduce(counts.tensor(), ctx))
     model.train(was_training)
-    return summary(counts, prefix="val_")
+    out = summary(counts, prefix="val_")
+    if hasattr(model, "run_config_file"):  # the release model: free-text captions, no attribute words
+        out = {k: v for k, v in out.items() if not any(k == f"val_{a}_acc" for a in (*ATTRIBUTES, "attr"))}
+    return out
 
 
 # --------------------------------------------------------------------------- the loop
@@ -325,7 +328,21 @@ def _threads(cfg: Config) -> None:
 
 
 def _tokens(batch) -> int:
+    if not hasattr(batch, "packed"):  # a release batch
+        return int(batch.num_tokens)
     return int((batch.packed.role != Role.PAD).sum())
+
+
+def build_model(cfg: Config, visual_dim: int, audio_dim: int):
+    """The model a run trains: a PadCaptioner, or the release model when model.backbone is a
+    release checkpoint directory (pipeline/release/finetune.py)."""
+    from pipeline.release.checkpoint import is_release_dir
+
+    if is_release_dir(cfg.model.backbone):
+        from pipeline.release.finetune import release_tuner
+
+        return release_tuner(cfg)
+    return PadCaptioner(cfg.model, visual_dim=visual_dim, audio_dim=audio_dim)
 
 
 def _save(ctx, backend, model, state: ckpt.TrainState, cfg: Config, generator, metrics: dict) -> None:
@@ -356,7 +373,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
     _threads(cfg)
     t_start = time.perf_counter()
     torch.manual_seed(tc.seed)  # identical LoRA init on every rank
-    model = PadCaptioner(cfg.model, visual_dim=visual_dim, audio_dim=audio_dim).to(ctx.device)
+    model = build_model(cfg, visual_dim, audio_dim).to(ctx.device)
     if tc.gradient_checkpointing:
         model.enable_activation_checkpointing()
     model.train()

@@ -230,7 +230,7 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
     probe = read_samples(train_paths[:1], limit=1)
     if not probe:
         raise SystemExit(f"{train_paths[0]}: no readable sample")
-    dv, da = probe[0].visual.shape[2], probe[0].audio.shape[2]
+    dv, da = probe[0].visual.shape[-1], probe[0].audio.shape[-1]  # [T, V, D]; ragged audio (schema 2) is [A, D]
     resources = {"CPU": tc.cpus_per_worker}
     if tc.use_gpu:
         resources["GPU"] = tc.gpus_per_worker

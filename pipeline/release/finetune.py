@@ -43,10 +43,10 @@ from transformers.cache_utils import DynamicCache
 from infer.step_weights import effective_linear
 from pipeline.aggregation import attention_row
 from pipeline.grounding import soft_targets
-from pipeline.release.grounding import aggregate
+from pipeline.release.grounding import aggregate, find_and_merge
 from pipeline.release.layout import MRope, build_layout, mrope_ids
-from pipeline.release.model import ReleaseCaptioner
-from pipeline.release.video import ReleaseVideo
+from pipeline.release.model import ReleaseCaptioner, settings_from
+from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event
 
 IGNORE = -100
@@ -139,8 +139,23 @@ class ReleaseFinetune(nn.Module):
         base = self.model.lm_logits(hidden)
         return base.index_copy(-1, self.row_ids.to(hidden.device), hidden @ self.rows.to(hidden.dtype).T)
 
-    def make_example(self, sample: TrainVideo, generator=None) -> ReleaseExample:
+    run_config_file = RUN_CONFIG  # the run's config beside the release's own config.json (train/checkpoint.py)
+
+    def collate(self, examples: list[ReleaseExample]) -> ReleaseBatch:
+        return collate_release(examples)
+
+    def fit(self, sample):
+        """Samples are not shortened (the release's test path does not either): a prompt over
+        settings.max_seq_len is refused in make_example. -> (sample, cut=False)."""
+        return sample, False
+
+    def make_example(self, sample, generator=None) -> ReleaseExample:
+        """A TrainVideo, or a stored schema-2 Sample of the release encoders with its events."""
+        if not isinstance(sample, TrainVideo):
+            sample = TrainVideo(as_release_video(sample), list(sample.events))
         v, m = sample.video, self.model
+        if not sample.events:
+            raise ValueError(f"{v.video_id}: no events to train on")
         t = v.num_segments
         events = sorted(sample.events, key=lambda e: (e.start, e.end))
         steps = [timestep_interval(e.start, e.end, v.seconds_per_step, t) for e in events]
@@ -237,7 +252,13 @@ class ReleaseFinetune(nn.Module):
         evi = m.evi_head(torch.stack(event_rows))
         times = torch.tensor([[t * ex.video.seconds_per_step, (t + 1) * ex.video.seconds_per_step]
                               for t in range(lay.grid.timesteps)])
-        result["grounding_logits"].append((evi @ segs.T).float() / math.sqrt(evi.shape[-1]))
+        logits = (evi @ segs.T).float() / math.sqrt(evi.shape[-1])
+        result["grounding_logits"].append(logits)
+        with torch.no_grad():  # the read-out intervals, for the held-out numbers (train/evaluate.py loss_counts)
+            s = m.settings
+            steps = [find_and_merge(torch.sigmoid(row), s.grounding_threshold, s.grounding_merge_gap) for row in logits]
+            pred = [(a * ex.video.seconds_per_step, (b + 1) * ex.video.seconds_per_step) for a, b in steps]
+            result["grounded"] = [(pred, ex.intervals.tolist())]
         result["grounding_targets"].append(soft_targets(ex.intervals, times).to(dev))
         labels = torch.tensor(branch_labels, device=dev)
         result.update(text_logits=self.logits(torch.stack(text_hidden)), text_labels=torch.tensor(plan_labels, device=dev),
@@ -250,8 +271,8 @@ class ReleaseFinetune(nn.Module):
         outs = [self.forward_one(ex) for ex in batch.examples]
         cat = {k: torch.cat([o[k] for o in outs]) for k in ("text_logits", "text_labels", "branch_logits",
                                                             "branch_labels", "branch_pad")}
-        for k in ("grounding_logits", "grounding_targets", "aggregation_weights"):
-            cat[k] = [x for o in outs for x in o[k]]
+        for k in ("grounding_logits", "grounding_targets", "aggregation_weights", "grounded"):
+            cat[k] = [x for o in outs for x in o.get(k, [])]
         return cat
 
     # ------------------------------------------------------------------ saving
@@ -296,3 +317,13 @@ class ReleaseFinetune(nn.Module):
             m.tokenizer.save_pretrained(str(path))
         (path / "padcaptioner_release.json").write_text(json.dumps({"settings": m.describe()}, indent=2))
         return path
+
+
+def release_tuner(cfg) -> ReleaseFinetune:
+    """The fine-tuning model of a run whose model.backbone is a release checkpoint: LoRA r / alpha /
+    dropout, caption cut and grounding weight from the model section; positions in `training`
+    mode (what the release trained with); the run's `release` section for the rest."""
+    mc = cfg.model
+    base = ReleaseCaptioner.from_release(mc.backbone, settings_from(cfg, positions="training"))
+    return ReleaseFinetune(base, lora_r=mc.lora_r, lora_alpha=mc.lora_alpha, lora_dropout=mc.lora_dropout,
+                           max_caption_tokens=mc.max_caption_tokens, grounding_loss_weight=mc.grounding_loss_weight)
