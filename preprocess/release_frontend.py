@@ -47,6 +47,8 @@ Interleave counts a_t and per-timestep index sets come from pipeline/release/lay
 
 from __future__ import annotations
 
+import io
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,9 +248,6 @@ class ReleaseInputs:
     mel: np.ndarray | None  # float32 [C, 128, 3000], None without audio
     audio_samples: int  # after the 1 s pad; 0 without audio
     audio_total: int  # A_total; 0 without audio
-    audio_counts: list[int]  # a_t, sum = audio_total
-    video_sets: list[list[int]]  # per timestep: indices into the video-token sequence
-    audio_sets: list[list[int]]  # per timestep: indices into the audio-token sequence ([] without audio)
     source_size: tuple[int, int] = (0, 0)  # (height, width) before resizing
     num_source_frames: int = 0
     average_fps: float = 0.0
@@ -266,6 +265,49 @@ class ReleaseInputs:
     @property
     def has_audio(self) -> bool:
         return self.mel is not None
+
+    @property
+    def layout_grid(self) -> AVGrid:
+        return av_grid(self.grid_thw, self.seconds_per_timestep, self.audio_total)
+
+    @property
+    def audio_counts(self) -> list[int]:
+        """a_t: audio tokens after segment t (sum = audio_total)."""
+        return audio_counts(self.layout_grid)
+
+    @property
+    def video_sets(self) -> list[list[int]]:
+        """Per timestep: indices into the video-token sequence (grounding / aggregation)."""
+        return index_sets(self.layout_grid)[0]
+
+    @property
+    def audio_sets(self) -> list[list[int]]:
+        """Per timestep: indices into the audio-token sequence ([] without audio)."""
+        return index_sets(self.layout_grid)[1]
+
+    def to_bytes(self) -> bytes:
+        """A compact serialisation (uint8 frames, float32 mel, the numbers) to ship between processes."""
+        numbers = {"length_s": self.length_s, "seconds_per_timestep": self.seconds_per_timestep,
+                   "grid_thw": list(self.grid_thw), "audio_samples": self.audio_samples, "audio_total": self.audio_total,
+                   "source_size": list(self.source_size), "num_source_frames": self.num_source_frames,
+                   "average_fps": self.average_fps, "meta": self.meta}
+        arrays = {"frames": self.frames.numpy(), "frame_indices": np.asarray(self.frame_indices, np.int64),
+                  "numbers": np.frombuffer(json.dumps(numbers).encode("utf-8"), dtype=np.uint8)}
+        if self.mel is not None:
+            arrays["mel"] = self.mel
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ReleaseInputs":
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            n = json.loads(z["numbers"].tobytes().decode("utf-8"))
+            return cls(frames=torch.from_numpy(z["frames"]), frame_indices=z["frame_indices"], length_s=n["length_s"],
+                       seconds_per_timestep=n["seconds_per_timestep"], grid_thw=tuple(n["grid_thw"]),
+                       mel=z["mel"] if "mel" in z.files else None, audio_samples=n["audio_samples"],
+                       audio_total=n["audio_total"], source_size=tuple(n["source_size"]),
+                       num_source_frames=n["num_source_frames"], average_fps=n["average_fps"], meta=n["meta"])
 
     def pixel_values(self) -> torch.Tensor:
         """float32 [T*gh*gw, 1176]: normalised, padded to an even frame count, patchified."""
@@ -304,12 +346,9 @@ def build_inputs(frames: np.ndarray | torch.Tensor, frame_indices: np.ndarray, n
     if waveform is not None:
         mel, samples = mel_chunks(waveform, extractor)
         total = audio_token_total(samples)
-    layout_grid = av_grid(grid, d, total)
-    video_sets, audio_sets = index_sets(layout_grid)
     return ReleaseInputs(frames=resized, frame_indices=np.asarray(frame_indices), length_s=length,
                          seconds_per_timestep=d, grid_thw=grid, mel=mel, audio_samples=samples, audio_total=total,
-                         audio_counts=audio_counts(layout_grid), video_sets=video_sets,
-                         audio_sets=audio_sets, source_size=(int(frames.shape[1]), int(frames.shape[2])),
+                         source_size=(int(frames.shape[1]), int(frames.shape[2])),
                          num_source_frames=int(num_source_frames), average_fps=float(average_fps))
 
 

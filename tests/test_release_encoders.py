@@ -13,6 +13,7 @@ import functools
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 
 from infer.engine import CaptionEngine
@@ -144,3 +145,21 @@ def test_a_serve_replica_runs_the_release_front_end_online(videos, model):
     assert body["video_id"] == "clip_one" and body["duration"] == pytest.approx(5.0)
     assert body["model"] == "tiny-release" and body["timings"]["features_s"] > 0
     assert body["segments_total"] == 20 and body["events"] == []  # the random tiny model plans no event (K = 0)
+
+
+@pytest.mark.parametrize("mode", ["online", "stored"])
+def test_caption_actor_rows_feed_the_release_engine(videos, model, mode):
+    from infer.batch import RELEASE_INPUTS, FeaturizeForCaption, engine_input
+
+    cfg = release_config(mode)
+    stage = FeaturizeForCaption(cfg.to_json(indent=None))
+    batch = {"video_id": np.array(["av", "gone"]), "uri": np.array([videos["av"], videos["av"] + ".missing"]),
+             "chunk": np.array(["c0", "c0"])}
+    out = stage(batch)
+    assert out["status"] == ["ok", "error"] and "missing" in out["error"][1]
+    row = {c: out[c][0] for c in out}
+    assert bool(row[RELEASE_INPUTS]) == (mode == "online")  # online: the front end's output, not features
+    video = engine_input(row, "av", release=True)
+    assert isinstance(video, ReleaseVideo) and video.grid_thw == (20, 4, 6)
+    result = CaptionEngine(model, cfg.infer).caption([video], controls=[DecodeControl(num_events=1, lengths=[2])])[0]
+    assert result.error is None and len(result.events) == 1 and result.duration == pytest.approx(5.0)

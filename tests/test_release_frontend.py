@@ -228,3 +228,17 @@ def test_a_text_file_is_refused_with_a_reason(tmp_path):
     with pytest.raises(MediaError, match="text file") as e:
         rf.read_release_inputs(str(bad), CFG)
     assert e.value.kind == "not_media"
+
+
+def test_inputs_survive_serialisation(tmp_path):
+    path = write_mp4(tmp_path / "b.mp4", solid_frames(18, 56, 84, [(200, 10, 10), (10, 10, 200)]), fps=6,
+                     audio=tone(300, 3.0))
+    inputs = rf.read_release_inputs(str(path), CFG)
+    back = rf.ReleaseInputs.from_bytes(inputs.to_bytes())
+    assert torch.equal(back.frames, inputs.frames) and np.array_equal(back.mel, inputs.mel)
+    assert torch.equal(back.pixel_values(), inputs.pixel_values())
+    for name in ("grid_thw", "seconds_per_timestep", "length_s", "audio_total", "audio_counts", "video_sets",
+                 "audio_sets", "meta", "source_size"):
+        assert getattr(back, name) == getattr(inputs, name), name
+    silent = rf.build_inputs(np.zeros((4, 56, 56, 3), np.uint8), np.arange(4), 4, 2.0, None, CFG)
+    assert rf.ReleaseInputs.from_bytes(silent.to_bytes()).mel is None
