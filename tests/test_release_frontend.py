@@ -242,3 +242,13 @@ def test_inputs_survive_serialisation(tmp_path):
         assert getattr(back, name) == getattr(inputs, name), name
     silent = rf.build_inputs(np.zeros((4, 56, 56, 3), np.uint8), np.arange(4), 4, 2.0, None, CFG)
     assert rf.ReleaseInputs.from_bytes(silent.to_bytes()).mel is None
+
+
+def test_stereo_is_downmixed_by_ffmpeg_not_averaged(tmp_path):
+    # swresample's stereo -> mono matrix is (L + R) / sqrt(2): +3 dB over the channel mean that
+    # preprocess/media.py takes (RELEASE.md §7.4); the release's torchcodec decoder goes through it too
+    frames = solid_frames(16, 56, 56, [(5, 5, 5)])
+    stereo = rf.read_audio(str(write_mp4(tmp_path / "s.mp4", frames, fps=8, audio=tone(440, 2.0), layout="stereo")))
+    mono = rf.read_audio(str(write_mp4(tmp_path / "m.mp4", frames, fps=8, audio=tone(440, 2.0), layout="mono")))
+    peak = lambda a: float(np.abs(a[4000:20000]).max())  # noqa: E731
+    assert peak(stereo) == pytest.approx(0.5 * 2 ** 0.5, rel=0.05) and peak(mono) == pytest.approx(0.5, rel=0.05)
