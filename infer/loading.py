@@ -1,4 +1,5 @@
-"""Load the model a serving replica (or a benchmark) decodes with: a saved PadCaptioner or the tiny smoke model.
+"""Load the model a serving replica (or a benchmark) decodes with: a saved PadCaptioner, a release
+checkpoint (the published PadCaptioner-3B's directory), or the tiny smoke model.
 
     engine_factory, card, cfg = load_engine(cfg, model_dir)
     engine = engine_factory(cfg.infer)          # infer.engine.CaptionEngine(model, infer_cfg)
@@ -75,11 +76,39 @@ def weights_fingerprint(model_dir: Path, length: int = 8) -> str:
     return h.hexdigest()[:length]
 
 
+def release_config(cfg: Config, path: Path) -> Config:
+    """cfg for a release checkpoint: its own encoders (the checkpoint's vision tower and Whisper +
+    Q-Former), run online by the engine on its device, so a replica holds one copy of them."""
+    f = cfg.features
+    if (f.visual_encoder, f.audio_encoder) != ("release", "release") or f.release_path not in ("", str(path)):
+        log.warning("a release checkpoint captions with its own encoders: features set to release / %s", path)
+    features = dataclasses.replace(f, visual_encoder="release", audio_encoder="release", release_path=str(path),
+                                   release_features="online")
+    return dataclasses.replace(cfg, features=features)
+
+
+def load_release(cfg: Config, path: Path, device: torch.device) -> tuple[Any, ModelCard, Config]:
+    """(ReleaseCaptioner in eval mode on its device, its card, cfg with the release encoders)."""
+    from pipeline.release.model import ReleaseCaptioner, settings_from
+
+    model = ReleaseCaptioner.from_release(path, settings_from(cfg)).to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    card = ModelCard(model_id=f"{path.name}-{weights_fingerprint(path)}", source=f"{path} (PadCaptioner release)",
+                     device=str(device), extra={"release": model.describe()})
+    return model, card, release_config(cfg, path)
+
+
 def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
-    """(PadCaptioner in eval mode on its device, its card, cfg with the matching features)."""
+    """(PadCaptioner or ReleaseCaptioner in eval mode on its device, its card, cfg with the matching
+    features). model_dir may be a saved PadCaptioner or a release checkpoint directory
+    (config.json + pytorch_model.bin / safetensors: pipeline/release)."""
     from pipeline.model import PadCaptioner
+    from pipeline.release.checkpoint import is_release_dir
 
     device = resolve_device(cfg.infer.device)
+    if model_dir and is_release_dir(Path(model_dir).expanduser()):
+        return load_release(cfg, Path(model_dir).expanduser().resolve(), device)
     if model_dir:
         path = Path(model_dir).expanduser().resolve()
         cfg = _trained_features(path, cfg)

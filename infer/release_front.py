@@ -33,7 +33,7 @@ from infer.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_ca
 from pipeline.aggregation import attention_row
 from pipeline.release.grounding import aggregate, find_and_merge
 from pipeline.release.layout import LayoutError, MRope, ReleaseLayout, build_layout, mrope_ids
-from pipeline.release.video import ReleaseVideo
+from pipeline.release.video import ReleaseVideo, as_release_video
 
 
 @dataclass
@@ -149,6 +149,10 @@ def release_front(model, video: ReleaseVideo, cache, max_events: int, control: D
                   timer: StageTimer | None = None) -> ReleaseFront:
     """Prefill + planning with step-by-step grounding + anchors for one video (module doc)."""
     timer = timer or StageTimer(model.device)
+    try:
+        video = as_release_video(video)
+    except ValueError as e:
+        raise DecodeError(str(e)) from e
     pre = release_prefill(model, video, cache)
     timer.lap("prefill_ms")
     s = model.settings

@@ -262,6 +262,25 @@ class EvalConfig:
 
 
 @dataclass
+class ReleaseConfig:
+    """The published PadCaptioner-3B (a release checkpoint as model.backbone, serve's model_dir or
+    offline captioning's --model): its test-time settings, which its config.json does not hold.
+
+    positions: "release" = the M-RoPE ids the release computes at test time (what produced the
+    published numbers; the parity default), "training" = the ids it was trained on (used for
+    fine-tuning). aggregation: "release" = softmax over attention probabilities (the release),
+    "renormalised" = probabilities renormalised inside the interval (this project's rule).
+    """
+
+    positions: Literal["release", "training"] = "release"
+    aggregation: Literal["release", "renormalised"] = "release"
+    grounding_threshold: float = 0.7  # 0.7 ChronusAV (the release's default), 0.5 LongVALE
+    grounding_merge_gap: int = 2
+    instruction: str = "Could you outline the incidents that happened during different time periods in the video?"
+    max_seq_len: int = 32768  # longer prompts are refused (the release's prefill applies a 32768 sliding window)
+
+
+@dataclass
 class Config:
     """The root config: one section per concern."""
 
@@ -274,6 +293,7 @@ class Config:
     serve: ServeConfig = field(default_factory=ServeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

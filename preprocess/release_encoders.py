@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pipeline.config import Config, FeaturesConfig, section_hash
-from pipeline.schema import COUNT_DTYPE, FEATURE_DTYPE, Sample, SchemaError, validate
+from pipeline.schema import COUNT_DTYPE, FEATURE_DTYPE, Sample, validate
 from preprocess.encoders import AudioEncoder, VisualEncoder, register_audio, register_visual
 from preprocess.media import DecodedVideo
 from preprocess.release_frontend import FrontendConfig, ReleaseInputs, read_release_inputs, whisper_extractor
@@ -199,13 +199,6 @@ def inputs_video(inputs: ReleaseInputs, video_id: str):
 
 def release_video(sample: Sample):
     """A stored schema-2 Sample (release encoders) -> the ReleaseVideo with its tokens, for the engine."""
-    from pipeline.release.video import ReleaseVideo
+    from pipeline.release.video import as_release_video
 
-    if sample.audio_counts is None or sample.grid_thw is None or sample.seconds_per_timestep is None:
-        raise SchemaError(f"{sample.video_id}: not a release-encoder sample (no audio_counts / grid_thw / "
-                          "seconds_per_timestep): features from other encoders cannot feed the release model")
-    t, v, d = sample.visual.shape
-    return ReleaseVideo(video_id=sample.video_id, duration=float(sample.duration),
-                        seconds_per_step=float(sample.seconds_per_timestep), grid_thw=tuple(sample.grid_thw),
-                        video_embeds=torch.from_numpy(sample.visual.reshape(t * v, d)).float(),
-                        audio_embeds=torch.from_numpy(np.ascontiguousarray(sample.audio)).float())
+    return as_release_video(sample)

@@ -24,9 +24,8 @@ Pure torch + HF; no ray.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -81,6 +80,14 @@ class ReleaseSettings:
             raise ReleaseError(f"grounding_threshold must be in (0, 1], got {self.grounding_threshold}")
         if self.dtype not in DTYPES:
             raise ReleaseError(f"release dtype {self.dtype!r} not in {sorted(DTYPES)}")
+
+
+def settings_from(cfg, *, positions: str | None = None) -> ReleaseSettings:
+    """ReleaseSettings from a project Config (its `release` section, `model.dtype`)."""
+    r = cfg.release
+    return ReleaseSettings(grounding_threshold=r.grounding_threshold, grounding_merge_gap=r.grounding_merge_gap,
+                           positions=positions or r.positions, aggregation=r.aggregation, instruction=r.instruction,
+                           max_seq_len=r.max_seq_len, dtype=cfg.model.dtype)
 
 
 def head(dim: int, out: int) -> nn.Sequential:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pipeline.release.layout import AVGrid
@@ -40,3 +41,21 @@ class ReleaseVideo:
         t, h, w = (int(x) for x in self.grid_thw)
         return AVGrid(timesteps=t, rows=h // self.merge, cols=w // self.merge,
                       seconds_per_step=float(self.seconds_per_step), audio_tokens=int(audio_tokens))
+
+
+def as_release_video(item) -> ReleaseVideo:
+    """A ReleaseVideo as it is, or a stored schema-2 Sample of the release encoders -> its ReleaseVideo
+    (tokens in place of encoder inputs). Anything else is refused with the reason."""
+    if isinstance(item, ReleaseVideo):
+        return item
+    from pipeline.schema import SchemaError
+
+    if getattr(item, "audio_counts", None) is None or getattr(item, "grid_thw", None) is None \
+            or getattr(item, "seconds_per_timestep", None) is None:
+        raise SchemaError(f"{getattr(item, 'video_id', '?')}: not a release-encoder sample (no audio_counts / grid_thw / "
+                          "seconds_per_timestep): features from other encoders cannot feed the release model")
+    t, v, d = item.visual.shape
+    return ReleaseVideo(video_id=item.video_id, duration=float(item.duration),
+                        seconds_per_step=float(item.seconds_per_timestep), grid_thw=tuple(item.grid_thw),
+                        video_embeds=torch.from_numpy(np.ascontiguousarray(item.visual).reshape(t * v, d)).float(),
+                        audio_embeds=torch.from_numpy(np.ascontiguousarray(item.audio)).float())

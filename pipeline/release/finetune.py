@@ -1,0 +1,298 @@
+"""Fine-tuning the published release model: LoRA on its LLM's q/k/v, heads and the <G>/<S> rows.
+
+    tuner = ReleaseFinetune(ReleaseCaptioner.from_release(dir, settings), lora_r=128, lora_alpha=256)
+    ex = tuner.make_example(TrainVideo(video, events))
+    out = tuner.forward_train(collate_release([ex]))   # the dict train/losses.py reads
+    tuner.save_pretrained(out_dir)                     # a release-format directory again
+
+What trains, as the release trains (RELEASE.md 1.1): LoRA (r 128, alpha 256 upstream) on
+`q_proj/k_proj/v_proj` of the LLM only (not Whisper's, not the vision tower's `qkv`),
+the grounding heads (`frm_head`, `evi_head`) and the rows of <G> and <S> (a separate
+[2, d] parameter substituted into the embedding table and the tied head, so the
+vocab-size matrix gets no gradient and no optimizer state). Everything else is frozen.
+
+The training sequence of one video is the decoding layout (infer/release_front.py) with
+the ground truth in place, M-RoPE ids in the settings' mode (`training` is what the
+release trained with):
+  prompt (L tokens, causal + AV bidirectional) | serial <G>_1..<G>_K | anchors_1..K |
+  branch 1 captions | ... | branch K captions
+  serial <G>_k input = E[<G>] + agg(gt interval k), at L + k - 1 + delta;
+  anchor j = E[<G>] + agg(gt interval j) at A = L + K + delta; branch j token r at A + r;
+  branch rows see the prompt, every serial <G> and their own branch only.
+Labels: the last prompt row and each serial <G> row predict the next planning token
+(<G>, ..., <S>); each branch row predicts its next caption token, the last one
+<|im_end|>. Grounding: the event vector of the row that predicts <G>_k against the
+segment keys, BCE with the soft targets of pipeline/grounding.py. Intervals are mapped
+to timesteps [floor(s / d), ceil(e / d) - 1]. Two forwards per video: the prompt (its
+states feed aggregation), then the rest through its cache. Pure torch + HF + peft.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from infer.step_weights import effective_linear
+from pipeline.aggregation import attention_row
+from pipeline.grounding import soft_targets
+from pipeline.release.grounding import aggregate
+from pipeline.release.layout import MRope, build_layout, mrope_ids
+from pipeline.release.model import ReleaseCaptioner
+from pipeline.release.video import ReleaseVideo
+from pipeline.schema import Event
+
+IGNORE = -100
+LLM_QKV = r".*language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)"
+RUN_CONFIG = "run_config.json"
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.json", "preprocessor_config.json", "chat_template.json")
+
+
+@dataclass
+class TrainVideo:
+    """A video with its ground-truth events (seconds; chronological order is used)."""
+
+    video: ReleaseVideo
+    events: list[Event]
+
+
+@dataclass
+class ReleaseExample:
+    video: ReleaseVideo
+    steps: list[tuple[int, int]]  # gt timestep interval per event
+    intervals: torch.Tensor  # [K, 2] seconds
+    captions: list[list[int]]  # caption ids per event, <|im_end|> appended
+    num_tokens: int
+
+
+@dataclass
+class ReleaseBatch:
+    examples: list[ReleaseExample]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.examples)
+
+
+def collate_release(examples: list[ReleaseExample]) -> ReleaseBatch:
+    return ReleaseBatch(list(examples))
+
+
+@dataclass
+class LossSettings:
+    """What train/losses.py reads of a model config."""
+
+    grounding_loss_weight: float = 5.0
+
+
+def timestep_interval(start: float, end: float, d: float, timesteps: int) -> tuple[int, int]:
+    a = min(max(int(math.floor(start / d)), 0), timesteps - 1)
+    b = min(max(int(math.ceil(end / d)) - 1, a), timesteps - 1)
+    return a, b
+
+
+class ReleaseFinetune(nn.Module):
+    """See the module docstring."""
+
+    def __init__(self, model: ReleaseCaptioner, lora_r: int = 128, lora_alpha: int = 256, lora_dropout: float = 0.0,
+                 max_caption_tokens: int = 256, grounding_loss_weight: float = 5.0):
+        super().__init__()
+        self.model = model
+        self.cfg = LossSettings(grounding_loss_weight)
+        self.max_caption_tokens = max_caption_tokens
+        for p in model.parameters():
+            p.requires_grad_(False)
+        inject_adapter_in_model(LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                                           target_modules=LLM_QKV, bias="none"), model.hf)
+        for n, p in model.hf.named_parameters():
+            p.requires_grad_("lora_" in n)
+        for mod in (model.frm_head, model.evi_head):
+            mod.requires_grad_(True)
+        self.row_ids = torch.tensor([model.g_id, model.s_id])
+        table = model.decoder.embed_tokens.weight
+        self.rows = nn.Parameter(table.detach()[self.row_ids].clone())
+
+    # ------------------------------------------------------------------ what the loop uses
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.named_parameters() if p.requires_grad}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        emb = self.model.embed_tokens(ids)
+        for k in range(2):
+            emb = torch.where((ids.to(emb.device) == self.row_ids[k])[..., None], self.rows[k].to(emb.dtype), emb)
+        return emb
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        base = self.model.lm_logits(hidden)
+        return base.index_copy(-1, self.row_ids.to(hidden.device), hidden @ self.rows.to(hidden.dtype).T)
+
+    def make_example(self, sample: TrainVideo, generator=None) -> ReleaseExample:
+        v, m = sample.video, self.model
+        t = v.num_segments
+        events = sorted(sample.events, key=lambda e: (e.start, e.end))
+        steps = [timestep_interval(e.start, e.end, v.seconds_per_step, t) for e in events]
+        caps = []
+        for e in events:
+            ids = m.tokenizer(e.caption, add_special_tokens=False)["input_ids"][: self.max_caption_tokens]
+            caps.append(ids + [m.eos_id])
+        iv = torch.tensor([[e.start, e.end] for e in events], dtype=torch.float32).reshape(-1, 2)
+        return ReleaseExample(v, steps, iv, caps, num_tokens=len(events) * 2 + sum(map(len, caps)))
+
+    # ------------------------------------------------------------------ forward
+
+    def _prompt(self, ex: ReleaseExample):
+        from infer.release_front import media_tokens, prefill_mask
+
+        m = self.model
+        with torch.no_grad():
+            vis, aud = media_tokens(m, ex.video)
+        lay = build_layout(m.tokenizer, m.ids, ex.video.grid(aud.shape[0]), ex.video.instruction or m.settings.instruction)
+        pos, delta = mrope_ids(lay, m.settings.positions)
+        dev = m.device
+        emb = self.embed(lay.input_ids.to(dev))
+        emb = emb.index_copy(0, lay.video_slots.to(dev), vis)
+        if aud.shape[0]:
+            emb = emb.index_copy(0, lay.audio_slots.to(dev), aud)
+        return lay, pos, delta, emb, prefill_mask(lay, m.dtype).to(dev)
+
+    def forward_one(self, ex: ReleaseExample) -> dict:
+        m = self.model
+        dev, dtype = m.device, m.dtype
+        lay, pos, delta, emb, mask = self._prompt(ex)
+        cache = DynamicCache(config=m.hf_config)
+        out = m.decoder(inputs_embeds=emb[None], attention_mask=mask, position_ids=pos[:, None].to(dev), cache=cache,
+                        use_cache=True, output_hidden_states=True)
+        hs = out.hidden_states
+        h_ground, h_agg = hs[-2][0], hs[m.aggregation_layer][0]
+        L, k = lay.length, len(ex.steps)
+        q = lay.query_index
+        keys = torch.zeros(L, dtype=torch.bool, device=dev)
+        keys[: q + 1] = True
+        row = attention_row(m.decoder, m.aggregation_layer, MRope(), h_agg.detach(), pos.T.to(dev), q, keys,
+                            probs_dtype=dtype)
+        g = self.embed(torch.tensor([m.g_id], device=dev))[0]
+        feats = [aggregate(row, h_agg, lay, st, m.settings.aggregation, m.audio_mean_weight) for st in ex.steps]
+        plan_labels = [m.g_id] * k + [m.s_id]
+        text_hidden = [out.last_hidden_state[0, -1]]
+        event_rows = [h_ground[-1]]
+        result = {"grounding_logits": [], "grounding_targets": [], "aggregation_weights": []}
+        if k == 0:
+            result.update(text_logits=self.logits(torch.stack(text_hidden)), text_labels=torch.tensor(plan_labels, device=dev),
+                          branch_logits=emb.new_zeros(0, m.hf.lm_head.weight.shape[0]),
+                          branch_labels=torch.zeros(0, dtype=torch.long, device=dev),
+                          branch_pad=torch.zeros(0, dtype=torch.bool, device=dev))
+            return result
+        # stage 2: serial <G>s, anchors, branches in one forward through the prompt's cache
+        serial = torch.stack([g + f for f in feats])  # [K, d]
+        anchors = serial
+        branch_inputs, branch_labels, owner, step = [], [], [], []
+        for j, cap in enumerate(ex.captions):
+            branch_inputs.append(cap[:-1])
+            branch_labels += cap
+            owner += [j] * len(cap)
+            step += list(range(len(cap)))
+        flat = torch.tensor([t for b in branch_inputs for t in b], dtype=torch.long, device=dev)
+        tok_emb = self.embed(flat) if flat.numel() else emb.new_zeros(0, emb.shape[1])
+        # branch j's rows: its anchor then its caption tokens but the last
+        rows, r_owner, r_step = [], [], []
+        offset = 0
+        for j, b in enumerate(branch_inputs):
+            rows.append(anchors[j:j + 1])
+            rows.append(tok_emb[offset:offset + len(b)])
+            offset += len(b)
+            r_owner += [j] * (len(b) + 1)
+            r_step += list(range(len(b) + 1))
+        x2 = torch.cat([serial] + rows)[None]
+        n2 = x2.shape[1]
+        a_pos = L + k + delta
+        p2 = torch.tensor([L + i + delta for i in range(k)] + [a_pos + s for s in r_step], device=dev)
+        allowed = torch.zeros(n2, L + n2, dtype=torch.bool, device=dev)
+        allowed[:, :L] = True
+        allowed[:k, L:L + k] = torch.ones(k, k, dtype=torch.bool, device=dev).tril()
+        allowed[k:, L:L + k] = True
+        own = torch.tensor(r_owner, device=dev)
+        st = torch.tensor(r_step, device=dev)
+        same = (own[:, None] == own[None, :]) & (st[None, :] <= st[:, None])
+        allowed[k:, L + k:] = same
+        mask2 = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+        out2 = m.decoder(inputs_embeds=x2, attention_mask=mask2, position_ids=p2.expand(3, 1, -1), cache=cache,
+                         use_cache=True, output_hidden_states=True)
+        h2 = out2.last_hidden_state[0]
+        text_hidden += list(h2[:k])
+        event_rows += list(out2.hidden_states[-2][0, : k - 1])
+        segs = m.segment_vectors(h_ground, lay)
+        evi = m.evi_head(torch.stack(event_rows))
+        times = torch.tensor([[t * ex.video.seconds_per_step, (t + 1) * ex.video.seconds_per_step]
+                              for t in range(lay.grid.timesteps)])
+        result["grounding_logits"].append((evi @ segs.T).float() / math.sqrt(evi.shape[-1]))
+        result["grounding_targets"].append(soft_targets(ex.intervals, times).to(dev))
+        labels = torch.tensor(branch_labels, device=dev)
+        result.update(text_logits=self.logits(torch.stack(text_hidden)), text_labels=torch.tensor(plan_labels, device=dev),
+                      branch_logits=self.logits(h2[k:]), branch_labels=labels,
+                      branch_pad=torch.zeros_like(labels, dtype=torch.bool))
+        return result
+
+    def forward_train(self, batch: ReleaseBatch) -> dict:
+        """One forward per video; outputs concatenated (the dict compute_losses reads)."""
+        outs = [self.forward_one(ex) for ex in batch.examples]
+        cat = {k: torch.cat([o[k] for o in outs]) for k in ("text_logits", "text_labels", "branch_logits",
+                                                            "branch_labels", "branch_pad")}
+        for k in ("grounding_logits", "grounding_targets", "aggregation_weights"):
+            cat[k] = [x for o in outs for x in o[k]]
+        return cat
+
+    # ------------------------------------------------------------------ saving
+
+    @torch.no_grad()
+    def merged_release_state(self) -> dict[str, torch.Tensor]:
+        """The release's key names with LoRA merged and the trained rows folded in (what it saves)."""
+        m = self.model
+        state = {}
+        for k, v in m.state_dict().items():
+            if "lora_" in k:
+                continue
+            state[k.replace(".base_layer.", ".")] = v
+        for name, mod in m.named_modules():
+            if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
+                w, b = effective_linear(mod)
+                state[f"{name}.weight"] = w.detach()
+                if b is not None:
+                    state[f"{name}.bias"] = b.detach()
+        table = state["hf.model.language_model.embed_tokens.weight"].clone()
+        table[self.row_ids] = self.rows.detach().to(table.dtype)
+        state["hf.model.language_model.embed_tokens.weight"] = table
+        state.pop("hf.lm_head.weight", None)
+        rules = [(dst, src) for src, dst in m.release_rules()]
+        return {next(s + k[len(d):] for d, s in rules if k.startswith(d)): v.contiguous().cpu() for k, v in state.items()}
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """A release-format directory (config.json, pytorch_model.bin, tokenizer files): loadable by
+        `ReleaseCaptioner.from_release`, the engine, Serve and `infer.parity`."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        m = self.model
+        m.hf_cfg.save_pretrained(path)
+        torch.save(self.merged_release_state(), path / "pytorch_model.bin")
+        source = Path(getattr(m, "source", ""))
+        copied = False
+        for name in TOKENIZER_FILES:
+            if source.is_dir() and (source / name).is_file():
+                shutil.copy2(source / name, path / name)
+                copied = True
+        if not copied:
+            m.tokenizer.save_pretrained(str(path))
+        (path / "padcaptioner_release.json").write_text(json.dumps({"settings": m.describe()}, indent=2))
+        return path

@@ -1,0 +1,90 @@
+"""Fine-tuning the release-format model: what trains, the training layout, release-format saves."""
+
+from __future__ import annotations
+
+import io
+import shutil
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from infer import parity
+from infer.engine import CaptionEngine
+from infer.release_front import release_prefill
+from pipeline.config import InferConfig
+from pipeline.release.checkpoint import read_state_dict
+from pipeline.release.finetune import ReleaseFinetune, TrainVideo, collate_release, timestep_interval
+from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
+from pipeline.schema import Event
+from tests.support.release import CHECKPOINT, FIXTURE, load, random_video
+from train.losses import compute_losses
+
+EVENTS = [Event(0.5, 3.0, "a dog barks"), Event(4.0, 8.0, "a car passes by")]
+
+
+def tuner(**over) -> ReleaseFinetune:
+    torch.manual_seed(0)
+    return ReleaseFinetune(load(ReleaseSettings(positions="training")), lora_r=4, lora_alpha=8, **over)
+
+
+def test_only_lora_on_the_llm_qkv_heads_and_the_new_rows_train():
+    t = tuner()
+    names = list(t.trainable_parameters())
+    assert "rows" in names
+    lora = [n for n in names if "lora_" in n]
+    assert lora and all("language_model.layers" in n and any(p in n for p in ("q_proj", "k_proj", "v_proj"))
+                        for n in lora)
+    assert not any("audio" in n or "visual" in n or "embed_tokens" in n for n in names)
+    assert {n.split(".")[1] for n in names if n.startswith("model.") and "lora_" not in n} == {"frm_head", "evi_head"}
+
+
+def test_an_untrained_save_is_the_release_checkpoint_again(tmp_path):
+    case = tmp_path / "case"
+    shutil.copytree(FIXTURE, case, ignore=shutil.ignore_patterns("checkpoint"))
+    tuner_ = ReleaseFinetune(load(), lora_r=4, lora_alpha=8)
+    tuner_.save_pretrained(case / "checkpoint")
+    saved, original = read_state_dict(case / "checkpoint"), read_state_dict(CHECKPOINT)
+    for k, v in saved.items():
+        assert torch.equal(v, original[k]), k
+    assert set(original) - set(saved) == {k for k in original if k.startswith("score_head.") or k.endswith("position_ids")}
+    out = io.StringIO()
+    assert all(c.passed for c in parity.run(case, out=out).items), out.getvalue()
+
+
+def test_the_prompt_rows_of_the_training_forward_equal_decoding():
+    t = tuner()
+    video = random_video(3, timesteps=4)
+    out = t.forward_train(collate_release([t.make_example(TrainVideo(video, EVENTS))]))
+    pre = release_prefill(t.model, video, DynamicCache(config=t.model.hf_config))
+    want = t.model.lm_logits(pre.last_hidden[None])[0]
+    assert torch.allclose(out["text_logits"][0], want, atol=1e-5)
+    assert out["text_labels"].tolist() == [t.model.g_id, t.model.g_id, t.model.s_id]
+    assert out["branch_labels"].tolist()[-1] == t.model.eos_id
+    assert out["grounding_logits"][0].shape == (2, 4)
+
+
+def test_a_few_steps_lower_the_loss_and_the_result_captions(tmp_path):
+    t = tuner()
+    data = [TrainVideo(random_video(i, timesteps=4), EVENTS) for i in range(2)]
+    opt = torch.optim.AdamW(t.trainable_parameters().values(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = compute_losses(t.forward_train(collate_release([t.make_example(v) for v in data])), t.cfg)
+        opt.zero_grad()
+        loss.total.backward()
+        opt.step()
+        losses.append(loss.components["total"])
+    assert sum(losses[-3:]) / 3 < losses[0] * 0.5
+    saved = ReleaseCaptioner.from_release(t.save_pretrained(tmp_path / "tuned"), ReleaseSettings(positions="training"))
+    base = read_state_dict(CHECKPOINT)
+    new = saved.release_state_dict()
+    assert not torch.equal(new["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(new["model.layers.0.mlp.up_proj.weight"], base["model.layers.0.mlp.up_proj.weight"])
+    res = CaptionEngine(saved, InferConfig(max_events=4, max_branch_tokens=8, device="cpu")).caption([data[0].video])
+    assert res[0].error is None
+
+
+def test_timestep_interval_of_seconds():
+    assert timestep_interval(0.5, 3.0, 2.0, 4) == (0, 1)
+    assert timestep_interval(4.0, 8.0, 2.0, 4) == (2, 3)
+    assert timestep_interval(7.9, 30.0, 2.0, 4) == (3, 3)
