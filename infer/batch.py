@@ -168,20 +168,16 @@ class FeaturizeForCaption:
         return out
 
 
-def engine_input(fields: dict[str, Any], video_id: str, release: bool):
-    """One featurized row -> what the engine captions: a Sample, or for the release model a ReleaseVideo
-    (its front end's output, encoded by the engine's own model, or the tokens of a stored schema-2 sample)."""
+def engine_input(fields: dict[str, Any], video_id: str):
+    """One featurized row -> what the engine captions: a decoded Sample (a stored schema-2 sample of the
+    release encoders too: the engine takes its tokens), or a ReleaseVideo of the release's front-end output
+    (online release encoders), which the engine encodes with its own model."""
     if fields.get(RELEASE_INPUTS):
         from preprocess.release_encoders import inputs_video
         from preprocess.release_frontend import ReleaseInputs
 
         return inputs_video(ReleaseInputs.from_bytes(fields[RELEASE_INPUTS]), video_id)
-    sample = decode({c: fields[c] for c in SAMPLE_COLUMNS})
-    if release:
-        from preprocess.release_encoders import release_video
-
-        return release_video(sample)
-    return sample
+    return decode({c: fields[c] for c in SAMPLE_COLUMNS})
 
 
 class CaptionVideos:
@@ -212,7 +208,7 @@ class CaptionVideos:
                 continue
             try:
                 todo.append((i, engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch},
-                                             row["video_id"], self.engine.release)))
+                                             row["video_id"])))
             except Exception as e:
                 row.update(status="error", error=f"{type(e).__name__}: {e}")
         if todo:

@@ -21,7 +21,7 @@ from infer.release_front import media_tokens
 from infer.sampling import DecodeControl
 from infer.service import CaptionService, ModelCard
 from pipeline.config import Config
-from pipeline.release.video import ReleaseVideo
+from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import SchemaError, decode, encode
 from preprocess.encoders import encoder_versions, get_audio_encoder, get_visual_encoder
 from preprocess.featurize import Featurizer
@@ -159,7 +159,34 @@ def test_caption_actor_rows_feed_the_release_engine(videos, model, mode):
     assert out["status"] == ["ok", "error"] and "missing" in out["error"][1]
     row = {c: out[c][0] for c in out}
     assert bool(row[RELEASE_INPUTS]) == (mode == "online")  # online: the front end's output, not features
-    video = engine_input(row, "av", release=True)
+    video = as_release_video(engine_input(row, "av"))  # a stored sample is converted by the engine itself
     assert isinstance(video, ReleaseVideo) and video.grid_thw == (20, 4, 6)
     result = CaptionEngine(model, cfg.infer).caption([video], controls=[DecodeControl(num_events=1, lengths=[2])])[0]
     assert result.error is None and len(result.events) == 1 and result.duration == pytest.approx(5.0)
+
+
+@pytest.mark.integration
+def test_offline_captioning_with_the_release_checkpoint_runs_its_encoders_online(ray_local, videos, tmp_path):
+    from infer.batch import read_results, run_caption
+    from infer.loading import load_model
+    from preprocess.featurize import Featurizer as DirectFeaturizer
+
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    for name in ("av", "silent"):
+        (archive / f"{name}.mp4").write_bytes(Path(videos[name]).read_bytes())
+    (archive / "notes.mp4").write_text("not a video\n" * 20)
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, infer=dataclasses.replace(cfg.infer, device="cpu", max_events=3),
+                              cluster=dataclasses.replace(cfg.cluster, preprocess_actors=1, caption_actors=1))
+    summary = run_caption(cfg, str(archive), str(CHECKPOINT), str(tmp_path / "out"))
+    rows = {r["video_id"]: r for r in read_results(str(tmp_path / "out"))}
+    assert summary["captioned"] == 2 and rows["notes"]["status"] == "error" and "text file" in rows["notes"]["error"]
+    assert rows["av"]["duration"] == pytest.approx(5.0) and rows["av"]["segments_total"] == 20
+    assert rows["silent"]["segments_total"] == 12
+    # the same as the engine called directly on the front end's output
+    model, _, resolved = load_model(cfg, str(CHECKPOINT))
+    assert resolved.features.release_features == "online"
+    direct = CaptionEngine(model, resolved.infer).caption([DirectFeaturizer(resolved)(videos["av"], Ann("av"))])[0]
+    assert [(round(e.start, 4), round(e.end, 4), e.caption) for e in direct.events] == \
+        [(round(e["start"], 4), round(e["end"], 4), e["caption"]) for e in rows["av"]["events"]]
