@@ -190,3 +190,22 @@ def test_offline_captioning_with_the_release_checkpoint_runs_its_encoders_online
     direct = CaptionEngine(model, resolved.infer).caption([DirectFeaturizer(resolved)(videos["av"], Ann("av"))])[0]
     assert [(round(e.start, 4), round(e.end, 4), e.caption) for e in direct.events] == \
         [(round(e["start"], 4), round(e["end"], 4), e["caption"]) for e in rows["av"]["events"]]
+
+
+def test_stored_release_features_read_back_from_shards_by_the_training_reader(videos, tmp_path):
+    import webdataset as wds
+
+    from pipeline.schema import Event
+    from train.data import read_samples
+
+    featurizer = Featurizer(release_config("stored"))
+    samples = [featurizer(videos["av"], Ann("av", [Event(0.5, 2.0, "red then green")])),
+               featurizer(videos["silent"], Ann("silent"))]
+    with wds.TarWriter(str(tmp_path / "shard-000000.tar")) as sink:
+        for s in samples:
+            sink.write(encode(s))
+    got = read_samples([str(tmp_path / "shard-000000.tar")])
+    assert [s.video_id for s in got] == ["av", "silent"]
+    assert got[0].events == [Event(0.5, 2.0, "red then green")] and got[0].ragged_audio
+    assert np.array_equal(got[0].audio, samples[0].audio) and got[1].audio.shape == (0, 16)
+    assert list(got[0].audio_counts) == list(samples[0].audio_counts) and got[1].grid_thw == (12, 4, 6)
