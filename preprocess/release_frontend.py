@@ -29,8 +29,9 @@ differs by 1 grey level on ~10% of pixels.
 
 Decoding. The release's primary reader is torchcodec 0.4 (`VideoDecoder` / `AudioDecoder`), which is
 not available to this project; frames come from decord (the reader preprocess/media.py uses), indexed
-by the same rule, and L from decord's frame count and average fps, which for ordinary constant-frame-rate
-files equal torchcodec's header metadata (files with a wrong header count may differ). Audio comes from
+by the same rule, with num_frames and average_fps computed as torchcodec 0.4 computes them after its
+scan (`scan_metadata`: packet count, and count / content duration, so L is the stream's content
+duration). decord's YUV->RGB conversion may differ slightly from torchcodec's. Audio comes from
 PyAV with FFmpeg's swresample doing the resample to 16 kHz and the downmix to mono (as torchcodec does
 with FFmpeg; preprocess/media.py instead averages channels), the whole stream from its own start, not
 aligned or trimmed to the video timeline (D:483-522).
@@ -355,8 +356,42 @@ def build_inputs(frames: np.ndarray | torch.Tensor, frame_indices: np.ndarray, n
 # --------------------------------------------------------------------------- reading files
 
 
-def read_frames(path: str, uri: str, cfg: FrontendConfig, threads: int = 0) -> tuple[np.ndarray, np.ndarray, int, float]:
-    """decord at source resolution: -> (uint8 [n, H, W, 3] RGB, indices, num_frames, average_fps)."""
+def scan_metadata(path: str) -> tuple[int, float] | None:
+    """(num_frames, average_fps) as torchcodec 0.4 reports them after its scan (seek_mode "exact", the default).
+
+    torchcodec counts the video stream's packets (discarded ones skipped) and takes
+    average_fps = num_frames / (max(pts + duration) - min(pts)), pts falling back to dts; the
+    release's L = num_frames / average_fps is then the stream's content duration. Demuxing only, no
+    decoding. None when the stream has no timed packets (the caller falls back to decord's numbers).
+    """
+    import av
+
+    from preprocess.media import METADATA_ERRORS
+
+    count, lo, hi = 0, None, None
+    with av.open(path, metadata_errors=METADATA_ERRORS) as container:
+        stream = container.streams.video[0]
+        for packet in container.demux(stream):
+            stamp = packet.pts if packet.pts is not None else packet.dts
+            if stamp is None or packet.is_discard:  # the demuxer's final empty packet has neither
+                continue
+            count += 1
+            lo = stamp if lo is None else min(lo, stamp)
+            hi = stamp + packet.duration if hi is None else max(hi, stamp + packet.duration)
+        base = float(stream.time_base) if stream.time_base else 0.0
+    if count == 0 or lo is None or hi is None or hi <= lo or base <= 0:
+        return None
+    return count, count / ((hi - lo) * base)
+
+
+def read_frames(path: str, uri: str, cfg: FrontendConfig,
+                threads: int = 0) -> tuple[np.ndarray, np.ndarray, int, float, int]:
+    """decord at source resolution: -> (uint8 [n, H, W, 3] RGB, indices, num_frames, average_fps, decord's count).
+
+    num_frames / average_fps are torchcodec's (`scan_metadata`), decord's frame count and header fps
+    when the scan finds no timed packets. Indices past decord's own count (a file whose packets and
+    decodable frames disagree) are clipped to its last frame; the caller records both counts.
+    """
     import decord
 
     from preprocess.media import MediaError, _first_line
@@ -366,15 +401,17 @@ def read_frames(path: str, uri: str, cfg: FrontendConfig, threads: int = 0) -> t
         count, fps = len(vr), float(vr.get_avg_fps())
     except Exception as e:  # decord raises DECORDError / RuntimeError / AssertionError
         raise MediaError(f"video stream cannot be opened by decord ({_first_line(e)}): {uri}", "undecodable") from e
+    scanned = scan_metadata(path)
+    num_frames, average_fps = scanned if scanned is not None else (count, fps)
     try:
-        idx, _ = sample_indices(count, fps, cfg)
+        idx, _ = sample_indices(num_frames, average_fps, cfg)
     except FrontendError as e:
         raise MediaError(f"{e}: {uri}", "undecodable") from e
     try:
-        frames = vr.get_batch(idx.tolist()).asnumpy()
+        frames = vr.get_batch(np.minimum(idx, count - 1).tolist()).asnumpy()
     except Exception as e:
         raise MediaError(f"video frames cannot be decoded ({_first_line(e)}): {uri}", "undecodable") from e
-    return frames, idx, count, fps
+    return frames, idx, num_frames, average_fps, count
 
 
 def read_audio(path: str) -> np.ndarray | None:
@@ -415,11 +452,14 @@ def read_release_inputs(uri: str, cfg: FrontendConfig, storage_options: dict[str
         if not probe.has_video:
             what = "an audio-only file" if probe.has_audio else "a container without streams"
             raise MediaError(f"no video stream ({what}): {uri}", "no_video")
-        frames, idx, count, fps = read_frames(path, uri, cfg, threads)
+        frames, idx, count, fps, decodable = read_frames(path, uri, cfg, threads)
         waveform = read_audio(path) if probe.has_audio else None
+
     try:
         inputs = build_inputs(frames, idx, count, fps, waveform, cfg, extractor)
     except FrontendError as e:
         raise MediaError(f"{e}: {uri}", "undecodable") from e
     inputs.meta["uri"] = uri
+    if decodable != count:  # torchcodec's packet count and decord's frame count disagree: indices were clipped
+        inputs.meta["decord_frames"] = decodable
     return inputs
