@@ -417,6 +417,8 @@ def read_frames(path: str, uri: str, cfg: FrontendConfig,
 def read_audio(path: str) -> np.ndarray | None:
     """PyAV: the first audio stream, whole, resampled by FFmpeg to 16 kHz mono float32; None if absent or undecodable.
 
+    As torchcodec 0.4's `get_all_samples` (= samples played in [0, end)): samples the stream times
+    before 0 (encoder priming under an edit list) are dropped; nothing else is aligned or trimmed.
     None on a decoding error too, as the release's process_audio returns None on any error (the video is
     then captioned without audio tokens).
     """
@@ -425,12 +427,15 @@ def read_audio(path: str) -> np.ndarray | None:
     from preprocess.media import METADATA_ERRORS
 
     pieces: list[np.ndarray] = []
+    first: float | None = None
     try:
         with av.open(path, metadata_errors=METADATA_ERRORS) as container:
             if not container.streams.audio:
                 return None
             resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
             for frame in container.decode(container.streams.audio[0]):
+                if first is None:
+                    first = float(frame.time) if frame.time is not None else 0.0
                 pieces.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(frame))
             pieces.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(None))
     except (av.error.FFmpegError, ValueError):
@@ -438,7 +443,9 @@ def read_audio(path: str) -> np.ndarray | None:
     if not pieces:
         return None
     audio = np.concatenate(pieces).astype(np.float32)
-    return audio if np.isfinite(audio).all() else None
+    if first is not None and first < 0:
+        audio = audio[round(-first * SAMPLE_RATE):]
+    return audio if audio.size and np.isfinite(audio).all() else None
 
 
 def read_release_inputs(uri: str, cfg: FrontendConfig, storage_options: dict[str, Any] | None = None,
