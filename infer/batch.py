@@ -7,7 +7,9 @@
 Ray Data lists the videos, decodes and encodes them in a CPU actor pool
 (`preprocess.featurize.Featurizer`), captions them in an engine actor pool
 (`infer.engine.CaptionEngine`, several videos per call, GPUs per actor from
-`cluster.caption_gpus_per_actor`), and writes one row per video (id, uri,
+`cluster.caption_gpus_per_actor`; with the release encoders in online mode the CPU
+actors run only the release's front end and the engine actor encodes with its own
+model, see `engine_input`), and writes one row per video (id, uri,
 duration, events, timings, model id, config hash) as JSONL and Parquet, plus an
 error row with its reason for every video that failed.
 
@@ -60,6 +62,7 @@ RESULT_COLUMNS: dict[str, pa.DataType] = {
     "segments_total": pa.int64(),
 }
 SAMPLE_COLUMNS = [KEY, *FIELDS]
+RELEASE_INPUTS = "release_inputs"  # online release encoders: the front end's output (ReleaseInputs.to_bytes)
 
 
 @dataclass
@@ -134,22 +137,27 @@ class FeaturizeForCaption:
         from preprocess.featurize import Featurizer
 
         self.featurizer = Featurizer(Config.from_json(cfg_json))
+        release = self.featurizer.release  # online release encoders: only the front end runs here
+        self.front_end = release.inputs if release is not None and release.online else None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {c: [] for c in ["video_id", "uri", "chunk", "status", "error", "seconds",
-                                                      *SAMPLE_COLUMNS]}
+                                                      *SAMPLE_COLUMNS, RELEASE_INPUTS]}
         for i in range(len(batch["video_id"])):
             vid, uri = str(batch["video_id"][i]), str(batch["uri"][i])
             t0 = time.perf_counter()
-            fields: dict[str, Any] = {KEY: "", **{c: b"" for c in FIELDS}}
+            fields: dict[str, Any] = {KEY: "", **{c: b"" for c in FIELDS}, RELEASE_INPUTS: b""}
             status, error = "ok", ""
             try:
                 if not uri:
                     raise FileNotFoundError("no uri for this video")
-                fields = encode(self.featurizer(uri, _Annotation(video_id=vid)))
+                if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
+                    fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
+                else:
+                    fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
             except Exception as e:  # explained, never fatal
                 status, error = "error", f"{type(e).__name__}: {e}"
-            for c in SAMPLE_COLUMNS:
+            for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS):
                 out[c].append(fields[c])
             out["video_id"].append(vid)
             out["uri"].append(uri)
@@ -158,6 +166,18 @@ class FeaturizeForCaption:
             out["error"].append(error)
             out["seconds"].append(time.perf_counter() - t0)
         return out
+
+
+def engine_input(fields: dict[str, Any], video_id: str):
+    """One featurized row -> what the engine captions: a decoded Sample (a stored schema-2 sample of the
+    release encoders too: the engine takes its tokens), or a ReleaseVideo of the release's front-end output
+    (online release encoders), which the engine encodes with its own model."""
+    if fields.get(RELEASE_INPUTS):
+        from preprocess.release_encoders import inputs_video
+        from preprocess.release_frontend import ReleaseInputs
+
+        return inputs_video(ReleaseInputs.from_bytes(fields[RELEASE_INPUTS]), video_id)
+    return decode({c: fields[c] for c in SAMPLE_COLUMNS})
 
 
 class CaptionVideos:
@@ -187,7 +207,8 @@ class CaptionVideos:
             if row["status"] != "ok":
                 continue
             try:
-                todo.append((i, decode({c: batch[c][i] for c in SAMPLE_COLUMNS})))
+                todo.append((i, engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch},
+                                             row["video_id"])))
             except Exception as e:
                 row.update(status="error", error=f"{type(e).__name__}: {e}")
         if todo:

@@ -29,8 +29,9 @@ differs by 1 grey level on ~10% of pixels.
 
 Decoding. The release's primary reader is torchcodec 0.4 (`VideoDecoder` / `AudioDecoder`), which is
 not available to this project; frames come from decord (the reader preprocess/media.py uses), indexed
-by the same rule, and L from decord's frame count and average fps, which for ordinary constant-frame-rate
-files equal torchcodec's header metadata (files with a wrong header count may differ). Audio comes from
+by the same rule, with num_frames and average_fps computed as torchcodec 0.4 computes them after its
+scan (`scan_metadata`: packet count, and count / content duration, so L is the stream's content
+duration). decord's YUV->RGB conversion may differ slightly from torchcodec's. Audio comes from
 PyAV with FFmpeg's swresample doing the resample to 16 kHz and the downmix to mono (as torchcodec does
 with FFmpeg; preprocess/media.py instead averages channels), the whole stream from its own start, not
 aligned or trimmed to the video timeline (D:483-522).
@@ -47,6 +48,8 @@ Interleave counts a_t and per-timestep index sets come from pipeline/release/lay
 
 from __future__ import annotations
 
+import io
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,9 +249,6 @@ class ReleaseInputs:
     mel: np.ndarray | None  # float32 [C, 128, 3000], None without audio
     audio_samples: int  # after the 1 s pad; 0 without audio
     audio_total: int  # A_total; 0 without audio
-    audio_counts: list[int]  # a_t, sum = audio_total
-    video_sets: list[list[int]]  # per timestep: indices into the video-token sequence
-    audio_sets: list[list[int]]  # per timestep: indices into the audio-token sequence ([] without audio)
     source_size: tuple[int, int] = (0, 0)  # (height, width) before resizing
     num_source_frames: int = 0
     average_fps: float = 0.0
@@ -266,6 +266,49 @@ class ReleaseInputs:
     @property
     def has_audio(self) -> bool:
         return self.mel is not None
+
+    @property
+    def layout_grid(self) -> AVGrid:
+        return av_grid(self.grid_thw, self.seconds_per_timestep, self.audio_total)
+
+    @property
+    def audio_counts(self) -> list[int]:
+        """a_t: audio tokens after segment t (sum = audio_total)."""
+        return audio_counts(self.layout_grid)
+
+    @property
+    def video_sets(self) -> list[list[int]]:
+        """Per timestep: indices into the video-token sequence (grounding / aggregation)."""
+        return index_sets(self.layout_grid)[0]
+
+    @property
+    def audio_sets(self) -> list[list[int]]:
+        """Per timestep: indices into the audio-token sequence ([] without audio)."""
+        return index_sets(self.layout_grid)[1]
+
+    def to_bytes(self) -> bytes:
+        """A compact serialisation (uint8 frames, float32 mel, the numbers) to ship between processes."""
+        numbers = {"length_s": self.length_s, "seconds_per_timestep": self.seconds_per_timestep,
+                   "grid_thw": list(self.grid_thw), "audio_samples": self.audio_samples, "audio_total": self.audio_total,
+                   "source_size": list(self.source_size), "num_source_frames": self.num_source_frames,
+                   "average_fps": self.average_fps, "meta": self.meta}
+        arrays = {"frames": self.frames.numpy(), "frame_indices": np.asarray(self.frame_indices, np.int64),
+                  "numbers": np.frombuffer(json.dumps(numbers).encode("utf-8"), dtype=np.uint8)}
+        if self.mel is not None:
+            arrays["mel"] = self.mel
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ReleaseInputs":
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            n = json.loads(z["numbers"].tobytes().decode("utf-8"))
+            return cls(frames=torch.from_numpy(z["frames"]), frame_indices=z["frame_indices"], length_s=n["length_s"],
+                       seconds_per_timestep=n["seconds_per_timestep"], grid_thw=tuple(n["grid_thw"]),
+                       mel=z["mel"] if "mel" in z.files else None, audio_samples=n["audio_samples"],
+                       audio_total=n["audio_total"], source_size=tuple(n["source_size"]),
+                       num_source_frames=n["num_source_frames"], average_fps=n["average_fps"], meta=n["meta"])
 
     def pixel_values(self) -> torch.Tensor:
         """float32 [T*gh*gw, 1176]: normalised, padded to an even frame count, patchified."""
@@ -304,20 +347,51 @@ def build_inputs(frames: np.ndarray | torch.Tensor, frame_indices: np.ndarray, n
     if waveform is not None:
         mel, samples = mel_chunks(waveform, extractor)
         total = audio_token_total(samples)
-    layout_grid = av_grid(grid, d, total)
-    video_sets, audio_sets = index_sets(layout_grid)
     return ReleaseInputs(frames=resized, frame_indices=np.asarray(frame_indices), length_s=length,
                          seconds_per_timestep=d, grid_thw=grid, mel=mel, audio_samples=samples, audio_total=total,
-                         audio_counts=audio_counts(layout_grid), video_sets=video_sets,
-                         audio_sets=audio_sets, source_size=(int(frames.shape[1]), int(frames.shape[2])),
+                         source_size=(int(frames.shape[1]), int(frames.shape[2])),
                          num_source_frames=int(num_source_frames), average_fps=float(average_fps))
 
 
 # --------------------------------------------------------------------------- reading files
 
 
-def read_frames(path: str, uri: str, cfg: FrontendConfig, threads: int = 0) -> tuple[np.ndarray, np.ndarray, int, float]:
-    """decord at source resolution: -> (uint8 [n, H, W, 3] RGB, indices, num_frames, average_fps)."""
+def scan_metadata(path: str) -> tuple[int, float] | None:
+    """(num_frames, average_fps) as torchcodec 0.4 reports them after its scan (seek_mode "exact", the default).
+
+    torchcodec counts the video stream's packets (discarded ones skipped) and takes
+    average_fps = num_frames / (max(pts + duration) - min(pts)), pts falling back to dts; the
+    release's L = num_frames / average_fps is then the stream's content duration. Demuxing only, no
+    decoding. None when the stream has no timed packets (the caller falls back to decord's numbers).
+    """
+    import av
+
+    from preprocess.media import METADATA_ERRORS
+
+    count, lo, hi = 0, None, None
+    with av.open(path, metadata_errors=METADATA_ERRORS) as container:
+        stream = container.streams.video[0]
+        for packet in container.demux(stream):
+            stamp = packet.pts if packet.pts is not None else packet.dts
+            if stamp is None or packet.is_discard:  # the demuxer's final empty packet has neither
+                continue
+            count += 1
+            lo = stamp if lo is None else min(lo, stamp)
+            hi = stamp + packet.duration if hi is None else max(hi, stamp + packet.duration)
+        base = float(stream.time_base) if stream.time_base else 0.0
+    if count == 0 or lo is None or hi is None or hi <= lo or base <= 0:
+        return None
+    return count, count / ((hi - lo) * base)
+
+
+def read_frames(path: str, uri: str, cfg: FrontendConfig,
+                threads: int = 0) -> tuple[np.ndarray, np.ndarray, int, float, int]:
+    """decord at source resolution: -> (uint8 [n, H, W, 3] RGB, indices, num_frames, average_fps, decord's count).
+
+    num_frames / average_fps are torchcodec's (`scan_metadata`), decord's frame count and header fps
+    when the scan finds no timed packets. Indices past decord's own count (a file whose packets and
+    decodable frames disagree) are clipped to its last frame; the caller records both counts.
+    """
     import decord
 
     from preprocess.media import MediaError, _first_line
@@ -327,20 +401,24 @@ def read_frames(path: str, uri: str, cfg: FrontendConfig, threads: int = 0) -> t
         count, fps = len(vr), float(vr.get_avg_fps())
     except Exception as e:  # decord raises DECORDError / RuntimeError / AssertionError
         raise MediaError(f"video stream cannot be opened by decord ({_first_line(e)}): {uri}", "undecodable") from e
+    scanned = scan_metadata(path)
+    num_frames, average_fps = scanned if scanned is not None else (count, fps)
     try:
-        idx, _ = sample_indices(count, fps, cfg)
+        idx, _ = sample_indices(num_frames, average_fps, cfg)
     except FrontendError as e:
         raise MediaError(f"{e}: {uri}", "undecodable") from e
     try:
-        frames = vr.get_batch(idx.tolist()).asnumpy()
+        frames = vr.get_batch(np.minimum(idx, count - 1).tolist()).asnumpy()
     except Exception as e:
         raise MediaError(f"video frames cannot be decoded ({_first_line(e)}): {uri}", "undecodable") from e
-    return frames, idx, count, fps
+    return frames, idx, num_frames, average_fps, count
 
 
 def read_audio(path: str) -> np.ndarray | None:
     """PyAV: the first audio stream, whole, resampled by FFmpeg to 16 kHz mono float32; None if absent or undecodable.
 
+    As torchcodec 0.4's `get_all_samples` (= samples played in [0, end)): samples the stream times
+    before 0 (encoder priming under an edit list) are dropped; nothing else is aligned or trimmed.
     None on a decoding error too, as the release's process_audio returns None on any error (the video is
     then captioned without audio tokens).
     """
@@ -349,12 +427,15 @@ def read_audio(path: str) -> np.ndarray | None:
     from preprocess.media import METADATA_ERRORS
 
     pieces: list[np.ndarray] = []
+    first: float | None = None
     try:
         with av.open(path, metadata_errors=METADATA_ERRORS) as container:
             if not container.streams.audio:
                 return None
             resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
             for frame in container.decode(container.streams.audio[0]):
+                if first is None:
+                    first = float(frame.time) if frame.time is not None else 0.0
                 pieces.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(frame))
             pieces.extend(out.to_ndarray().reshape(-1) for out in resampler.resample(None))
     except (av.error.FFmpegError, ValueError):
@@ -362,7 +443,9 @@ def read_audio(path: str) -> np.ndarray | None:
     if not pieces:
         return None
     audio = np.concatenate(pieces).astype(np.float32)
-    return audio if np.isfinite(audio).all() else None
+    if first is not None and first < 0:
+        audio = audio[round(-first * SAMPLE_RATE):]
+    return audio if audio.size and np.isfinite(audio).all() else None
 
 
 def read_release_inputs(uri: str, cfg: FrontendConfig, storage_options: dict[str, Any] | None = None,
@@ -376,11 +459,14 @@ def read_release_inputs(uri: str, cfg: FrontendConfig, storage_options: dict[str
         if not probe.has_video:
             what = "an audio-only file" if probe.has_audio else "a container without streams"
             raise MediaError(f"no video stream ({what}): {uri}", "no_video")
-        frames, idx, count, fps = read_frames(path, uri, cfg, threads)
+        frames, idx, count, fps, decodable = read_frames(path, uri, cfg, threads)
         waveform = read_audio(path) if probe.has_audio else None
+
     try:
         inputs = build_inputs(frames, idx, count, fps, waveform, cfg, extractor)
     except FrontendError as e:
         raise MediaError(f"{e}: {uri}", "undecodable") from e
     inputs.meta["uri"] = uri
+    if decodable != count:  # torchcodec's packet count and decord's frame count disagree: indices were clipped
+        inputs.meta["decord_frames"] = decodable
     return inputs

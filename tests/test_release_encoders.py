@@ -13,6 +13,7 @@ import functools
 from pathlib import Path
 
 import pytest
+import numpy as np
 import torch
 
 from infer.engine import CaptionEngine
@@ -20,7 +21,7 @@ from infer.release_front import media_tokens
 from infer.sampling import DecodeControl
 from infer.service import CaptionService, ModelCard
 from pipeline.config import Config
-from pipeline.release.video import ReleaseVideo
+from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import SchemaError, decode, encode
 from preprocess.encoders import encoder_versions, get_audio_encoder, get_visual_encoder
 from preprocess.featurize import Featurizer
@@ -144,3 +145,67 @@ def test_a_serve_replica_runs_the_release_front_end_online(videos, model):
     assert body["video_id"] == "clip_one" and body["duration"] == pytest.approx(5.0)
     assert body["model"] == "tiny-release" and body["timings"]["features_s"] > 0
     assert body["segments_total"] == 20 and body["events"] == []  # the random tiny model plans no event (K = 0)
+
+
+@pytest.mark.parametrize("mode", ["online", "stored"])
+def test_caption_actor_rows_feed_the_release_engine(videos, model, mode):
+    from infer.batch import RELEASE_INPUTS, FeaturizeForCaption, engine_input
+
+    cfg = release_config(mode)
+    stage = FeaturizeForCaption(cfg.to_json(indent=None))
+    batch = {"video_id": np.array(["av", "gone"]), "uri": np.array([videos["av"], videos["av"] + ".missing"]),
+             "chunk": np.array(["c0", "c0"])}
+    out = stage(batch)
+    assert out["status"] == ["ok", "error"] and "missing" in out["error"][1]
+    row = {c: out[c][0] for c in out}
+    assert bool(row[RELEASE_INPUTS]) == (mode == "online")  # online: the front end's output, not features
+    video = as_release_video(engine_input(row, "av"))  # a stored sample is converted by the engine itself
+    assert isinstance(video, ReleaseVideo) and video.grid_thw == (20, 4, 6)
+    result = CaptionEngine(model, cfg.infer).caption([video], controls=[DecodeControl(num_events=1, lengths=[2])])[0]
+    assert result.error is None and len(result.events) == 1 and result.duration == pytest.approx(5.0)
+
+
+@pytest.mark.integration
+def test_offline_captioning_with_the_release_checkpoint_runs_its_encoders_online(ray_local, videos, tmp_path):
+    from infer.batch import read_results, run_caption
+    from infer.loading import load_model
+    from preprocess.featurize import Featurizer as DirectFeaturizer
+
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    for name in ("av", "silent"):
+        (archive / f"{name}.mp4").write_bytes(Path(videos[name]).read_bytes())
+    (archive / "notes.mp4").write_text("not a video\n" * 20)
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, infer=dataclasses.replace(cfg.infer, device="cpu", max_events=3),
+                              cluster=dataclasses.replace(cfg.cluster, preprocess_actors=1, caption_actors=1))
+    summary = run_caption(cfg, str(archive), str(CHECKPOINT), str(tmp_path / "out"))
+    rows = {r["video_id"]: r for r in read_results(str(tmp_path / "out"))}
+    assert summary["captioned"] == 2 and rows["notes"]["status"] == "error" and "text file" in rows["notes"]["error"]
+    assert rows["av"]["duration"] == pytest.approx(5.0) and rows["av"]["segments_total"] == 20
+    assert rows["silent"]["segments_total"] == 12
+    # the same as the engine called directly on the front end's output
+    model, _, resolved = load_model(cfg, str(CHECKPOINT))
+    assert resolved.features.release_features == "online"
+    direct = CaptionEngine(model, resolved.infer).caption([DirectFeaturizer(resolved)(videos["av"], Ann("av"))])[0]
+    assert [(round(e.start, 4), round(e.end, 4), e.caption) for e in direct.events] == \
+        [(round(e["start"], 4), round(e["end"], 4), e["caption"]) for e in rows["av"]["events"]]
+
+
+def test_stored_release_features_read_back_from_shards_by_the_training_reader(videos, tmp_path):
+    import webdataset as wds
+
+    from pipeline.schema import Event
+    from train.data import read_samples
+
+    featurizer = Featurizer(release_config("stored"))
+    samples = [featurizer(videos["av"], Ann("av", [Event(0.5, 2.0, "red then green")])),
+               featurizer(videos["silent"], Ann("silent"))]
+    with wds.TarWriter(str(tmp_path / "shard-000000.tar")) as sink:
+        for s in samples:
+            sink.write(encode(s))
+    got = read_samples([str(tmp_path / "shard-000000.tar")])
+    assert [s.video_id for s in got] == ["av", "silent"]
+    assert got[0].events == [Event(0.5, 2.0, "red then green")] and got[0].ragged_audio
+    assert np.array_equal(got[0].audio, samples[0].audio) and got[1].audio.shape == (0, 16)
+    assert list(got[0].audio_counts) == list(samples[0].audio_counts) and got[1].grid_thw == (12, 4, 6)

@@ -228,3 +228,55 @@ def test_a_text_file_is_refused_with_a_reason(tmp_path):
     with pytest.raises(MediaError, match="text file") as e:
         rf.read_release_inputs(str(bad), CFG)
     assert e.value.kind == "not_media"
+
+
+def test_inputs_survive_serialisation(tmp_path):
+    path = write_mp4(tmp_path / "b.mp4", solid_frames(18, 56, 84, [(200, 10, 10), (10, 10, 200)]), fps=6,
+                     audio=tone(300, 3.0))
+    inputs = rf.read_release_inputs(str(path), CFG)
+    back = rf.ReleaseInputs.from_bytes(inputs.to_bytes())
+    assert torch.equal(back.frames, inputs.frames) and np.array_equal(back.mel, inputs.mel)
+    assert torch.equal(back.pixel_values(), inputs.pixel_values())
+    for name in ("grid_thw", "seconds_per_timestep", "length_s", "audio_total", "audio_counts", "video_sets",
+                 "audio_sets", "meta", "source_size"):
+        assert getattr(back, name) == getattr(inputs, name), name
+    silent = rf.build_inputs(np.zeros((4, 56, 56, 3), np.uint8), np.arange(4), 4, 2.0, None, CFG)
+    assert rf.ReleaseInputs.from_bytes(silent.to_bytes()).mel is None
+
+
+def test_stereo_is_downmixed_by_ffmpeg_not_averaged(tmp_path):
+    # swresample's stereo -> mono matrix is (L + R) / sqrt(2): +3 dB over the channel mean that
+    # preprocess/media.py takes (RELEASE.md §7.4); the release's torchcodec decoder goes through it too
+    frames = solid_frames(16, 56, 56, [(5, 5, 5)])
+    stereo = rf.read_audio(str(write_mp4(tmp_path / "s.mp4", frames, fps=8, audio=tone(440, 2.0), layout="stereo")))
+    mono = rf.read_audio(str(write_mp4(tmp_path / "m.mp4", frames, fps=8, audio=tone(440, 2.0), layout="mono")))
+    peak = lambda a: float(np.abs(a[4000:20000]).max())  # noqa: E731
+    assert peak(stereo) == pytest.approx(0.5 * 2 ** 0.5, rel=0.05) and peak(mono) == pytest.approx(0.5, rel=0.05)
+
+
+def write_uneven_mp4(path: Path, n: int = 40) -> Path:
+    """H.264 mp4 whose first half runs at 8 fps and second half at 4 fps (pts in 1/8 s ticks)."""
+    import av
+    from fractions import Fraction
+
+    frames = solid_frames(n, 56, 56, [(250, 0, 0), (0, 0, 250)])
+    with av.open(str(path), mode="w", format="mp4") as out:
+        vs = out.add_stream("libx264", rate=Fraction(8))
+        vs.height, vs.width, vs.pix_fmt = 56, 56, "yuv420p"
+        vs.options = {"preset": "ultrafast", "bf": "0"}
+        for i, img in enumerate(frames):
+            vf = av.VideoFrame.from_ndarray(img, format="rgb24")
+            vf.pts, vf.time_base = (i if i < n // 2 else n // 2 + 2 * (i - n // 2)), Fraction(1, 8)
+            out.mux(vs.encode(vf))
+        out.mux(vs.encode(None))
+    return path
+
+
+def test_length_is_torchcodecs_scanned_content_duration(tmp_path):
+    path = write_uneven_mp4(tmp_path / "uneven.mp4")
+    count, fps = rf.scan_metadata(str(path))
+    # 40 packets; the last pts is 58 ticks of 1/8 s, plus its duration of one tick: L = 59 / 8 s
+    assert count == 40 and count / fps == pytest.approx(59 / 8)
+    inputs = rf.read_release_inputs(str(path), CFG)
+    assert inputs.length_s == pytest.approx(count / fps) and inputs.num_source_frames == 40
+    assert inputs.seconds_per_timestep == pytest.approx(2 / (40 / inputs.length_s))
