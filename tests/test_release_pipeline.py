@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.config import Config, apply_overrides
-from pipeline.release.checkpoint import is_release_dir
+from pipeline.release.checkpoint import is_release_dir, read_state_dict
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CHECKPOINT = Path(__file__).parent / "data" / "release_golden" / "checkpoint"
@@ -40,3 +41,9 @@ def test_finetune_and_caption_with_the_release_format_model(tmp_path):
     assert results["caption"]["captioned"] == 2 and results["caption"]["failed"] == 0
     rows = [json.loads(line) for f in (tmp_path / "run" / "caption").rglob("*.jsonl") for line in f.read_text().splitlines()]
     assert sorted(r["video_id"] for r in rows) == sorted({r["video_id"] for r in rows}) and len(rows) == 2
+    assert all(r["status"] == "ok" and r["model_id"].startswith("model-") for r in rows)
+    # the captions came from the fine-tuned weights (LoRA merged into q/k/v), not the base checkpoint
+    tuned, base = read_state_dict(model_dir), read_state_dict(CHECKPOINT)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(tuned[key], base[key])
+    assert json.loads((model_dir / "run_config.json").read_text())["model"]["backbone"] == str(CHECKPOINT)
