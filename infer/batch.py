@@ -336,7 +336,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--videos", required=True, help="dir | glob | s3://prefix | manifest.parquet")
-    ap.add_argument("--model", default="", help="a saved PadCaptioner dir ('' = random tiny smoke model)")
+    ap.add_argument("--model", default="", help="a saved PadCaptioner dir or a release checkpoint dir ('' = random tiny smoke model)")
     ap.add_argument("--out", required=True, help="output dir or s3:// prefix")
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
