@@ -6,7 +6,10 @@
 # 2. bench/decode.py, Qwen2.5-3B shape, bf16, prefix 8k, K = 8 x 32: engine step vs the bandwidth floor and
 #    vs parallel_copy (targets: within 3x the floor, faster per step than parallel_copy);
 # 3. bench/throughput.py, same shape: 1 vs 4 / 16 / 64 videos in flight (target: 64 in flight >= 20x the
-#    tokens/s of one at a time, tokens equal). Results under $OUT.
+#    tokens/s of one at a time, tokens equal);
+# 4. bench/release_decode.py: the published model's shape (Qwen2.5-VL-3B LLM, random weights) in bf16 through
+#    the engine, ms per token / per video vs the paper's 13.4 ms/token (A6000) and the bandwidth floor.
+#    Results under $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpuwheels/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -c "import torch,transformers,peft;print(torch.__version__,transformers.__version__,peft.__version__,torch.cuda.get_device_name())"
@@ -26,3 +29,5 @@ import json,sys
 d=json.load(open(sys.argv[1]))
 print(d['kernel'], d['throughput_speedup'], d['end_to_end_speedup'], d['tokens_equal'], {m:r['ms_per_step'] for m,r in d['modes'].items()})
 PY
+timeout 150 python3 bench/release_decode.py --shape 3b --device cuda --dtype bfloat16 --videos 16 --in-flight 16 \
+  --out $OUT/release_3b.json > $OUT/release.log 2>&1; tail -c 1500 $OUT/release.log
