@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeline import storage  # noqa: E402
+from pipeline.cluster import init_ray, train_resources  # noqa: E402
 from pipeline.config import Config, load_config, section_hash  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
 from preprocess.encoders import encoder_versions  # noqa: E402
@@ -231,9 +232,7 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
     if not probe:
         raise SystemExit(f"{train_paths[0]}: no readable sample")
     dv, da = probe[0].visual.shape[2], probe[0].audio.shape[2]
-    resources = {"CPU": tc.cpus_per_worker}
-    if tc.use_gpu:
-        resources["GPU"] = tc.gpus_per_worker
+    use_gpu, resources, accelerator = train_resources(cfg.cluster, tc.cpus_per_worker, tc.gpus_per_worker, tc.use_gpu)
     ray_dir = storage.join(out_dir, "ray")
     fs, path = _pyarrow_fs(ray_dir)
     if fs is None:
@@ -242,7 +241,8 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
         train_worker,
         train_loop_config={"cfg": cfg.to_json(indent=None), "val_shards": val_paths, "visual_dim": int(dv),
                            "audio_dim": int(da)},
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
+                                     accelerator_type=accelerator),
         run_config=RunConfig(name=name or train_run_name(cfg, training_data_id(cfg, rows)), storage_path=path, storage_filesystem=fs,
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=max(1, tc.keep_checkpoints)),
@@ -346,8 +346,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="training output dir (local or s3://)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    from pipeline.run import init_ray
-
     init_ray(cfg)  # the driver's rule: RAY_ADDRESS / cluster.address, else a private local instance
     summary = run_train(cfg, args.shards, args.out)
     print(json.dumps(summary, indent=2))
