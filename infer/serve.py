@@ -63,6 +63,7 @@ def deployment_options(sc: ServeConfig, cc: ClusterConfig | None = None) -> dict
             "upscale_delay_s": sc.upscale_delay_s,
             "downscale_delay_s": sc.downscale_delay_s,
             "look_back_period_s": sc.look_back_period_s,
+            "metrics_interval_s": sc.metrics_interval_s,
         },
         "max_ongoing_requests": sc.max_ongoing_requests,
         "max_queued_requests": sc.max_queued_requests,

@@ -226,6 +226,7 @@ class ServeConfig:
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 60.0
     look_back_period_s: float = 30.0  # the window Serve averages ongoing requests over (Ray's default)
+    metrics_interval_s: float = 10.0  # how often handles push those numbers to the controller (Ray's default)
     max_json_bytes: int = 64 * 1024  # JSON request bodies (and the multipart `options` field)
     max_frame_pixels: int = 3840 * 2160  # source width * height; larger videos are rejected before decoding
     fetch_timeout_s: float = 60.0  # s3:// and http(s):// downloads (connect + read)

@@ -60,7 +60,10 @@ from train.loop import resolve_backend, train_loop  # noqa: E402
 
 CRASH_ENV = ("PADCAP_TRAIN_CRASH_AT_STEP", "PADCAP_TRAIN_CRASH_MARKER", "PADCAP_TRAIN_CRASH_RANK")
 CRASH_DELAY_S = 5.0
-FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME", *CRASH_ENV)
+# a pause at one step (once: while the marker does not exist), the window in which the node-loss
+# test (tests/test_cluster_sim.py) kills a node, knowing which checkpoint is the latest
+PAUSE_ENV = ("PADCAP_TRAIN_PAUSE_AT_STEP", "PADCAP_TRAIN_PAUSE_MARKER", "PADCAP_TRAIN_PAUSE_S")
+FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME", *CRASH_ENV, *PAUSE_ENV)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -94,7 +97,9 @@ class RayContext:
         return found.to_directory(self._restored.name)
 
     def on_step(self, step: int) -> None:
-        """Fault injection for the kill-restart test (off unless PADCAP_TRAIN_CRASH_AT_STEP is set)."""
+        """Fault injection for the kill-restart tests (off unless PADCAP_TRAIN_CRASH_AT_STEP or
+        PADCAP_TRAIN_PAUSE_AT_STEP is set)."""
+        self._pause(step)
         at = os.environ.get("PADCAP_TRAIN_CRASH_AT_STEP")
         if not at or step != int(at):
             return
@@ -110,6 +115,18 @@ class RayContext:
         # crash long after its last checkpoint would.
         time.sleep(CRASH_DELAY_S)
         os._exit(1)
+
+    def _pause(self, step: int) -> None:
+        """Every rank sleeps PADCAP_TRAIN_PAUSE_S at step PADCAP_TRAIN_PAUSE_AT_STEP, unless the marker
+        exists (rank 0 writes it: a restarted run does not pause again)."""
+        at, marker = os.environ.get("PADCAP_TRAIN_PAUSE_AT_STEP"), os.environ.get("PADCAP_TRAIN_PAUSE_MARKER", "")
+        if not at or step != int(at) or not marker or os.path.exists(marker):
+            return
+        seconds = float(os.environ.get("PADCAP_TRAIN_PAUSE_S", "60"))
+        print(f"[train] fault injection: rank {self.rank} pauses {seconds:.0f}s at step {step}", flush=True)
+        if self.rank == 0:
+            Path(marker).write_text(f"paused at step {step}\n")
+        time.sleep(seconds)
 
 
 class RayEpochs:
