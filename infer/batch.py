@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeline import storage  # noqa: E402
+from pipeline.cluster import init_ray, placement  # noqa: E402
 from pipeline.config import Config, load_config, section_hash  # noqa: E402
 from pipeline.schema import FIELDS, KEY, decode, encode  # noqa: E402
 
@@ -310,12 +311,12 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
             r["chunk"] = chunk
         ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 4 * cfg.cluster.preprocess_actors)))
         ds = ds.map_batches(FeaturizeForCaption, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None)},
-                            batch_size=1, num_cpus=cfg.cluster.preprocess_cpus_per_actor, runtime_env=env,
+                            batch_size=1, runtime_env=env, **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)))
         ds = ds.map_batches(CaptionVideos, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None),
                                                                   "model_dir": model_dir},
-                            batch_size=max(1, cfg.infer.videos_per_call), num_cpus=cfg.cluster.caption_cpus_per_actor,
-                            num_gpus=cfg.cluster.caption_gpus_per_actor, runtime_env=env,
+                            batch_size=max(1, cfg.infer.videos_per_call), runtime_env=env,
+                            **placement(cfg.cluster, cfg.cluster.caption_cpus_per_actor, cfg.cluster.caption_gpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))
         result = ds.take_all()
         _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), result)  # the commit
@@ -348,8 +349,6 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from pipeline.run import init_ray
-
     init_ray(cfg)  # the cluster section (address, num_cpus), as `pipeline/run.py` starts Ray
     summary = run_caption(cfg, videos, args.model, args.out, args.chunk_videos)
     print(json.dumps(summary, indent=2))

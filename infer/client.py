@@ -11,6 +11,14 @@
 The command prints the events as a table (start, end, caption) and the timings.
 A refused request raises `CaptionError` (status, code, message, request id); the
 command prints it and exits with 2 (4xx) or 1 (anything else).
+
+Retries (`CaptionClient(retries=N)`, `--retries N`): a request is sent again when the
+answer is 503 (Ray Serve back-pressure: over `serve.max_queued_requests`), a 5xx that
+does not carry the service's error body, or no answer on a closed connection: what Ray
+Serve gives a request that was in flight on a replica that died (its node was lost;
+tests/test_cluster_sim.py). Timeouts are not retried. A
+caption request has no side effects, so sending it again is safe. The service's own 5xx
+(a bug, with its request id) is not retried.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 from typing import Any
 
 import requests
@@ -36,19 +45,39 @@ class CaptionError(RuntimeError):
         self.request_id = request_id
 
 
-class CaptionClient:
-    """Talks to POST /v1/captions, GET /healthz and GET /v1/model."""
+def is_service_error(body: Any) -> bool:
+    """True for the service's own error body ({"error": {"code", "message", "request_id"}})."""
+    err = body.get("error") if isinstance(body, dict) else None
+    return isinstance(err, dict) and "code" in err and "request_id" in err
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 600.0, session: requests.Session | None = None):
+
+def should_retry(status: int, body: Any) -> bool:
+    """503 (back-pressure), or a 5xx from Ray Serve itself (a replica lost with the request in
+    flight), not one the service answered (see the module docstring)."""
+    return status == 503 or (status >= 500 and not is_service_error(body))
+
+
+def _json_or_none(r: requests.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return None
+
+
+class CaptionClient:
+    """Talks to POST /v1/captions, GET /healthz and GET /v1/model; caption() retries up to `retries`
+    times, `retry_pause_s` apart, on the answers `should_retry` names."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 600.0, session: requests.Session | None = None,
+                 retries: int = 0, retry_pause_s: float = 0.5):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.session = session or requests.Session()
+        self.retries = retries
+        self.retry_pause_s = retry_pause_s
 
     def _check(self, r: requests.Response) -> dict[str, Any]:
-        try:
-            body = r.json()
-        except ValueError:
-            body = None
+        body = _json_or_none(r)
         if r.status_code != 200:
             err = (body or {}).get("error", {}) if isinstance(body, dict) else {}
             raise CaptionError(r.status_code, err.get("code", "http_error"), err.get("message", r.text[:300]),
@@ -62,17 +91,31 @@ class CaptionClient:
         """Caption a server-side URI (`uri=`) or upload a local file (`path=`)."""
         if (uri is None) == (path is None):
             raise ValueError("give exactly one of uri= or path=")
+        for attempt in range(self.retries + 1):
+            try:
+                r = self._post_caption(uri, path, options)
+            except requests.ConnectionError:  # closed without an answer (or refused): send again
+                if attempt == self.retries:
+                    raise
+            else:
+                if attempt == self.retries or not should_retry(r.status_code, _json_or_none(r)):
+                    return self._check(r)
+            time.sleep(self.retry_pause_s)
+        raise AssertionError("unreachable")
+
+    def _post_caption(self, uri: str | None, path: str | os.PathLike | None,
+                      options: dict[str, Any] | None) -> requests.Response:
         url = f"{self.base_url}/v1/captions"
         if uri is not None:
             payload: dict[str, Any] = {"video": uri}
             if options:
                 payload["options"] = options
-            return self._check(self.session.post(url, json=payload, timeout=self.timeout))
+            return self.session.post(url, json=payload, timeout=self.timeout)
         with open(path, "rb") as fh:
             files: dict[str, Any] = {"file": (os.path.basename(os.fspath(path)), fh, "application/octet-stream")}
             if options:
                 files["options"] = (None, json.dumps(options), "application/json")
-            return self._check(self.session.post(url, files=files, timeout=self.timeout))
+            return self.session.post(url, files=files, timeout=self.timeout)
 
     def health(self) -> dict[str, Any]:
         return self._check(self.session.get(f"{self.base_url}/healthz", timeout=self.timeout))
@@ -117,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a decoding option (max_events, max_branch_tokens, temperature, top_p, seed); repeatable")
     ap.add_argument("--json", action="store_true", help="print the raw JSON response")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--retries", type=int, default=0, help="send again on 503 / a lost replica, this many times")
     args = ap.parse_args(argv)
-    client = CaptionClient(args.url, timeout=args.timeout)
+    client = CaptionClient(args.url, timeout=args.timeout, retries=args.retries)
     options = dict(args.option) or None
     try:
         result = client.caption(path=args.video, options=options) if args.upload else client.caption(uri=args.video, options=options)

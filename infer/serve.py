@@ -26,7 +26,8 @@ from ray.serve import Application
 from infer.api import build_app
 from infer.loading import load_engine
 from infer.service import CaptionService
-from pipeline.config import Config, ServeConfig, load_config
+from pipeline.cluster import init_ray, placement
+from pipeline.config import ClusterConfig, Config, ServeConfig, load_config
 
 log = logging.getLogger("padcap.serve")
 
@@ -50,11 +51,10 @@ class CaptionDeployment(CaptionService):
         log.info("replica ready: model %s on %s", card.model_id, card.device)
 
 
-def deployment_options(sc: ServeConfig) -> dict[str, Any]:
-    """Ray Serve deployment options from the serve section."""
-    actor: dict[str, Any] = {"num_cpus": sc.num_cpus_per_replica}
-    if sc.num_gpus_per_replica > 0:
-        actor["num_gpus"] = sc.num_gpus_per_replica
+def deployment_options(sc: ServeConfig, cc: ClusterConfig | None = None) -> dict[str, Any]:
+    """Ray Serve deployment options from the serve section; the replica's resources are mapped
+    by the cluster section's rule (pipeline/cluster.py: GPU resource name, accelerator type)."""
+    actor = placement(cc or ClusterConfig(), sc.num_cpus_per_replica, sc.num_gpus_per_replica)
     return {
         "autoscaling_config": {
             "min_replicas": sc.min_replicas,
@@ -62,6 +62,8 @@ def deployment_options(sc: ServeConfig) -> dict[str, Any]:
             "target_ongoing_requests": sc.target_ongoing_requests,
             "upscale_delay_s": sc.upscale_delay_s,
             "downscale_delay_s": sc.downscale_delay_s,
+            "look_back_period_s": sc.look_back_period_s,
+            "metrics_interval_s": sc.metrics_interval_s,
         },
         "max_ongoing_requests": sc.max_ongoing_requests,
         "max_queued_requests": sc.max_queued_requests,
@@ -71,7 +73,7 @@ def deployment_options(sc: ServeConfig) -> dict[str, Any]:
 
 def build_application(cfg: Config, model_dir: str = "") -> Application:
     """The bound Serve application for this config (model_dir "" = tiny random-init smoke mode)."""
-    return CaptionDeployment.options(**deployment_options(cfg.serve)).bind(cfg.to_json(), model_dir or cfg.serve.model_dir)
+    return CaptionDeployment.options(**deployment_options(cfg.serve, cfg.cluster)).bind(cfg.to_json(), model_dir or cfg.serve.model_dir)
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -88,8 +90,6 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.run import init_ray
-
     ap = argparse.ArgumentParser(prog="python -m infer.serve", description="Run the captioning endpoint on a local or existing Ray cluster.")
     ap.add_argument("--config", default="", help="YAML preset (default: built-in defaults)")
     ap.add_argument("--model-dir", default="", help="saved model dir; empty = tiny random-init smoke mode")

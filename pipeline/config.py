@@ -231,6 +231,8 @@ class ServeConfig:
     num_gpus_per_replica: float = 0.0
     upscale_delay_s: float = 5.0
     downscale_delay_s: float = 60.0
+    look_back_period_s: float = 30.0  # the window Serve averages ongoing requests over (Ray's default)
+    metrics_interval_s: float = 10.0  # how often handles push those numbers to the controller (Ray's default)
     max_json_bytes: int = 64 * 1024  # JSON request bodies (and the multipart `options` field)
     max_frame_pixels: int = 3840 * 2160  # source width * height; larger videos are rejected before decoding
     fetch_timeout_s: float = 60.0  # s3:// and http(s):// downloads (connect + read)
@@ -250,6 +252,11 @@ class ClusterConfig:
     caption_actors: int = 1
     caption_gpus_per_actor: float = 0.0
     caption_cpus_per_actor: float = 1.0
+    # what GPU work asks for (pipeline/cluster.py): "GPU" = Ray's GPUs; another name = a custom
+    # resource the GPU nodes advertise (accelerators Ray does not detect, or a simulated cluster)
+    gpu_resource: str = "GPU"
+    accelerator_type: str = ""  # e.g. "H100", "A100", "L4": GPU work lands only on nodes of that type
+    cpu_node_resource: str = ""  # custom resource only CPU nodes advertise: CPU-only work stays off GPU nodes
 
 
 @dataclass

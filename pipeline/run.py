@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:  # run as a script: make the repo importable
     sys.path.insert(0, str(ROOT))
 
 from pipeline import storage  # noqa: E402
+from pipeline.cluster import init_ray  # noqa: E402
 from pipeline.config import Config, load_config  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "cluster" / "configs" / "default.yaml"
@@ -236,23 +237,6 @@ def output_id(stage_hash_: str, stamp: dict[str, Any] | None) -> str:
     if not token:
         return stage_hash_
     return hashlib.sha256(f"{stage_hash_}:{token}".encode()).hexdigest()[:16]
-
-
-def init_ray(cfg: Config) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind to 127.0.0.1
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance
-        kwargs: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
-        if cfg.cluster.num_cpus:
-            kwargs["num_cpus"] = cfg.cluster.num_cpus
-        ray.init(**kwargs)
 
 
 def run(cfg: Config, stages: list[str] | None = None, force: bool = False) -> dict[str, dict[str, Any]]:

@@ -27,6 +27,7 @@ import numpy as np
 import ray
 
 from pipeline import storage
+from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, load_config, section_hash
 from pipeline.schema import FIELDS, KEY, encode
 from preprocess import manifest as mf
@@ -145,8 +146,7 @@ def _run_chunk(cfg: Config, rows: list[dict[str, Any]], chunk: str, out_dir: str
         fn_constructor_kwargs={"cfg_json": cfg.to_json(indent=None)},
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)),
-        num_cpus=cfg.cluster.preprocess_cpus_per_actor,
-        num_gpus=1.0 if cfg.features.device == "cuda" else 0.0,
+        **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor, 1.0 if cfg.features.device == "cuda" else 0.0),
         runtime_env={"env_vars": storage.forwarded_env()},
     ).materialize()
     manifest_rows = ds.select_columns(list(mf.COLUMNS)).take_all()
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     video_root = args.videos or cfg.data.video_root
     if not video_root:
         raise SystemExit("no video root: pass --videos or set data.video_root")
-    ray.init(address=cfg.cluster.address or None, ignore_reinit_error=True)
+    init_ray(cfg)
     summary = run_preprocess(cfg, {s: (p, fmt) for s, p in pairs.items()}, video_root, args.out, args.chunk_videos)
     print(json.dumps(summary, indent=2))
     return 0

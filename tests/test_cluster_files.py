@@ -120,6 +120,8 @@ def _deployment_from_serve_config(serve: ServeConfig) -> dict[str, Any]:
             "target_ongoing_requests": serve.target_ongoing_requests,
             "upscale_delay_s": serve.upscale_delay_s,
             "downscale_delay_s": serve.downscale_delay_s,
+            "look_back_period_s": serve.look_back_period_s,
+            "metrics_interval_s": serve.metrics_interval_s,
         },
         "ray_actor_options": {"num_cpus": serve.num_cpus_per_replica, "num_gpus": serve.num_gpus_per_replica},
     }

@@ -49,6 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeline import storage  # noqa: E402
+from pipeline.cluster import init_ray, train_resources  # noqa: E402
 from pipeline.config import Config, load_config, section_hash  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
 from preprocess.encoders import encoder_versions  # noqa: E402
@@ -59,7 +60,10 @@ from train.loop import resolve_backend, train_loop  # noqa: E402
 
 CRASH_ENV = ("PADCAP_TRAIN_CRASH_AT_STEP", "PADCAP_TRAIN_CRASH_MARKER", "PADCAP_TRAIN_CRASH_RANK")
 CRASH_DELAY_S = 5.0
-FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME", *CRASH_ENV)
+# a pause at one step (once: while the marker does not exist), the window in which the node-loss
+# test (tests/test_cluster_sim.py) kills a node, knowing which checkpoint is the latest
+PAUSE_ENV = ("PADCAP_TRAIN_PAUSE_AT_STEP", "PADCAP_TRAIN_PAUSE_MARKER", "PADCAP_TRAIN_PAUSE_S")
+FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME", *CRASH_ENV, *PAUSE_ENV)
 
 
 # --------------------------------------------------------------------------- worker side
@@ -93,7 +97,9 @@ class RayContext:
         return found.to_directory(self._restored.name)
 
     def on_step(self, step: int) -> None:
-        """Fault injection for the kill-restart test (off unless PADCAP_TRAIN_CRASH_AT_STEP is set)."""
+        """Fault injection for the kill-restart tests (off unless PADCAP_TRAIN_CRASH_AT_STEP or
+        PADCAP_TRAIN_PAUSE_AT_STEP is set)."""
+        self._pause(step)
         at = os.environ.get("PADCAP_TRAIN_CRASH_AT_STEP")
         if not at or step != int(at):
             return
@@ -109,6 +115,18 @@ class RayContext:
         # crash long after its last checkpoint would.
         time.sleep(CRASH_DELAY_S)
         os._exit(1)
+
+    def _pause(self, step: int) -> None:
+        """Every rank sleeps PADCAP_TRAIN_PAUSE_S at step PADCAP_TRAIN_PAUSE_AT_STEP, unless the marker
+        exists (rank 0 writes it: a restarted run does not pause again)."""
+        at, marker = os.environ.get("PADCAP_TRAIN_PAUSE_AT_STEP"), os.environ.get("PADCAP_TRAIN_PAUSE_MARKER", "")
+        if not at or step != int(at) or not marker or os.path.exists(marker):
+            return
+        seconds = float(os.environ.get("PADCAP_TRAIN_PAUSE_S", "60"))
+        print(f"[train] fault injection: rank {self.rank} pauses {seconds:.0f}s at step {step}", flush=True)
+        if self.rank == 0:
+            Path(marker).write_text(f"paused at step {step}\n")
+        time.sleep(seconds)
 
 
 class RayEpochs:
@@ -231,9 +249,7 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
     if not probe:
         raise SystemExit(f"{train_paths[0]}: no readable sample")
     dv, da = probe[0].visual.shape[-1], probe[0].audio.shape[-1]  # [T, V, D]; ragged audio (schema 2) is [A, D]
-    resources = {"CPU": tc.cpus_per_worker}
-    if tc.use_gpu:
-        resources["GPU"] = tc.gpus_per_worker
+    use_gpu, resources, accelerator = train_resources(cfg.cluster, tc.cpus_per_worker, tc.gpus_per_worker, tc.use_gpu)
     ray_dir = storage.join(out_dir, "ray")
     fs, path = _pyarrow_fs(ray_dir)
     if fs is None:
@@ -242,7 +258,8 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
         train_worker,
         train_loop_config={"cfg": cfg.to_json(indent=None), "val_shards": val_paths, "visual_dim": int(dv),
                            "audio_dim": int(da)},
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=tc.use_gpu, resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
+                                     accelerator_type=accelerator),
         run_config=RunConfig(name=name or train_run_name(cfg, training_data_id(cfg, rows)), storage_path=path, storage_filesystem=fs,
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=max(1, tc.keep_checkpoints)),
@@ -346,8 +363,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="training output dir (local or s3://)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    from pipeline.run import init_ray
-
     init_ray(cfg)  # the driver's rule: RAY_ADDRESS / cluster.address, else a private local instance
     summary = run_train(cfg, args.shards, args.out)
     print(json.dumps(summary, indent=2))
