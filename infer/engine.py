@@ -392,8 +392,10 @@ class CaptionEngine:
                        grounding_logits=front.grounding_logits if trace else None)
 
     def _run_monolithic(self, feed, emit) -> None:
+        from infer.ordered import decoder_for
         from infer.reference import monolithic
 
+        monolithic = decoder_for(self.model, self.cfg) or monolithic  # an ablation model: its own layout
         poll = _poller(feed)
         while (req := poll()) is not None:
             if req.cancelled():

@@ -199,17 +199,18 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
 
 
 def engine_refusal(model, decoder: str) -> str | None:
-    """Why infer/engine.py cannot decode this model with `infer.decoder=decoder` (None: it can)."""
+    """Why infer/engine.py cannot decode this model with `infer.decoder=decoder` (None: it can).
+
+    Its single-chain path (`infer.decoder=monolithic`) runs `decoder_for(model)` when that is
+    a Decoded-returning decoder, so a causal / own-<G> model decodes there in its own layout."""
     layout = getattr(model.cfg, "layout", "parallel")
     if layout in TEXT_LAYOUTS:
         return (f"model.layout={layout} writes its events as text: decode it with infer.ordered.text_chain "
                 "and score the text with the metrics (pipeline/textual.py parses it)")
     if decoder == "parallel" and (model.options.mask != "factorized" or model.options.g_visibility != "all"):
         return (f"parallel decoding needs a model trained with the factorized mask and global <G> visibility "
-                f"(model.mask={model.options.mask!r}, model.g_visibility={model.options.g_visibility!r}); decode it "
-                "with infer.ordered.layout_ordered (its training layout)")
-    if decoder == "monolithic" and model.options.g_visibility != "all":
-        return "model.g_visibility='own' is not a single chain: decode it with infer.ordered.layout_ordered"
+                f"(model.mask={model.options.mask!r}, model.g_visibility={model.options.g_visibility!r}); use "
+                "infer.decoder=monolithic (the single-chain path decodes it in its training layout, infer/ordered.py)")
     return None
 
 

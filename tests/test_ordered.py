@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+from infer.decoded import to_events
 from infer.ordered import decoder_for, engine_refusal, layout_ordered, text_chain
 from infer.reference import monolithic
 from infer.sampling import DecodeControl
@@ -74,6 +75,7 @@ def test_own_g_decoder_equals_training_forward():
     assert max_gap(model, video, got) < 1e-4
     assert decoder_for(model, CFG) is layout_ordered
     assert "factorized mask and global <G>" in engine_refusal(model, "parallel")
+    assert engine_refusal(model, "monolithic") is None  # its single-chain path runs layout_ordered
 
 
 def test_chain_layout_is_what_monolithic_decodes():
@@ -97,3 +99,17 @@ def test_text_chain_equals_training_forward():
     assert got.text.startswith("2.0-5.0 seconds: Visual: a red circle")
     assert "as text" in engine_refusal(model, "parallel")
     assert (target.layout.role == Role.RESPONSE).sum() == len(ids) - 1
+
+
+def test_engine_single_chain_path_uses_the_training_layout():
+    from infer.engine import CaptionEngine
+
+    model = decoding_model(mask="causal")
+    video = sample()
+    cfg = dataclasses.replace(CFG, decoder="monolithic")
+    with pytest.raises(ValueError, match="infer.decoder=monolithic"):
+        CaptionEngine(model, CFG)
+    got = CaptionEngine(model, cfg).caption([video])[0]
+    want = layout_ordered(model, video, cfg)
+    assert [(e.start, e.end, e.caption) for e in got.events] == \
+        [(e.start, e.end, e.caption) for e in to_events(want, model.tokenizer, model.eos_id)]
