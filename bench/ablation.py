@@ -80,15 +80,17 @@ class Budget:
     min_duration: float
     max_duration: float
     max_events: int
-    steps: int  # optimizer steps of 2 samples per variant and seed
+    steps: int  # optimizer steps per variant and seed
     warmup: int
     eval_videos: int  # held-out videos decoded (0 = all)
     seeds: int
+    batch: int = 2  # samples per step (4 in one process = the embedded default's 2 workers x 2)
 
 
-FULL = Budget(videos=128, min_duration=14.0, max_duration=24.0, max_events=4, steps=1600, warmup=50,
+FULL = Budget(videos=128, min_duration=14.0, max_duration=24.0, max_events=4, steps=3000, batch=4, warmup=50,
               eval_videos=0, seeds=2)
-SMOKE = Budget(videos=6, min_duration=8.0, max_duration=10.0, max_events=2, steps=3, warmup=1, eval_videos=2, seeds=2)
+SMOKE = Budget(videos=6, min_duration=8.0, max_duration=10.0, max_events=2, steps=3, batch=2, warmup=1, eval_videos=2,
+               seeds=2)
 
 
 def bench_config(budget: Budget, variant: str, seed: int) -> Config:
@@ -98,7 +100,8 @@ def bench_config(budget: Budget, variant: str, seed: int) -> Config:
         f"data.synthetic.max_duration={budget.max_duration}", f"data.synthetic.max_events={budget.max_events}",
         "data.synthetic.seed=0", "data.synthetic.num_workers=2",
         "features.min_frames=8",  # 2 s segments from 8 frames up (the default's 32 would cut 14 s into 0.9 s ones)
-        f"train.max_steps={budget.steps}", f"train.warmup_steps={budget.warmup}", f"train.seed={seed}",
+        f"train.max_steps={budget.steps}", f"train.batch_size={budget.batch}", f"train.warmup_steps={budget.warmup}",
+        f"train.seed={seed}",
         "train.val_every=0", "train.val_samples=8", "train.checkpoint_every=0", "train.log_every=250",
         f"model.backbone_seed={seed}", "infer.max_events=8", "infer.max_branch_tokens=64",
         "infer.max_batch_videos=1", "infer.videos_per_call=1",
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     ap.add_argument("--seeds", type=int, default=0, help="seeds per variant (0 = the budget's)")
     ap.add_argument("--steps", type=int, default=0, help="training steps per run (0 = the budget's)")
+    ap.add_argument("--batch", type=int, default=0, help="samples per step (0 = the budget's)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
     ap.add_argument("--inline", action="store_true", help="run every variant in this process (no subprocesses)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     budget_name = "smoke" if args.smoke else "full"
     budget = SMOKE if args.smoke else FULL
-    budget = replace(budget, seeds=args.seeds or budget.seeds, steps=args.steps or budget.steps)
+    budget = replace(budget, seeds=args.seeds or budget.seeds, steps=args.steps or budget.steps,
+                     batch=args.batch or budget.batch)
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -213,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = "ablation_smoke" if args.smoke else "ablation"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     header = (f"Ablation ({budget_name} budget: {result['corpus']['train_videos']} training / {len(refs)} held-out "
-              f"synthetic videos, {budget.steps} steps x 2 samples, {budget.seeds} seeds; mean ± sd; `{result['command']}`)")
+              f"synthetic videos, {budget.steps} steps x {budget.batch} samples, {budget.seeds} seeds; mean ± sd; "
+              f"`{result['command']}`)")
     write_markdown(rows, out / f"{stem}.md", header)
     write_plot(rows, out / f"{stem}.png")
     print((out / f"{stem}.md").read_text())

@@ -113,3 +113,15 @@ def test_engine_single_chain_path_uses_the_training_layout():
     want = layout_ordered(model, video, cfg)
     assert [(e.start, e.end, e.caption) for e in got.events] == \
         [(e.start, e.end, e.caption) for e in to_events(want, model.tokenizer, model.eos_id)]
+
+
+@pytest.mark.parametrize("over,name", [({"mask": "causal"}, "layout_ordered"), ({"layout": "sequential"}, "text_chain")])
+def test_heldout_free_running_decodes_ablation_models_in_their_layout(over, name):
+    from pipeline.config import Config
+    from train.heldout import free_running
+
+    model = decoding_model(**over)
+    cfg = Config()
+    cfg.infer = CFG
+    got = free_running(model, cfg, [sample(), sample(seed=1, video_id="v2")])
+    assert got["decoder"] == name and got["videos"] == 2 and got["engine_errors"] == 0
