@@ -85,10 +85,14 @@ class Budget:
     eval_videos: int  # held-out videos decoded (0 = all)
     seeds: int
     batch: int = 2  # samples per step (4 in one process = the embedded default's 2 workers x 2)
+    min_frames: int = 8  # features.min_frames: 2 s segments from 8 frames up (the default's 32 cuts 14 s into 0.9 s)
 
 
-FULL = Budget(videos=128, min_duration=14.0, max_duration=24.0, max_events=4, steps=3000, batch=4, warmup=50,
+FULL = Budget(videos=128, min_duration=14.0, max_duration=24.0, max_events=4, steps=2400, batch=4, warmup=50,
               eval_videos=0, seeds=2)
+# the embedded default's corpus and training (make run: 144 videos of 20-40 s, 3800 steps x 2 workers x 2)
+DEFAULT = Budget(videos=144, min_duration=20.0, max_duration=40.0, max_events=5, steps=3800, batch=4, warmup=50,
+                 eval_videos=0, seeds=1, min_frames=32)
 SMOKE = Budget(videos=6, min_duration=8.0, max_duration=10.0, max_events=2, steps=3, batch=2, warmup=1, eval_videos=2,
                seeds=2)
 
@@ -99,7 +103,7 @@ def bench_config(budget: Budget, variant: str, seed: int) -> Config:
         f"data.synthetic.num_videos={budget.videos}", f"data.synthetic.min_duration={budget.min_duration}",
         f"data.synthetic.max_duration={budget.max_duration}", f"data.synthetic.max_events={budget.max_events}",
         "data.synthetic.seed=0", "data.synthetic.num_workers=2",
-        "features.min_frames=8",  # 2 s segments from 8 frames up (the default's 32 would cut 14 s into 0.9 s ones)
+        f"features.min_frames={budget.min_frames}",
         f"train.max_steps={budget.steps}", f"train.batch_size={budget.batch}", f"train.warmup_steps={budget.warmup}",
         f"train.seed={seed}",
         "train.val_every=0", "train.val_samples=8", "train.checkpoint_every=0", "train.log_every=250",
@@ -159,7 +163,9 @@ def score(records: dict[tuple[str, int], dict], refs: list) -> dict[str, list[di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny corpus and budget (CI)")
+    ap.add_argument("--smoke", action="store_true", help="tiny corpus and budget (CI); = --budget smoke")
+    ap.add_argument("--budget", choices=("full", "smoke", "default"), default="full",
+                    help="full: the table's; default: the embedded default's corpus and steps (make run)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "ablation"), help="corpus, shards, runs, logs")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where ablation.json/.md/.png go")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=0, help="samples per step (0 = the budget's)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
     ap.add_argument("--inline", action="store_true", help="run every variant in this process (no subprocesses)")
+    ap.add_argument("--rescore", action="store_true", help="train nothing: score the runs already under --work")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--budget-json", help=argparse.SUPPRESS)
@@ -177,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         run_one(Budget(**json.loads(args.budget_json)), args.one, args.seed, work)
         return 0
 
-    budget_name = "smoke" if args.smoke else "full"
-    budget = SMOKE if args.smoke else FULL
+    budget_name = "smoke" if args.smoke else args.budget
+    budget = {"full": FULL, "smoke": SMOKE, "default": DEFAULT}[budget_name]
     budget = replace(budget, seeds=args.seeds or budget.seeds, steps=args.steps or budget.steps,
                      batch=args.batch or budget.batch)
     variants = [v for v in args.variants.split(",") if v]
@@ -189,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     shards = prepare_shards(bench_config(budget, "full", 0), work)  # once, before any run reads it
     t_data = time.perf_counter() - t0
     jobs = [(v, s) for s in range(budget.seeds) for v in variants]
-    if args.inline:
+    if args.rescore:
+        done = {job: work / "runs" / f"{job[0]}_s{job[1]}" / "run.json" for job in jobs}
+        records = {job: json.loads(path.read_text()) for job, path in done.items() if path.exists()}
+    elif args.inline:
         records = {(v, s): run_one(budget, v, s, work) for v, s in jobs}
     else:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -215,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "ablation_smoke" if args.smoke else "ablation"
+    stem = "ablation" if budget_name == "full" else f"ablation_{budget_name}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     header = (f"Ablation ({budget_name} budget: {result['corpus']['train_videos']} training / {len(refs)} held-out "
               f"synthetic videos, {budget.steps} steps x {budget.batch} samples, {budget.seeds} seeds; mean ± sd; "
