@@ -92,9 +92,11 @@ class CaptionEngine:
 
     def __init__(self, model, cfg: InferConfig):
         check_config(cfg)
-        if cfg.decoder == "parallel" and model.options.mask != "factorized":
-            raise ValueError(f"parallel decoding needs a model trained with the factorized mask (model.mask="
-                             f"{model.options.mask!r}); use infer.decoder=monolithic")
+        from infer.ordered import engine_refusal
+
+        refusal = engine_refusal(model, cfg.decoder)  # ablation models the engine would decode wrongly
+        if refusal:
+            raise ValueError(refusal)
         self.model = model
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
@@ -405,8 +407,10 @@ class CaptionEngine:
                        grounding_logits=front.grounding_logits if trace else None)
 
     def _run_monolithic(self, feed, emit) -> None:
+        from infer.ordered import decoder_for
         from infer.reference import monolithic
 
+        monolithic = decoder_for(self.model, self.cfg) or monolithic  # an ablation model: its own layout
         poll = _poller(feed)
         while (req := poll()) is not None:
             if req.cancelled():

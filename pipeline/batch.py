@@ -2,6 +2,8 @@
 
     ex = make_example(sample, prompt, ids, tokenizer, model_cfg, generator=g)   # dense
     ex = make_example(sample, ..., response="a plain answer")                   # plain sample
+    (model.layout = sequential / textual_planning: every dense sample is a plain sample whose
+    response is its events as text, pipeline/textual.py)
     ex = make_example(sample, ..., with_targets=False)                          # prefix only (decoding)
     batch = collate([ex, ...])          # pipeline.layout.pack + the per-sample features
 
@@ -18,7 +20,12 @@ import torch
 
 from pipeline.aggregation import jitter_intervals
 from pipeline.layout import Layout, LayoutOptions, Packed, dense_layout, pack, plain_layout, prefix_layout
+from pipeline.textual import format_sequential, format_textual_planning
 from pipeline.schema import Sample
+
+
+TEXT_LAYOUTS = {"sequential": format_sequential, "textual_planning": format_textual_planning}
+"""model.layout values whose targets are plain text (pipeline/textual.py): no <G>, no branches."""
 
 
 class ExampleError(ValueError):
@@ -91,10 +98,14 @@ def make_example(
         instruction = instruction_ids
     options = LayoutOptions.from_config(model_cfg)
     events = sorted(sample.events, key=lambda e: (e.start, e.end)) if (with_targets and response is None) else []
+    cap_tokens = model_cfg.max_caption_tokens
+    if events and getattr(model_cfg, "layout", "parallel") in TEXT_LAYOUTS:  # the events as one text response
+        response, cap_tokens = TEXT_LAYOUTS[model_cfg.layout](events), cap_tokens * len(events)
+        events = []
     if not with_targets:
         layout = prefix_layout(preamble, instruction, t, v, a, options)
     elif response is not None:
-        resp = tokenizer.encode(response, add_special_tokens=False)[: model_cfg.max_caption_tokens]
+        resp = tokenizer.encode(response, add_special_tokens=False)[:cap_tokens]
         layout = plain_layout(preamble, instruction, t, v, a, resp, eos_id=ids["eos"], options=options)
     else:
         captions = [tokenizer.encode(e.caption, add_special_tokens=False)[: model_cfg.max_caption_tokens] for e in events]

@@ -114,6 +114,11 @@ class ModelConfig:
     av_bidirectional: bool = True
     branch_order: Literal["blocked", "round_robin"] = "blocked"
     eos_padding_loss: bool = True
+    # ablations (bench/ablation.py): parallel = PadCaptioner; chain = latent planning with the
+    # events in one causal chain (needs mask=causal); sequential = "<s>-<e> seconds: caption"
+    # per event as plain text; textual_planning = the boundaries as text first, then the captions
+    layout: Literal["parallel", "chain", "sequential", "textual_planning"] = "parallel"
+    g_visibility: Literal["all", "own"] = "all"  # own: branch i sees only the i-th serial <G>
     aggregation: Literal["attention", "mean", "scoring_head", "none"] = "attention"
     aggregation_layer: int = -1  # -1: the middle layer
     aggregation_jitter: float = 0.1

@@ -30,6 +30,20 @@ Visibility rule (`visible`): key k is visible to query q iff
 where event is -1 for the shared tokens (prefix, serial <G>, plain responses) and i
 for anchor i and branch i. `mask="causal"` (ablation) drops the event condition.
 With `av_bidirectional`, every audio-visual token also sees every audio-visual token.
+With `g_visibility="own"` (ablation), an anchor / branch token of event i sees only
+the i-th serial <G> (`plan_index` i), not the other events' serial <G>s.
+
+Branches are padded with <eos> only under the factorized mask, where the padding is
+invisible to every other branch. Under `mask="causal"` a later branch would see the
+earlier branches' padding, whose length is the LONGEST caption's (later ones
+included), which no decoder can know while it writes; so causal layouts keep every
+branch at its own length (inputs = the caption tokens; the <eos> is its last label)
+and `infer/ordered.py` decodes them in exactly this layout.
+
+`chain=True` (model.layout=chain, "latent planning, sequential": the paper's
+"+ latent planning" row, mask causal): after the serial <G>s one causal chain
+anchor_1 b_1 anchor_2 b_2 ... with consecutive positions (order = position = index),
+which is what infer/reference.py `monolithic` decodes.
 
 Positions: shared tokens sit at their index (`shared_position`); every anchor at
 A = pos(<G>_K) + 1 = P + K (`anchor_position`); step j of every branch at A + j
@@ -80,6 +94,19 @@ class LayoutOptions:
     av_bidirectional: bool = True
     branch_order: Literal["blocked", "round_robin"] = "blocked"
     eos_padding_loss: bool = True
+    g_visibility: Literal["all", "own"] = "all"
+    chain: bool = False  # model.layout=chain: anchor_i b_i in one causal chain (module notes)
+
+    def __post_init__(self) -> None:
+        if self.g_visibility not in ("all", "own"):
+            raise LayoutError(f"unknown g_visibility {self.g_visibility!r}")
+        if self.chain and self.mask != "causal":
+            raise LayoutError("model.layout=chain writes the events as one causal chain: set model.mask=causal")
+
+    @property
+    def padded(self) -> bool:
+        """Branches padded with <eos> to one length (factorized only; module notes)."""
+        return self.mask == "factorized" and not self.chain
 
     @classmethod
     def from_config(cls, model_cfg) -> "LayoutOptions":
@@ -88,6 +115,8 @@ class LayoutOptions:
             av_bidirectional=model_cfg.av_bidirectional,
             branch_order=model_cfg.branch_order,
             eos_padding_loss=model_cfg.eos_padding_loss,
+            g_visibility=getattr(model_cfg, "g_visibility", "all"),
+            chain=getattr(model_cfg, "layout", "parallel") == "chain",
         )
 
 
@@ -108,19 +137,28 @@ def visible(
     k_event: torch.Tensor,
     mask: str = "factorized",
     av_bidirectional: bool = True,
+    k_plan: torch.Tensor | None = None,
+    g_visibility: str = "all",
 ) -> torch.Tensor:
     """THE visibility rule; broadcasting (e.g. q [Lq, 1], k [1, Lk]) -> bool [Lq, Lk].
 
     Visible iff order(k) <= order(q) and (k is shared (event -1) or same event), or
     (av_bidirectional) both are audio-visual slots. `mask="causal"` keeps only the
-    order condition. PAD tokens are never visible and see nothing (`pack` lets a PAD
-    row see itself so softmax stays finite).
+    order condition. `g_visibility="own"` also hides from an event-i query every serial
+    <G> whose plan index (k_plan) is not i. PAD tokens are never visible and see
+    nothing (`pack` lets a PAD row see itself so softmax stays finite).
     """
     if mask not in ("factorized", "causal"):
         raise LayoutError(f"unknown mask mode {mask!r}")
+    if g_visibility not in ("all", "own"):
+        raise LayoutError(f"unknown g_visibility {g_visibility!r}")
     vis = k_order <= q_order
     if mask == "factorized":
         vis = vis & ((k_event < 0) | (k_event == q_event))
+    if g_visibility == "own" and bool((q_event >= 0).any()):  # shared queries (planning) see every <G>
+        if k_plan is None:
+            raise LayoutError("g_visibility='own' needs the keys' plan_index (TokenMeta.plan_index)")
+        vis = vis & ~((k_role == Role.SERIAL_G) & (q_event >= 0) & (k_plan != q_event))
     if av_bidirectional:
         vis = vis | (is_av(q_role) & is_av(k_role))
     real = (q_role != Role.PAD) & (k_role != Role.PAD)
@@ -129,19 +167,26 @@ def visible(
 
 @dataclass
 class TokenMeta:
-    """What the rule needs about a set of tokens: order key, role, event; each [N]."""
+    """What the rule needs about a set of tokens: order key, role, event; each [N].
+
+    plan_index: k for the k-th serial <G> (0-based), -1 for every other token; only the
+    `g_visibility="own"` rule reads it (None: not tracked).
+    """
 
     order: torch.Tensor
     role: torch.Tensor
     event: torch.Tensor
+    plan_index: torch.Tensor | None = None
 
 
 def mask_between(queries: TokenMeta, keys: TokenMeta, options: LayoutOptions) -> torch.Tensor:
     """bool [Lq, Lk]: which keys each query sees (any query set, any key set)."""
+    plan = keys.plan_index[None, :] if keys.plan_index is not None else None
     return visible(
         queries.order[:, None], queries.role[:, None], queries.event[:, None],
         keys.order[None, :], keys.role[None, :], keys.event[None, :],
         mask=options.mask, av_bidirectional=options.av_bidirectional,
+        k_plan=plan, g_visibility=options.g_visibility,
     )
 
 
@@ -237,7 +282,8 @@ class Layout:
 
     def meta(self, index: torch.Tensor | None = None) -> TokenMeta:
         sel = (lambda t: t) if index is None else (lambda t: t[index])
-        return TokenMeta(order=sel(self.order), role=sel(self.role), event=sel(self.event))
+        plan = torch.where(self.role == Role.SERIAL_G, torch.arange(len(self)) - self.prefix_len, -1)
+        return TokenMeta(order=sel(self.order), role=sel(self.role), event=sel(self.event), plan_index=sel(plan))
 
     def _slots(self, role: Role, per_segment: int) -> torch.Tensor:
         idx = torch.nonzero(self.role == role).flatten()
@@ -262,8 +308,9 @@ class Layout:
 
     @property
     def anchor_index(self) -> torch.Tensor:
-        """[K]: index of anchor i."""
-        return torch.arange(self.num_events, dtype=torch.long) + self.split
+        """[K]: index of anchor i (the first K tokens after `split`, or interleaved in a chain)."""
+        idx = torch.nonzero(self.role == Role.ANCHOR).flatten()
+        return idx[torch.argsort(self.event[idx], stable=True)]
 
 
 class _Builder:
@@ -334,11 +381,12 @@ def prefix_layout(preamble_ids, instruction_ids, num_segments: int, visual_per_s
                     audio_per_segment=audio_per_segment, num_events=0, prefix_len=p, split=p, kind="prefix")
 
 
-def branch_targets(captions: Sequence[Sequence[int]], eos_id: int) -> tuple[list[list[int]], list[int]]:
-    """captions -> (targets b_i padded with eos to N, real lengths len(caption_i) + 1)."""
+def branch_targets(captions: Sequence[Sequence[int]], eos_id: int, padded: bool = True) -> tuple[list[list[int]], list[int]]:
+    """captions -> (targets b_i = caption_i + eos, padded with eos to N = max length unless
+    `padded` is False, real lengths len(caption_i) + 1)."""
     lengths = [len(c) + 1 for c in captions]
     n = max(lengths, default=0)
-    return [list(c) + [eos_id] * (n - len(c)) for c in captions], lengths
+    return [list(c) + [eos_id] * ((n if padded else len(c) + 1) - len(c)) for c in captions], lengths
 
 
 def dense_layout(
@@ -359,16 +407,24 @@ def dense_layout(
     p = _add_prefix(b, preamble_ids, instruction_ids, num_segments, visual_per_segment, audio_per_segment)
     k = len(captions)
     b.cols["labels"][p - 1] = g_id if k else s_id
-    if k:
+    if k and options.chain:
         b.add([g_id] * k, Role.SERIAL_G, labels=[g_id] * (k - 1) + [s_id])
-        targets, lengths = branch_targets(captions, eos_id)
-        n = len(targets[0])
+        for i, cap in enumerate(captions):  # anchor_i caption_i, one chain at consecutive positions
+            tgt = list(cap) + [eos_id]
+            b.add([g_id], Role.ANCHOR, labels=tgt[:1], event=i, step=0)
+            if cap:
+                b.add(cap, Role.BRANCH, labels=tgt[1:], event=i, step=list(range(1, len(tgt))))
+    elif k:
+        b.add([g_id] * k, Role.SERIAL_G, labels=[g_id] * (k - 1) + [s_id])
+        targets, lengths = branch_targets(captions, eos_id, padded=options.padded)
+        n = max(map(len, targets))
         base = p + k
         a_pos = anchor_position(p, k)
         ev = torch.arange(k)
         b.add([g_id] * k, Role.ANCHOR, labels=[t[0] for t in targets], event=range(k), step=0,
               order=event_order(ev, 0, base, k, options.branch_order).tolist(), position=a_pos)
         for i, (tgt, real) in enumerate(zip(targets, lengths)):
+            n = len(tgt)
             steps = torch.arange(1, n)
             labels = [tgt[j] if (j < real or options.eos_padding_loss) else IGNORE for j in range(1, n)]
             b.add(tgt[: n - 1], Role.BRANCH, labels=labels, event=i, step=steps.tolist(),

@@ -318,8 +318,8 @@ class PadCaptioner(nn.Module):
             return out
         emb2 = self.embed(pk, exs, slice(s, None))
         for b, feats in anchor_feats:
-            k = exs[b].layout.num_events
-            emb2[b, :k] = emb2[b, :k] + feats.to(emb2.dtype)  # anchors are the first K stage-2 columns
+            cols = pk.columns[b][exs[b].layout.anchor_index].to(dev) - s  # anchors' stage-2 columns
+            emb2[b, cols] = emb2[b, cols] + feats.to(emb2.dtype)
         if self.activation_checkpointing and self.training:  # HF drops caches under checkpointing
             h2 = self.run_decoder(torch.cat([emb1, emb2], 1), pk.mask, pos).last_hidden_state[:, s:]
         else:

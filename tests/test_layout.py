@@ -71,9 +71,59 @@ def test_literal_factorized_blocked():
 
 
 def test_literal_causal_blocked():
+    # causal: branches keep their own lengths (no <eos> padding a later branch could see)
     lay = small(mask="causal")
-    assert vis(lay) == torch.tril(torch.ones(12, 12, dtype=torch.int32)).tolist()
-    assert lay.position.tolist() == [0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 7, 8]  # same positions as factorized
+    assert lay.input_ids.tolist() == [10, FEATURE_ID, FEATURE_ID, 11, G, G, G, G, 20, 30, 31]
+    assert lay.labels.tolist() == [IGNORE, IGNORE, IGNORE, G, G, S, 20, 30, EOS, 31, EOS]
+    assert vis(lay) == torch.tril(torch.ones(11, 11, dtype=torch.int32)).tolist()
+    assert lay.position.tolist() == [0, 1, 2, 3, 4, 5, 6, 6, 7, 7, 8]  # anchors share A, step j at A + j
+    assert lay.step.tolist() == [-1] * 6 + [0, 0, 1, 1, 2]
+
+
+OWN_G_BLOCKED = [
+    # p  v  a  i  G  G a1 a2 b1 b1 b2 b2
+    [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+    [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0],  # serial <G>_1
+    [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0],  # serial <G>_2 still sees <G>_1 (planning is shared)
+    [1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0],  # anchor 1: its own <G>_1 only
+    [1, 1, 1, 1, 0, 1, 0, 1, 0, 0, 0, 0],  # anchor 2: its own <G>_2 only
+    [1, 1, 1, 1, 1, 0, 1, 0, 1, 0, 0, 0],
+    [1, 1, 1, 1, 1, 0, 1, 0, 1, 1, 0, 0],
+    [1, 1, 1, 1, 0, 1, 0, 1, 0, 0, 1, 0],
+    [1, 1, 1, 1, 0, 1, 0, 1, 0, 0, 1, 1],
+]
+
+
+def test_literal_own_g_visibility():
+    opts = LayoutOptions(av_bidirectional=False, g_visibility="own")
+    lay = dense_layout([10], [11], 1, 1, 1, [[20], [30, 31]], g_id=G, s_id=S, eos_id=EOS, options=opts)
+    assert vis(lay) == OWN_G_BLOCKED
+    assert lay.meta().plan_index.tolist() == [-1, -1, -1, -1, 0, 1] + [-1] * 6
+    assert lay.position.tolist() == small().position.tolist()  # only visibility changes
+    causal = dense_layout([10], [11], 1, 1, 1, [[20], [30, 31]], g_id=G, s_id=S, eos_id=EOS,
+                          options=LayoutOptions(mask="causal", av_bidirectional=False, g_visibility="own"))
+    m = vis(causal)
+    assert m[6][4:8] == [1, 0, 1, 0] and m[7][4:8] == [0, 1, 1, 1]  # anchors: own <G>, the earlier anchors
+    with pytest.raises(LayoutError, match="g_visibility"):
+        LayoutOptions(g_visibility="none")
+
+
+def test_literal_chain_layout():
+    # latent planning, sequential: anchor_1 b_1 anchor_2 b_2 in one causal chain, consecutive positions
+    opts = LayoutOptions(mask="causal", av_bidirectional=False, chain=True)
+    lay = dense_layout([10], [11], 1, 1, 1, [[20], [30, 31]], g_id=G, s_id=S, eos_id=EOS, options=opts)
+    assert lay.input_ids.tolist() == [10, FEATURE_ID, FEATURE_ID, 11, G, G, G, 20, G, 30, 31]
+    assert lay.labels.tolist() == [IGNORE, IGNORE, IGNORE, G, G, S, 20, EOS, 30, 31, EOS]
+    assert lay.role.tolist() == [0, 1, 2, 3, 4, 4, 5, 6, 5, 6, 6]
+    assert lay.event.tolist() == [-1] * 6 + [0, 0, 1, 1, 1]
+    assert lay.position.tolist() == list(range(11))
+    assert vis(lay) == torch.tril(torch.ones(11, 11, dtype=torch.int32)).tolist()
+    assert lay.anchor_index.tolist() == [6, 8] and lay.split == 6
+    with pytest.raises(LayoutError, match="mask=causal"):
+        LayoutOptions(chain=True)
 
 
 def test_literal_round_robin():
@@ -92,8 +142,10 @@ def test_literal_round_robin():
         [1] * 6 + [0, 1, 0, 1, 0, 1],
     ]
     assert vis(lay) == expect
-    # causal + round robin: plain lower-triangular in step-major order
-    assert vis(small(mask="causal", order="round_robin")) == torch.tril(torch.ones(12, 12, dtype=torch.int32)).tolist()
+    # causal + round robin: plain lower-triangular in step-major order, branches unpadded
+    causal = small(mask="causal", order="round_robin")
+    assert causal.input_ids.tolist() == [10, FEATURE_ID, FEATURE_ID, 11, G, G, G, G, 20, 30, 31]
+    assert vis(causal) == torch.tril(torch.ones(11, 11, dtype=torch.int32)).tolist()
 
 
 def test_eos_padding_loss_off_ignores_padding_only():

@@ -8,8 +8,8 @@ train/evaluate.py twice:
   teacher_forced  one forward per video with the true layout (true K, true intervals
                   for the anchors); exact and fast;
   free_running    the real decoder (infer.engine.CaptionEngine: greedy planning,
-                  grounding, parallel branch decoding; a `model.mask=causal` ablation
-                  model decodes with infer.decoder=monolithic), compared with the references.
+                  grounding, parallel branch decoding; an ablation model decodes in its
+                  own training layout, infer/ordered.py `decoder_for`), compared with the references.
                   Used when infer/engine.py is importable; otherwise reported as
                   unavailable with the reason.
 `headline` names which of the two the top-level numbers come from (free-running when
@@ -54,20 +54,25 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
         from infer.engine import CaptionEngine
     except ImportError as e:
         return {"unavailable": f"infer.engine not importable ({e})"}
+    from infer.ordered import decode_events, decoder_for, output_events
+
     infer_cfg = cfg.infer
     if hasattr(model, "model"):  # the release fine-tuning wrapper: its ReleaseCaptioner decodes
         model = model.model
-    if getattr(getattr(model, "cfg", None), "mask", "factorized") == "causal" and infer_cfg.decoder == "parallel":  # the ablation model decodes as one chain
-        infer_cfg = dataclasses.replace(infer_cfg, decoder="monolithic")
-    engine = CaptionEngine(model, infer_cfg)
+    ablation = decoder_for(model, infer_cfg)  # an ablation model decodes in its own training layout
     t0 = time.perf_counter()
-    results = engine.caption(samples)
+    if ablation is None:
+        results = CaptionEngine(model, infer_cfg).caption(samples)
+        events, errors, name = [engine_events(r) for r in results], sum(1 for r in results if getattr(r, "error", None)), infer_cfg.decoder
+    else:
+        events = [output_events(decode_events(model, ablation, s, infer_cfg)[0]) for s in samples]
+        errors, name = 0, ablation.__name__
     seconds = time.perf_counter() - t0
-    out: dict[str, Any] = summary(engine_counts(samples, [engine_events(r) for r in results], parse))
+    out: dict[str, Any] = summary(engine_counts(samples, events, parse))
     out.pop("token_acc")  # teacher-forced only
     out["seconds_per_video"] = seconds / max(1, len(samples))
-    out["decoder"] = infer_cfg.decoder
-    out["engine_errors"] = sum(1 for r in results if getattr(r, "error", None))
+    out["decoder"] = name
+    out["engine_errors"] = errors
     return out
 
 

@@ -12,6 +12,8 @@ Predictions (`read_predictions`):
     engine output           {id: {"events": [{"start", "end", "caption"}], ...}} or a list of
                             such records carrying "video_id" (a record with "error" and no
                             events is an unparsable output)
+    text output             {id: {"text": "..."}}: a sequential model's raw text, parsed by
+                            pipeline/textual.py (no valid event: unparsable)
 Files may be .json or .jsonl (one record a line).
 
 Nothing here raises on bad content: every dropped event or video is recorded as a
@@ -336,6 +338,8 @@ def _pred_video(vid: str, value: Any, max_predictions: int) -> PredVideo:
     if isinstance(value, dict):
         if isinstance(value.get("events"), list):
             events = value["events"]
+        elif isinstance(value.get("text"), str):  # a raw text output: pipeline/textual.py
+            return _text_video(vid, value["text"], max_predictions)
         elif "error" in value:
             return PredVideo(vid, empty, [], UNPARSABLE, [f"output is an error: {value['error']!r}"])
         else:
@@ -362,6 +366,22 @@ def _pred_video(vid: str, value: Any, max_predictions: int) -> PredVideo:
     if not caps:
         return PredVideo(vid, empty, [], UNPARSABLE, problems + ["no valid event in the output"], raw_count)
     return PredVideo(vid, np.asarray(times, dtype=np.float64).reshape(-1, 2), caps, OK, problems, raw_count)
+
+
+def _text_video(vid: str, text: str, max_predictions: int) -> PredVideo:
+    """A text output ("s-e seconds: caption" lines, or a plan and numbered captions) parsed
+    into events; no valid event: unparsable (empty text: empty), the reasons recorded."""
+    from pipeline.textual import parse_events_text
+
+    parsed, problems = parse_events_text(text)
+    if not text.strip():
+        return PredVideo(vid, np.zeros((0, 2)), [], EMPTY, ["empty text output"])
+    if not parsed:
+        return PredVideo(vid, np.zeros((0, 2)), [], UNPARSABLE, problems + ["no valid event in the text output"])
+    events = [{"start": s, "end": e, "caption": c} for s, e, c in parsed]
+    video = _pred_video(vid, events, max_predictions)
+    video.problems = problems + video.problems
+    return video
 
 
 def read_predictions(src: Any, max_predictions: int = MAX_PREDICTIONS) -> tuple[dict[str, PredVideo], list[dict[str, str]], str]:
