@@ -253,6 +253,9 @@ class EvalConfig:
     protocol: Literal["padcaptioner", "densevid", "soda", "etbench"] = "padcaptioner"
     missing: Literal["skip", "zero"] = "skip"  # zero: densevid only (the other protocols always skip)
     seed: int = 0
+    # SODA_c pair direction: "published" = fujiso/SODA's (reference scored as METEOR's hypothesis,
+    # the papers' numbers), "documented" = METEOR's own (prediction as the hypothesis)
+    soda_direction: Literal["published", "documented"] = "published"
 
 
 @dataclass
