@@ -138,7 +138,7 @@ class TrainConfig:
     gpus_per_worker: float = 1.0
     cpus_per_worker: float = 1.0
     backend: Literal["auto", "ddp", "deepspeed"] = "auto"  # auto: deepspeed on GPU, ddp (gloo) on CPU
-    zero_stage: int = 2
+    zero_stage: int = 2  # 0-2; 3 is refused (train/deepspeed_config.py says why)
     max_steps: int = 300
     batch_size: int = 2  # per worker
     grad_accum: int = 1

@@ -55,6 +55,7 @@ from preprocess.encoders import encoder_versions  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
 from train.data import read_samples, shuffle_buffer  # noqa: E402
 from train.evaluate import caption_parser  # noqa: E402
+from train.deepspeed_config import check_zero_stage  # noqa: E402
 from train.loop import resolve_backend, train_loop  # noqa: E402
 
 CRASH_ENV = ("PADCAP_TRAIN_CRASH_AT_STEP", "PADCAP_TRAIN_CRASH_MARKER", "PADCAP_TRAIN_CRASH_RANK")
@@ -223,6 +224,8 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
     """The TorchTrainer of run `name` (default: `train_run_name` of the config and the shards);
     `rows`: the manifest of `shards_dir` when the caller has read it already."""
     tc = cfg.train
+    if resolve_backend(tc, tc.use_gpu) == "deepspeed":
+        check_zero_stage(tc)  # refused here, on the driver, not in every worker after start-up
     rows = read_manifest(shards_dir) if rows is None else rows
     train_paths, val_paths = mf.ok_shards(rows, tc.train_split), mf.ok_shards(rows, tc.val_split)
     if not train_paths:
