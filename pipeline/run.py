@@ -329,24 +329,32 @@ def _run_quietly(cfg: Config, stages: list[str] | None, force: bool) -> dict[str
 
     from pipeline.console import QuietConsole
 
+    def finish() -> None:
+        # Ray forwards the workers' last lines until it shuts down: let them go to the log.
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        console.close()
+
     console = QuietConsole(cfg.run_dir, cfg.train.max_steps)
     console.print(f"log (Ray and the stages' own output): {console.log_path}")
     try:
         results = run(cfg, stages, force=force, console=console)
     except SystemExit:
-        console.close()
+        finish()
         raise
     except BaseException:
         traceback.print_exc()  # into the log; its last line also reaches the terminal
         time.sleep(0.2)
         console.print(f"the run failed: the whole traceback is in {console.log_path}")
-        console.close()
+        finish()
         raise SystemExit(1)
     console.print()
     for line in format_summary(results).splitlines():
         console.print(line)
     console.print(f"\nrun directory: {cfg.run_dir}")
-    console.close()
+    finish()
     return results
 
 
