@@ -48,6 +48,8 @@ class CaptionDeployment(CaptionService):
         cfg = Config.from_json(cfg_json)
         engine_factory, card, cfg = load_engine(cfg, model_dir)
         super().__init__(cfg, engine_factory, card)
+        if self.decoders is not None:
+            self.decoders.warm()  # the decode worker processes boot in the background
         log.info("replica ready: model %s on %s", card.model_id, card.device)
 
 

@@ -15,7 +15,10 @@ videos to a capped temp file, probe the container header (PyAV: is there a video
 stream, its duration and resolution; over serve.max_duration_s or
 serve.max_frame_pixels is refused before decoding), then decode + encode
 features (`preprocess.featurize.Featurizer`). All of that runs in a thread pool
-under serve.decode_timeout_s, so the event loop stays free; the engine runs in
+under serve.decode_timeout_s, so the event loop stays free; the decode + features
+step itself runs in a worker process (infer/decode_pool.py) that is killed and
+replaced when it passes serve.decode_timeout_s, so a stuck decode never keeps a
+thread or a worker (an in-process `featurizer` passed by a test runs in the thread); the engine runs in
 its own single thread (one engine call at a time per replica, the model is not
 shared between threads), decoding many videos per step: a request that arrives
 while others are being decoded joins the running batch at the next decode step,
@@ -40,6 +43,7 @@ from typing import Any, Callable, Protocol
 from pydantic import ValidationError
 
 from infer.batching import EngineBatcher
+from infer.decode_pool import BOOT_TIMEOUT_S, DecodePool, DecodeTimeout
 from infer.requests import VideoOptions
 from infer.errors import RequestError
 from infer.protocol import CaptionOptions, error_message
@@ -132,8 +136,9 @@ def _media_error(e: Exception, path: str, name: str) -> RequestError:
         return RequestError(413, "too_large", text)
     if kind == "empty":
         return RequestError(400, "empty_file", text)
-    if kind is None:
-        return RequestError(422, "undecodable", f"{name!r} could not be decoded as a video ({e.__class__.__name__}: {text})")
+    if kind is None:  # a DecodeFailure from a worker names the class raised there
+        cls = getattr(e, "error_type", e.__class__.__name__)
+        return RequestError(422, "undecodable", f"{name!r} could not be decoded as a video ({cls}: {text})")
     return RequestError(422, kind, text)
 
 
@@ -141,15 +146,24 @@ class CaptionService:
     """Decode request -> features -> engine -> response dict. One per replica."""
 
     def __init__(self, cfg: Config, engine_factory: Callable[[InferConfig], Engine], card: ModelCard,
-                 featurizer: FeaturizeFn | None = None):
+                 featurizer: FeaturizeFn | None = None,
+                 featurizer_factory: Callable[[Config], FeaturizeFn] = default_featurizer):
+        """featurizer: an in-process featurizer (runs in the decode thread, cannot be stopped);
+        without one, `featurizer_factory(cfg)` (module-level, picklable) builds the featurizer
+        inside each decode worker process."""
         self.cfg = cfg
         self.serve_cfg = cfg.serve
         self.card = card
         self._engine_factory = engine_factory
-        self._featurize = featurizer if featurizer is not None else default_featurizer(cfg)
         self.policy = UriPolicy(cfg.serve.allowed_roots, cfg.serve.allowed_http_hosts, cfg.data.video_extensions)
         workers = cfg.serve.decode_workers or max(1, cfg.serve.max_ongoing_requests)
         self._decode_pool = ThreadPoolExecutor(workers, thread_name_prefix="padcap-decode")
+        self.decoders: DecodePool | None = None
+        if featurizer is not None:
+            self._featurize = featurizer
+        else:
+            self.decoders = DecodePool(workers, featurizer_factory, cfg)
+            self._featurize = self._featurize_in_worker
         self._batcher = EngineBatcher(cfg.serve.batch_videos or max(1, cfg.infer.max_batch_videos))
         self._engine: Engine | None = None
         self.counters = collections.Counter()
@@ -199,12 +213,11 @@ class CaptionService:
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
-            sample, timings = await asyncio.wait_for(loop.run_in_executor(self._decode_pool, prepare),
-                                                     self.serve_cfg.decode_timeout_s)
+            sample, timings = await asyncio.wait_for(loop.run_in_executor(self._decode_pool, prepare), self._outer_timeout())
         except asyncio.TimeoutError:
             self.counters["rejected"] += 1
             raise RequestError(422, "decode_timeout", f"reading and decoding the video took longer than "
-                               f"{self.serve_cfg.decode_timeout_s} s (serve.decode_timeout_s)") from None
+                               f"{self._outer_timeout()} s (serve.decode_timeout_s)") from None
         except RequestError:
             self.counters["rejected"] += 1
             raise
@@ -231,6 +244,23 @@ class CaptionService:
         }
 
     # ------------------------------------------------------------------ the decode thread
+
+    def _outer_timeout(self) -> float:
+        """The limit on a request's whole prepare step. In the thread it is decode_timeout_s; with
+        decode workers that limit is theirs (they are killed), and this only backstops the fetch
+        and the header probe (plus a worker's start-up, which is not counted against the file)."""
+        c = self.serve_cfg
+        if self.decoders is None:
+            return c.decode_timeout_s
+        return c.decode_timeout_s + c.fetch_timeout_s + BOOT_TIMEOUT_S
+
+    def _featurize_in_worker(self, path: str, annotation: Any) -> Sample:
+        try:
+            return self.decoders.featurize(path, annotation, self.serve_cfg.decode_timeout_s)
+        except DecodeTimeout:
+            self.counters["decode_workers_killed"] += 1
+            raise RequestError(422, "decode_timeout", f"decoding the video took longer than "
+                               f"{self.serve_cfg.decode_timeout_s} s (serve.decode_timeout_s)") from None
 
     def _prepare_uri(self, video: str) -> tuple[Sample, dict[str, float]]:
         t0 = time.perf_counter()
@@ -297,5 +327,7 @@ class CaptionService:
         return {"status": "ok", "model": self.card.model_id, "requests": dict(self.counters)}
 
     def close(self) -> None:
+        if self.decoders is not None:
+            self.decoders.close()
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
         self._batcher.close()

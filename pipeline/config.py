@@ -149,7 +149,7 @@ class TrainConfig:
     gpus_per_worker: float = 1.0
     cpus_per_worker: float = 1.0
     backend: Literal["auto", "ddp", "deepspeed"] = "auto"  # auto: deepspeed on GPU, ddp (gloo) on CPU
-    zero_stage: int = 2
+    zero_stage: int = 2  # 0-2; 3 is refused (train/deepspeed_config.py says why)
     max_steps: int = 300
     batch_size: int = 2  # per worker
     grad_accum: int = 1
@@ -242,7 +242,7 @@ class ServeConfig:
     max_frame_pixels: int = 3840 * 2160  # source width * height; larger videos are rejected before decoding
     fetch_timeout_s: float = 60.0  # s3:// and http(s):// downloads (connect + read)
     upload_dir: str = ""  # temp files for uploads and downloads; "" = the system temp dir
-    decode_workers: int = 0  # threads for media decoding + features per replica; 0 = max_ongoing_requests
+    decode_workers: int = 0  # decode threads and worker processes per replica (~0.4 GB each, default encoders); 0 = max_ongoing_requests
     batch_videos: int = 0  # concurrent requests in the replica's decode batch at once; 0 = infer.max_batch_videos
 
 
@@ -271,6 +271,9 @@ class EvalConfig:
     protocol: Literal["padcaptioner", "densevid", "soda", "etbench"] = "padcaptioner"
     missing: Literal["skip", "zero"] = "skip"  # zero: densevid only (the other protocols always skip)
     seed: int = 0
+    # SODA_c pair direction: "published" = fujiso/SODA's (reference scored as METEOR's hypothesis,
+    # the papers' numbers), "documented" = METEOR's own (prediction as the hypothesis)
+    soda_direction: Literal["published", "documented"] = "published"
 
 
 @dataclass

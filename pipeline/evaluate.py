@@ -78,7 +78,7 @@ def evaluate_run(cfg: Config, captions_dir: str, ref_path: str, ref_format: str,
     rows = read_caption_rows(captions_dir)
     pred = predictions(rows)
     result = evaluate(pred, ref_path, protocol=cfg.eval.protocol, ref_format=ref_format, missing=missing,
-                      seed=cfg.eval.seed)
+                      seed=cfg.eval.seed, soda_direction=cfg.eval.soda_direction)
     if cfg.data.dataset == "synthetic":
         result["synthetic_attributes"] = attribute_accuracy(pred, ref_path)
     storage.write_json(storage.join(out_dir, "result.json"), result)

@@ -156,7 +156,9 @@ class PadCaptioner(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.cfg.dtype]
+        """The dtype the decoder computes in: its embedding table's, not the config's (DeepSpeed
+        bf16 casts the weights of a float32-config model, and the mask must follow them)."""
+        return self.decoder.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:

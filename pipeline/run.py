@@ -145,17 +145,13 @@ def _test_videos(paths: RunPaths) -> list[dict[str, str]]:
 
 
 def _test_samples(paths: RunPaths, limit: int) -> list:
-    """Up to `limit` decoded test samples from the preprocess shards."""
-    from pipeline.schema import decode
+    """Up to `limit` decoded test samples from the preprocess shards (the manifest's current
+    sample per video, by key)."""
     from preprocess import manifest as mf
+    from train.data import read_samples
 
     rows = mf.read_table(mf.manifest_path(paths.shards))
-    samples = []
-    for shard in mf.ok_shards(rows, "test"):
-        samples.extend(decode(fields) for fields in mf.iter_shard(shard))
-        if len(samples) >= limit:
-            break
-    return samples[:limit]
+    return read_samples(mf.current_keys(rows, "test"), limit=limit)
 
 
 def stage_caption(cfg: Config, paths: RunPaths) -> dict[str, Any]:
@@ -239,8 +235,9 @@ def output_id(stage_hash_: str, stamp: dict[str, Any] | None) -> str:
     return hashlib.sha256(f"{stage_hash_}:{token}".encode()).hexdigest()[:16]
 
 
-def run(cfg: Config, stages: list[str] | None = None, force: bool = False) -> dict[str, dict[str, Any]]:
-    """Run the selected stages in order; returns {stage: summary}."""
+def run(cfg: Config, stages: list[str] | None = None, force: bool = False, console=None) -> dict[str, dict[str, Any]]:
+    """Run the selected stages in order; returns {stage: summary}. `console`: a
+    pipeline.console.QuietConsole that draws each stage's bar (None: plain prints only)."""
     paths = RunPaths(cfg.run_dir)
     available = {s.name: s for s in _available_stages()}
     wanted = [s for s in STAGE_ORDER if s in available and (stages is None or s in stages)]
@@ -277,14 +274,25 @@ def run(cfg: Config, stages: list[str] | None = None, force: bool = False) -> di
             if name in wanted:
                 results[name] = {**done["summary"], "seconds": done["seconds"], "cached": True}
                 print(f"[run] {name}: outputs exist for this config, skipped (--force redoes it)", flush=True)
+                if console is not None:
+                    console.print(f"{name:<10} skipped: outputs exist for this config (--force redoes it)")
             continue
         if stage.uses_ray:
             init_ray(cfg)
         storage.remove(stamp)  # from here until the new stamp the outputs belong to no config
         print(f"[run] {name}: starting", flush=True)
+        if console is not None:
+            console.stage_start(name)
         t0 = time.perf_counter()
-        summary = stage.fn(cfg, paths)
+        try:
+            summary = stage.fn(cfg, paths)
+        except BaseException:
+            if console is not None:
+                console.stage_end("failed")
+            raise
         seconds = time.perf_counter() - t0
+        if console is not None:
+            console.stage_end()
         done = {"stage": name, "hash": h, "token": uuid.uuid4().hex, "summary": summary, "seconds": seconds}
         storage.write_json(stamp, done)
         upstream = output_id(h, done)
@@ -305,6 +313,41 @@ def format_summary(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _run_quietly(cfg: Config, stages: list[str] | None, force: bool) -> dict[str, dict[str, Any]]:
+    """`run` with the quiet console: bars and the summary on the terminal, all else in the log."""
+    import traceback
+
+    from pipeline.console import QuietConsole
+
+    def finish() -> None:
+        # Ray forwards the workers' last lines until it shuts down: let them go to the log.
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        console.close()
+
+    console = QuietConsole(cfg.run_dir, cfg.train.max_steps)
+    console.print(f"log (Ray and the stages' own output): {console.log_path}")
+    try:
+        results = run(cfg, stages, force=force, console=console)
+    except SystemExit:
+        finish()
+        raise
+    except BaseException:
+        traceback.print_exc()  # into the log; its last line also reaches the terminal
+        time.sleep(0.2)
+        console.print(f"the run failed: the whole traceback is in {console.log_path}")
+        finish()
+        raise SystemExit(1)
+    console.print()
+    for line in format_summary(results).splitlines():
+        console.print(line)
+    console.print(f"\nrun directory: {cfg.run_dir}")
+    finish()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML preset (default: the embedded default)")
@@ -312,14 +355,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="override a config value, e.g. --set train.max_steps=10 (repeatable)")
     ap.add_argument("--stages", default="", help=f"comma-separated subset of {','.join(STAGE_ORDER)}")
     ap.add_argument("--force", action="store_true", help="redo stages even when their outputs exist")
+    ap.add_argument("--verbose", action="store_true",
+                    help="show Ray's and the stages' own output live (default: one bar per stage, the rest in <run_dir>/logs/)")
     args = ap.parse_args(argv)
 
     cfg = load_config(args.config, args.overrides)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()] or None
-    results = run(cfg, stages, force=args.force)
-    print()
-    print(format_summary(results))
-    print(f"\nrun directory: {cfg.run_dir}")
+    if args.verbose:
+        results = run(cfg, stages, force=args.force)
+        print()
+        print(format_summary(results))
+        print(f"\nrun directory: {cfg.run_dir}")
+    else:
+        results = _run_quietly(cfg, stages, args.force)
     failed = sum(int(r.get("failed", 0) or 0) for r in results.values())
     return 1 if failed and os.environ.get("PADCAP_STRICT") else 0
 

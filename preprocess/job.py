@@ -10,8 +10,9 @@ decode + encode in an actor pool (`ActorPoolStrategy`, encoders built once per
 actor), validates each sample against `pipeline.schema`, writes the ok samples
 with `write_webdataset` and one manifest row per video (ok or error, with the
 reason). Work is committed chunk by chunk (see `preprocess/manifest.py`), so a
-re-run skips videos already `ok` for the same feature config and a killed run
-resumes without duplicates.
+re-run skips videos already `ok` for the same feature config and the same annotation
+(its hash; edited captions, times or splits redo the video) and a killed run resumes
+without duplicates.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class FeaturizeVideos:
             )
             row = mf.empty_row(video_id=ann.video_id, uri=str(batch["uri"][i]), split=ann.split,
                                source=ann.source, feature_hash=self.feature_hash, chunk=str(batch["chunk"][i]),
+                               annotation_hash=str(batch["annotation_hash"][i]),
                                clipped_events=ann.clipped, num_events=len(ann.events), duration=ann.duration)
             fields: dict[str, Any] = {KEY: "", **{c: b"" for c in FIELDS}}  # typed empties for error rows
             try:
@@ -94,13 +96,17 @@ def _resolve_videos(video_root: str, extensions: list[str]) -> dict[str, str]:
     return found
 
 
-def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, done_ok: set[str]):
-    """Rows to featurize and error rows known before any decoding."""
+def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, done_ok: dict[str, str]):
+    """Rows to featurize and error rows known before any decoding.
+
+    done_ok: {video id: annotation hash} of the videos already ok; one is redone when its
+    annotation hash changed. Returns (rows to featurize, error rows, ids skipped as done)."""
     videos = _resolve_videos(video_root, cfg.data.video_extensions)
     feature_hash = section_hash(cfg.features)
     todo: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
+    skipped: list[str] = []
     for split, (path, fmt) in sorted(annotations.items()):
         anns, bad = read_annotations(path, fmt, split)
         for err in bad:
@@ -109,23 +115,25 @@ def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str,
         for ann in anns:
             if ann.video_id in seen:
                 errors.append(mf.empty_row(video_id=ann.video_id, split=split, source=fmt, status="error",
-                                           error="annotation: duplicate video id (first record kept)",
-                                           feature_hash=feature_hash, seconds=0.0))
+                                           error=mf.DUPLICATE_ID_ERROR, feature_hash=feature_hash, seconds=0.0))
                 continue
             seen.add(ann.video_id)
-            if ann.video_id in done_ok:
+            events = [asdict(e) for e in ann.events]
+            ann_hash = mf.annotation_hash(split, fmt, ann.duration, events)
+            if done_ok.get(ann.video_id) == ann_hash:
+                skipped.append(ann.video_id)
                 continue
             uri = videos.get(ann.video_id)
             if uri is None:
                 errors.append(mf.empty_row(video_id=ann.video_id, split=split, source=fmt, status="error",
                                            error=f"media: no video file for this id under {video_root}",
-                                           feature_hash=feature_hash, num_events=len(ann.events),
+                                           feature_hash=feature_hash, annotation_hash=ann_hash, num_events=len(ann.events),
                                            duration=ann.duration, seconds=0.0))
                 continue
             todo.append({"video_id": ann.video_id, "uri": uri, "split": split, "source": fmt,
                          "duration": float(ann.duration), "clipped_events": int(ann.clipped),
-                         "events": json.dumps([asdict(e) for e in ann.events], ensure_ascii=False)})
-    return todo, errors
+                         "annotation_hash": ann_hash, "events": json.dumps(events, ensure_ascii=False)})
+    return todo, errors, skipped
 
 
 def _pyarrow_fs(path: str):
@@ -188,10 +196,9 @@ def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_r
     removed = mf.remove_uncommitted(out_dir, set(parts))
     if removed:
         print(f"[preprocess] removed {len(removed)} uncommitted chunk(s) of an interrupted run: {removed}", flush=True)
-    done_ok = {r["video_id"] for rows in parts.values() for r in rows
-               if r["status"] == "ok" and r["feature_hash"] == feature_hash}
-    todo, early_errors = _plan(cfg, annotations, video_root, done_ok)
-    print(f"[preprocess] {len(todo)} videos to process, {len(done_ok)} already done, "
+    done_ok = mf.done_videos(parts, feature_hash)
+    todo, early_errors, skipped = _plan(cfg, annotations, video_root, done_ok)
+    print(f"[preprocess] {len(todo)} videos to process, {len(skipped)} already done, "
           f"{len(early_errors)} failed before decoding", flush=True)
 
     chunks = [todo[i:i + chunk_videos] for i in range(0, len(todo), chunk_videos)]

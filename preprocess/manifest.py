@@ -7,12 +7,20 @@ a killed run: it is deleted on the next run and its videos are redone, so a
 killed-and-restarted run ends with exactly the samples of an uninterrupted one.
 `manifest.parquet` is the consolidation of all parts (latest row per video).
 
+Re-runs. A video is done when its latest ok row has the same feature hash *and* the same
+`annotation_hash` (its split, source, duration and events as read): edited captions,
+times or splits redo it. A redone video leaves its old sample in an older chunk's shard
+(same key, maybe another split's tar), so readers never take whole tars: they take the
+manifest's current (shard, key) per video (`current_keys`, `train.data.read_shard_records`).
+
 Pure python + pyarrow (no ray).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import tarfile
 from typing import Any
 
@@ -36,9 +44,20 @@ COLUMNS: dict[str, pa.DataType] = {
     "clipped_events": pa.int64(),
     "duration": pa.float64(),
     "feature_hash": pa.string(),
+    "annotation_hash": pa.string(),  # what the sample was built from (annotation_hash()); None in old manifests
     "seconds": pa.float64(),
     "chunk": pa.string(),
 }
+
+
+DUPLICATE_ID_ERROR = "annotation: duplicate video id (first record kept)"
+
+
+def annotation_hash(split: str, source: str, duration: float, events: list[dict[str, Any]]) -> str:
+    """Hash of one video's annotation as preprocessing uses it (events as dicts, in order)."""
+    blob = json.dumps({"split": split, "source": source, "duration": float(duration), "events": events},
+                      sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def empty_row(**values: Any) -> dict[str, Any]:
@@ -99,8 +118,10 @@ def consolidate(out_dir: str) -> list[dict[str, Any]]:
     for rows in committed_parts(out_dir).values():
         for row in rows:
             prev = latest.get(row["video_id"])
-            if prev is not None and prev["status"] == "ok" and row["status"] != "ok":
-                continue  # an ok sample is never replaced by a later failure of a duplicate id
+            if prev is not None and prev["status"] == "ok" and row["error"] == DUPLICATE_ID_ERROR:
+                continue  # an ok sample is never replaced by a later record repeating its id
+            # any other later row wins, a failure too: the video was redone (its annotation
+            # changed) and the old sample no longer matches it
             latest[row["video_id"]] = row
     rows = sorted(latest.values(), key=lambda r: (r["split"] or "", r["video_id"]))
     write_table(manifest_path(out_dir), rows)
@@ -131,10 +152,33 @@ def iter_shard(shard_path: str):
     yield from groups.values()
 
 
+def done_videos(parts: dict[str, list[dict[str, Any]]], feature_hash: str) -> dict[str, str]:
+    """{video id: annotation hash} of the videos whose latest row (in commit order) is ok with
+    `feature_hash`; the rows of other records repeating an id do not count."""
+    latest: dict[str, dict[str, Any]] = {}
+    for rows in parts.values():
+        for row in rows:
+            if row["error"] != DUPLICATE_ID_ERROR:
+                latest[row["video_id"]] = row
+    return {vid: r.get("annotation_hash") or "" for vid, r in latest.items()
+            if r["status"] == "ok" and r["feature_hash"] == feature_hash}
+
+
+def current_keys(rows: list[dict[str, Any]], split: str | None = None) -> dict[str, list[str]]:
+    """{shard: sorted sample keys} of the manifest's ok rows (of one split): the only records
+    a reader may take from those shards (older samples of redone videos share them)."""
+    out: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] == "ok" and (split is None or r["split"] == split):
+            out.setdefault(r["shard"], []).append(r["key"])
+    return {shard: sorted(keys) for shard, keys in sorted(out.items())}
+
+
 def ok_shards(rows: list[dict[str, Any]], split: str | None = None) -> list[str]:
     """The shard files holding the ok samples (of one split), sorted."""
     return sorted({r["shard"] for r in rows if r["status"] == "ok" and (split is None or r["split"] == split)})
 
 
-__all__ = ["COLUMNS", "KEY", "consolidate", "committed_parts", "empty_row", "iter_shard", "manifest_path", "ok_shards",
+__all__ = ["COLUMNS", "DUPLICATE_ID_ERROR", "KEY", "annotation_hash", "consolidate", "committed_parts", "current_keys",
+           "done_videos", "empty_row", "iter_shard", "manifest_path", "ok_shards",
            "read_table", "remove_uncommitted", "shard_keys", "shards_dir", "write_table"]

@@ -29,9 +29,12 @@ Container metadata (title, comment tags) is read with undecodable bytes replaced
 cameras and old muxers write Latin-1 / GBK tags, and PyAV's strict UTF-8 default
 would reject an otherwise valid file for a tag we never use.
 
-Timeline. duration = end of the last video frame (its pts + frame duration)
-relative to the first frame. Frames are sampled by `frame_schedule` (see there for
-the exact count and segment rules). Every problem with a file raises `MediaError`
+Timeline. duration = the video stream's declared length (stream / track / container
+duration) once checked against the demuxed frame times, else the end of the last video
+frame (its pts + frame duration) relative to the first frame; see preprocess/timing.py
+(variable frame rates, truncated Matroska/WebM/AVI, timing that cannot be trusted).
+Frames are sampled by `frame_schedule` (see there for the exact count and segment rules).
+Every problem with a file raises `MediaError`
 whose `kind` is one of MediaError.KINDS and whose message says what is wrong.
 """
 
@@ -48,6 +51,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from pipeline.config import FeaturesConfig
+from preprocess.timing import Timing, read_timing, video_duration
 
 CHUNK_BYTES = 8 * 1024 * 1024
 _MP4_EXTENSIONS = {".mp4", ".m4v", ".mov", ".m4a", ".3gp"}
@@ -57,7 +61,8 @@ METADATA_ERRORS = "replace"  # how PyAV decodes non-UTF-8 metadata tags (its def
 class MediaError(ValueError):
     """A video cannot be used; `kind` names the failure class, the message explains it."""
 
-    KINDS = ("missing", "empty", "too_large", "not_media", "truncated", "no_video", "undecodable", "annotation")
+    KINDS = ("missing", "empty", "too_large", "not_media", "truncated", "no_video", "undecodable", "annotation",
+             "bad_timing")
 
     def __init__(self, reason: str, kind: str = "undecodable"):
         if kind not in self.KINDS:
@@ -249,6 +254,7 @@ class _Probe:
     video_start: float  # seconds
     width: int
     height: int
+    timing: Timing | None = None  # the demuxer's view of the video timeline (None: no video packets)
 
 
 def _probe(path: str, uri: str) -> _Probe:
@@ -264,13 +270,20 @@ def _probe(path: str, uri: str) -> _Probe:
             if v.codec_context is None:  # PyAV leaves it unset when no decoder matches the codec tag
                 raise MediaError(f"video stream uses a codec this build has no decoder for: {uri}", "undecodable")
             start = float(v.start_time * v.time_base) if v.start_time is not None and v.time_base else 0.0
-            return _Probe(True, bool(aus), start, int(v.codec_context.width or 0), int(v.codec_context.height or 0))
+            width, height = int(v.codec_context.width or 0), int(v.codec_context.height or 0)
+            return _Probe(True, bool(aus), start, width, height, read_timing(container))
     except av.error.FFmpegError as e:
         raise MediaError(f"not a readable media container ({e.__class__.__name__}: {e}): {uri}", "not_media") from e
 
 
-def _read_frames(path: str, uri: str, cfg: FeaturesConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float, int]:
-    """decord: -> (frames uint8 [N,H,W,3], frame_times [N], segment_times [T,2], duration, fps, num_source_frames)."""
+def _read_frames(path: str, uri: str, cfg: FeaturesConfig,
+                 timing: Timing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float, int]:
+    """decord: -> (frames uint8 [N,H,W,3], frame_times [N], segment_times [T,2], duration, fps, num_source_frames).
+
+    The duration is the container's declared video length once `timing.video_duration` has
+    checked it against the frames (VFR files: decord's guess for the last frame is off),
+    else decord's end of the last frame.
+    """
     import decord
 
     size = cfg.image_size if cfg.image_size > 0 else -1
@@ -283,6 +296,9 @@ def _read_frames(path: str, uri: str, cfg: FeaturesConfig) -> tuple[np.ndarray, 
         raise MediaError(f"video stream cannot be opened by decord ({_first_line(e)}): {uri}", "undecodable") from e
     starts = stamps[:, 0] - stamps[0, 0]
     duration = round(float(stamps[-1, 1] - stamps[0, 0]), 6)  # decord's stamps are float32-ish
+    declared = video_duration(timing, fps, uri) if timing is not None else None
+    if declared is not None:
+        duration = round(declared, 6)
     if not (math.isfinite(duration) and duration > 0):
         duration = count / fps if fps > 0 else 0.0
         starts = np.arange(count) / fps if fps > 0 else starts
@@ -357,7 +373,7 @@ def decode_video(uri: str, cfg: FeaturesConfig, storage_options: dict[str, Any] 
         if not probe.has_video:
             what = "an audio-only file" if probe.has_audio else "a container without streams"
             raise MediaError(f"no video stream ({what}): {uri}", "no_video")
-        frames, frame_times, segment_times, duration, fps, count = _read_frames(path, uri, cfg)
+        frames, frame_times, segment_times, duration, fps, count = _read_frames(path, uri, cfg, probe.timing)
         audio = _read_audio(path, uri, cfg.sample_rate, probe.video_start, duration) if probe.has_audio else None
     return DecodedVideo(
         uri=uri,

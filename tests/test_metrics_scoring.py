@@ -268,3 +268,48 @@ def test_report_files_written(sc, tmp_path):
     for png in pngs + [tmp_path / "report" / "metrics.png"]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.dumps(public_result(result))  # JSON-ready
+
+
+def _published_soda_c(sc, ref_caps, ref_times, pred_caps, pred_times, scorer) -> float:
+    """SODA_c of one video computed the way fujiso/SODA's calc_score_matrix + soda_c do it:
+    per reference caption g one `scorer.compute_score(res, gts)` call with res = the
+    predictions and gts = g at every prediction index (so g is scored as the hypothesis)."""
+    from pipeline.metrics.soda import soda_dp
+
+    res = {i: [p] for i, p in enumerate(sc.tokenize(pred_caps))}
+    rows = [scorer.compute_score(res, {i: [g] for i in range(len(pred_caps))})[1] for g in sc.tokenize(ref_caps)]
+    score = np.asarray(rows, dtype=np.float64)  # [R, P]
+    iou = np.array([[tiou(p, r) for p in pred_times] for r in ref_times])
+    best, _ = soda_dp(iou * score)
+    prec, rec = best / len(pred_caps), best / len(ref_caps)
+    return 2 * prec * rec / (prec + rec) if prec + rec > 0 else 0.0
+
+
+def test_soda_c_default_is_the_published_direction_documented_is_an_option(sc):
+    ref_caps = ["a man plays the guitar on a big wooden stage under bright lights", "the crowd claps",
+                "a dog runs across the park"]
+    ref_times = [[0.0, 10.0], [10.0, 20.0], [20.0, 30.0]]
+    pred_caps = ["a man plays guitar", "the crowd claps and cheers loudly for the band on the stage", "a dog runs",
+                 "a red dog runs across the green park with a ball"]
+    pred_times = [[0.0, 9.0], [9.0, 21.0], [19.0, 26.0], [24.0, 30.0]]  # sorted by start, like the references
+    ref = {"v": {"duration": 30.0, "timestamps": ref_times, "sentences": ref_caps}}
+    pred = {"results": {"v": [{"timestamp": t, "sentence": c} for t, c in zip(pred_times, pred_caps)]}}
+    meteor = sc.meteor_scorer()
+    published = _published_soda_c(sc, ref_caps, ref_times, pred_caps, pred_times, meteor)
+    got = evaluate(pred, ref, "soda", scorers=sc, soda_cider=True)
+    assert got["metrics"]["SODA_c"] == pytest.approx(published, abs=1e-9)
+    assert got["variant"]["direction"].startswith("published (fujiso/SODA")
+    # the published CIDEr variant: IDF per reference row over the video's predictions
+    assert got["metrics"]["SODA_c_CIDEr"] == pytest.approx(
+        _published_soda_c(sc, ref_caps, ref_times, pred_caps, pred_times, Cider()), abs=1e-9)
+
+    documented = evaluate(pred, ref, "soda", scorers=sc, soda_cider=True, soda_direction="documented")
+    # METEOR's own direction is the published computation with the two sides swapped
+    hand = _published_soda_c(sc, pred_caps, pred_times, ref_caps, ref_times, meteor)
+    assert documented["metrics"]["SODA_c"] == pytest.approx(hand, abs=1e-9)
+    assert abs(documented["metrics"]["SODA_c"] - got["metrics"]["SODA_c"]) > 1e-3  # the direction matters here
+    assert documented["variant"]["direction"].startswith("documented")
+    assert abs(documented["metrics"]["SODA_c_CIDEr"] - got["metrics"]["SODA_c_CIDEr"]) > 1e-3
+    assert evaluate(pred, ref, "padcaptioner", scorers=sc)["variant"]["SODA_c"].endswith(got["variant"]["direction"] + ")")
+    with pytest.raises(ValueError, match="soda_direction"):
+        evaluate(pred, ref, "soda", scorers=sc, soda_direction="sideways")

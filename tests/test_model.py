@@ -363,3 +363,14 @@ def test_decoding_pieces_agree_with_training(model):
     first = model.lm_logits(out.last_hidden_state[0, -1:])
     assert torch.allclose(first, model.forward_train(tb)["text_logits"][:1], atol=ATOL)
     assert model.lm_head is not None and model.g_id != model.s_id and len(model.decoder.layers) == 4
+
+
+def test_dtype_follows_the_weights_not_the_config():
+    # DeepSpeed bf16 casts the module of a float32-config model; the mask must be built in bf16 then.
+    m = PadCaptioner(tiny_cfg())
+    assert m.cfg.dtype == "float32" and m.dtype == torch.float32
+    m.to(torch.bfloat16)
+    assert m.dtype == torch.bfloat16
+    mask = torch.tensor([[0.0, 1.0]])
+    additive = m.additive(mask)
+    assert additive.dtype == torch.bfloat16 and additive[0, 1] == torch.finfo(torch.bfloat16).min

@@ -78,9 +78,9 @@ def test_featurize_actor_is_a_pure_batch_function(corpus):
     batch = {"video_id": np.array([vid, "nope"]), "uri": np.array([path, path + ".missing"]),
              "duration": np.array([ann["duration"]] * 2), "events": np.array([json.dumps(events)] * 2),
              "split": np.array(["train"] * 2), "source": np.array(["longvale"] * 2),
-             "clipped_events": np.array([0, 0]), "chunk": np.array(["c", "c"])}
+             "clipped_events": np.array([0, 0]), "chunk": np.array(["c", "c"]), "annotation_hash": np.array(["h1", "h2"])}
     out = actor(batch)
-    assert out["status"] == ["ok", "error"]
+    assert out["status"] == ["ok", "error"] and out["annotation_hash"] == ["h1", "h2"]
     assert decode({k: out[k][0] for k in ("__key__", "meta.json", "times.npy", "visual.npy", "audio.npy")}).video_id == vid
     assert "MediaError" in out["error"][1]
 
@@ -180,3 +180,43 @@ def test_s3_in_and_out(ray_local, corpus, s3_server, tmp_path):
     rows = mf.read_table("s3://test/shards/manifest.parquet")
     assert all(r["shard"].startswith("s3://test/shards/shards/") for r in rows)
     check_against_annotations(rows, info, cfg)
+
+
+def test_edited_annotations_redo_the_video_and_readers_take_only_the_new_sample(ray_local, corpus, tmp_path, capsys):
+    from train.data import read_samples as read_current
+    from train.trainer import read_train_dataset
+
+    cfg, info = corpus
+    anns = {s: json.loads(Path(p).read_text()) for s, p in info.longvale.items()}
+    files = {s: tmp_path / f"{s}.json" for s in anns}
+    for s, a in anns.items():
+        files[s].write_text(json.dumps(a))
+    spec = {s: (str(f), "longvale") for s, f in files.items()}
+    out = str(tmp_path / "out")
+    run_preprocess(cfg, spec, info.video_dir, out, chunk_videos=5)
+    first = {r["video_id"]: r for r in mf.read_table(mf.manifest_path(out))}
+
+    # Edit one caption; move another video from train to test (same file, new split).
+    edited, moved = sorted(anns["train"])[:2]
+    anns["train"][edited]["sentences"][0] = "An edited caption."
+    anns["test"][moved] = anns["train"].pop(moved)
+    for s, a in anns.items():
+        files[s].write_text(json.dumps(a))
+    capsys.readouterr()
+    summary = run_preprocess(cfg, spec, info.video_dir, out, chunk_videos=5)
+    assert "2 videos to process, 3 already done" in capsys.readouterr().out
+    assert summary["ok"] == 5 and summary["splits"] == {"test": len(anns["test"]), "train": len(anns["train"])}
+    rows = mf.read_table(mf.manifest_path(out))
+    by_id = {r["video_id"]: r for r in rows}
+    assert {v for v in by_id if by_id[v]["chunk"] != first[v]["chunk"]} == {edited, moved}
+    assert by_id[moved]["split"] == "test" and by_id[edited]["annotation_hash"] != first[edited]["annotation_hash"]
+
+    # The old samples are still in the first chunk's tars; readers take the current key only.
+    assert len([s for s in read_current(mf.ok_shards(rows))]) == 7  # whole tars: 2 stale samples
+    current = read_current(mf.current_keys(rows))
+    assert sorted(s.video_id for s in current) == sorted(by_id)
+    got = {s.video_id: s for s in current}
+    assert got[edited].events[0].caption == "An edited caption." and got[moved].split == "test"
+    ds = read_train_dataset(mf.current_keys(rows, "train"), cfg)
+    train_keys = [r["__key__"] for r in ds.take_all()]
+    assert train_keys == sorted(by_id[v]["key"] for v in anns["train"])  # once each, sorted, `moved` gone

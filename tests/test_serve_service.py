@@ -117,6 +117,7 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
         engines.append(eng)
         return eng
 
+    service.decoders.warm(4, wait=True)  # the requests' decodes end together, as on a started replica
     svc = CaptionService(cfg, recording_factory, card, featurizer=service._featurize)
     names = ["a.mp4", "b.mp4", "c.mp4"]
     try:
@@ -207,6 +208,47 @@ def test_decode_timeout_is_a_422_and_frees_the_loop(service, tree):
         assert ticks < 0.4 and err.status == 422 and err.code == "decode_timeout" and elapsed < 5
     finally:
         release.set()
+        svc.close()
+
+
+def test_stuck_decodes_are_killed_and_the_replica_keeps_serving(parts, tree, tmp_path):
+    # serve.decode_timeout_s must free what the stuck decode held: with 2 decode workers,
+    # 4 files whose decode never returns, then a good file that must be served as usual.
+    import dataclasses
+    import os
+    import shutil
+
+    from tests.support.serve_cases import hanging_featurizer
+
+    factory, card, cfg = parts
+    cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, decode_timeout_s=3.0, decode_workers=2))
+    hang = tmp_path / "hang.mp4"
+    shutil.copy(tree.good, hang)
+    svc = CaptionService(cfg, factory, card, featurizer_factory=hanging_featurizer)
+    try:
+        async def good():
+            t0 = time.perf_counter()
+            body = await svc.caption_file(str(tree.good), "good.mp4")
+            return body, time.perf_counter() - t0
+
+        async def stuck():
+            return await asyncio.gather(*(svc.caption_file(str(hang), f"hang{i}.mp4") for i in range(4)),
+                                        return_exceptions=True)
+
+        first, _ = run(good())  # starts a worker
+        _, usual = run(good())
+        errors = run(stuck())
+        assert all(isinstance(e, RequestError) and e.status == 422 and e.code == "decode_timeout" for e in errors)
+        killed = list(svc.decoders.killed)
+        assert len(killed) >= 2 and svc.counters["decode_workers_killed"] >= 2
+        after, took = run(good())
+        assert _events(after) == _events(first)
+        assert took < usual + 30  # generous: at most the boot of a replacement worker on a busy box
+        for pid in killed:  # the stuck decoders are gone, not left running
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert 1 <= len(svc.decoders.pids()) <= 2
+    finally:
         svc.close()
 
 

@@ -55,6 +55,30 @@ def test_read_shard_records_gives_raw_bytes_that_decode(tmp_path):
     assert np.array_equal(got[1].visual, src[1].visual)
 
 
+def test_readers_take_only_the_manifests_current_key_per_shard(tmp_path):
+    # v1 was redone (its caption edited): its old sample stays in the old tar under the same key.
+    import dataclasses
+
+    from preprocess import manifest as mf
+
+    old = samples_n(3)
+    edited = dataclasses.replace(old[1], events=[dataclasses.replace(e, caption="edited.") for e in old[1].events])
+    old_tar = write_tar(tmp_path / "old.tar", [old[2], old[1], old[0]])
+    new_tar = write_tar(tmp_path / "new.tar", [edited])
+    rows = [mf.empty_row(video_id=f"v{i}", status="ok", split="train", shard=old_tar, key=encode(old[i])[KEY]) for i in (0, 2)]
+    rows.append(mf.empty_row(video_id="v1", status="ok", split="train", shard=new_tar, key=encode(edited)[KEY]))
+    rows.append(mf.empty_row(video_id="v9", status="error", split="train"))
+    keys = mf.current_keys(rows, "train")
+    key = [encode(s)[KEY] for s in old]
+    assert keys == {old_tar: sorted([key[0], key[2]]), new_tar: [key[1]]}
+    got = read_samples(keys)  # sorted by key, one sample per video, the current one
+    assert [s.video_id for s in got] == ["v0", "v1", "v2"] and got[1].events[0].caption == "edited."
+    assert [s.video_id for s in read_samples(keys, limit=2)] == ["v0", "v1"]
+    whole = read_samples(mf.ok_shards(rows, "train"))  # whole tars: the stale v1 as well
+    assert sorted(s.video_id for s in whole) == ["v0", "v1", "v1", "v2"]
+    assert [r[KEY] for r in read_shard_records([old_tar], keys=keys)] == [key[2], key[0]]  # file order
+
+
 def test_corrupt_records_are_skipped_and_counted(tmp_path, model):
     src = samples_n(5)
     bad_meta = json.loads(encode(src[3])[META])

@@ -59,8 +59,22 @@ def test_deepspeed_config_from_train_config():
     assert ds["train_batch_size"] == 2 * 4 * 8 and ds["train_micro_batch_size_per_gpu"] == 2
     assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 0.5
     assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"]["enabled"] is True
-    cpu = deepspeed_config(TrainConfig(zero_stage=3), world_size=2, on_gpu=False)
+    cpu = deepspeed_config(TrainConfig(zero_stage=1), world_size=2, on_gpu=False)
     assert cpu["bf16"]["enabled"] is False and cpu["zero_optimization"]["overlap_comm"] is False
     assert deepspeed_config(TrainConfig(zero_stage=0), 1, False)["zero_optimization"] == {"stage": 0}
     with pytest.raises(ValueError, match="zero_stage"):
         deepspeed_config(TrainConfig(zero_stage=4), 1, False)
+
+
+def test_zero_stage_3_is_refused_before_any_worker_starts(tmp_path):
+    # PadCaptioner reads new_embed / new_out / modality_embed.weight outside submodule forwards
+    # and trains through forward_train: under ZeRO-3 those weights would never be gathered.
+    from pipeline.config import Config
+    from train.trainer import build_trainer
+
+    with pytest.raises(ValueError, match="zero_stage=3 is not supported.*new_embed"):
+        deepspeed_config(TrainConfig(zero_stage=3), 2, True)
+    cfg = Config()
+    cfg.train.backend, cfg.train.zero_stage = "deepspeed", 3
+    with pytest.raises(ValueError, match="zero_stage=3 is not supported"):  # before the manifest is even read
+        build_trainer(cfg, str(tmp_path / "no shards here"), str(tmp_path / "out"))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import tarfile
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -81,17 +81,23 @@ def _group_tar(fileobj, url: str) -> Iterator[dict[str, Any]]:
         yield current
 
 
-def read_shard_records(paths: Sequence[str], stats: DataStats | None = None) -> Iterator[dict[str, Any]]:
+def read_shard_records(paths: Sequence[str], stats: DataStats | None = None,
+                       keys: Mapping[str, Collection[str]] | None = None) -> Iterator[dict[str, Any]]:
     """Raw records of WebDataset tars (local paths or s3:// URIs), in file order.
 
+    keys: {shard: keys} (`preprocess.manifest.current_keys`): only those records of each
+    shard (a redone video's older sample stays in an older tar under the same key).
     A tar that is unreadable or truncated contributes the records before the damage;
     the damage is counted as one skipped record with the reason, and reading goes on.
     """
     for path in paths:
         fs, inner = storage.filesystem(path)
+        wanted = None if keys is None else set(keys.get(path, ()))
         try:
             with fs.open(inner, "rb") as f:
-                yield from _group_tar(f, path)
+                for record in _group_tar(f, path):
+                    if wanted is None or record[KEY] in wanted:
+                        yield record
         except (tarfile.TarError, OSError, EOFError) as e:
             if stats is not None:
                 stats.skip(f"unreadable shard {path.rsplit('/', 1)[-1]}: {type(e).__name__}: {e}")
@@ -108,11 +114,21 @@ def decode_record(record: dict[str, Any]) -> Sample:
         raise SchemaError(f"record {record.get(KEY, '?')!r}: {type(e).__name__}: {e}") from None
 
 
-def read_samples(paths: Sequence[str], limit: int = 0, stats: DataStats | None = None) -> list[Sample]:
-    """Decoded samples of some shards (validation / evaluation sets); corrupt records skipped."""
+def read_samples(paths: Sequence[str] | Mapping[str, Collection[str]], limit: int = 0,
+                 stats: DataStats | None = None) -> list[Sample]:
+    """Decoded samples of some shards (validation / evaluation sets); corrupt records skipped.
+
+    paths: shard paths (every record, in file order) or {shard: keys} as
+    `preprocess.manifest.current_keys` gives them: only those records, sorted by key before
+    `limit` applies, so the set and its order do not depend on how the shards were written.
+    """
     stats = stats if stats is not None else DataStats()
     out: list[Sample] = []
-    for rec in read_shard_records(paths, stats):
+    keys = paths if isinstance(paths, Mapping) else None
+    records = read_shard_records(list(paths), stats, keys)
+    if keys is not None:
+        records = sorted(records, key=lambda r: r[KEY])
+    for rec in records:
         stats.records += 1
         try:
             out.append(decode_record(rec))

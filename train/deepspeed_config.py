@@ -4,8 +4,12 @@
     engine, *_ = deepspeed.initialize(model=step_module, model_parameters=params,
                                       optimizer=adamw, lr_scheduler=make_sched, config=ds_config)
 
-ZeRO stage `train.zero_stage` (0-3; the GPU presets use 2: optimizer state and gradients
-partitioned, weights replicated). The optimizer (AdamW) and the warmup + cosine
+ZeRO stage `train.zero_stage` (0-2; the GPU presets use 2: optimizer state and gradients
+partitioned, weights replicated). Stage 3 is refused (`check_zero_stage`): it partitions
+the weights too and gathers a module's parameters only around that module's own
+forward, but PadCaptioner reads `new_embed`, `new_out` and `modality_embed.weight[i]`
+directly (outside any submodule forward) and training enters through `forward_train`,
+not `forward`, so under stage 3 those reads would see empty partitions. The optimizer (AdamW) and the warmup + cosine
 schedule stay the loop's own (train/optim.py) and are handed to `deepspeed.initialize`
 as client objects, so both backends train with the same maths; hence
 `zero_allow_untested_optimizer`. Batch sizes: micro batch per rank = `batch_size`,
@@ -19,11 +23,28 @@ from __future__ import annotations
 from typing import Any
 
 
-def deepspeed_config(train_cfg, world_size: int, on_gpu: bool) -> dict[str, Any]:
-    """The ds_config dict for this run."""
+ZERO3_REFUSED = (
+    "train.zero_stage=3 is not supported: ZeRO-3 partitions the weights and gathers a module's "
+    "parameters only inside that module's forward, while PadCaptioner reads new_embed, new_out and "
+    "modality_embed.weight directly and trains through forward_train, so those weights would be "
+    "empty partitions. Use train.zero_stage=2 (optimizer state and gradients partitioned) or "
+    "train.backend=ddp."
+)
+
+
+def check_zero_stage(train_cfg) -> int:
+    """The ZeRO stage of `train_cfg`, or ValueError (out of range, or 3: see the module docstring)."""
     stage = int(train_cfg.zero_stage)
     if not 0 <= stage <= 3:
-        raise ValueError(f"train.zero_stage must be 0..3, got {stage}")
+        raise ValueError(f"train.zero_stage must be 0..2, got {stage}")
+    if stage == 3:
+        raise ValueError(ZERO3_REFUSED)
+    return stage
+
+
+def deepspeed_config(train_cfg, world_size: int, on_gpu: bool) -> dict[str, Any]:
+    """The ds_config dict for this run."""
+    stage = check_zero_stage(train_cfg)
     zero: dict[str, Any] = {"stage": stage}
     if stage >= 1:
         zero.update(
@@ -34,8 +55,6 @@ def deepspeed_config(train_cfg, world_size: int, on_gpu: bool) -> dict[str, Any]
             reduce_bucket_size=int(5e7),
             allgather_bucket_size=int(5e7),
         )
-    if stage == 3:
-        zero.update(stage3_gather_16bit_weights_on_model_save=False)
     return {
         "train_micro_batch_size_per_gpu": int(train_cfg.batch_size),
         "gradient_accumulation_steps": int(train_cfg.grad_accum),

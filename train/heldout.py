@@ -76,8 +76,11 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     return out
 
 
-def evaluate_heldout(cfg: Config, model_dir: str | Path, shard_paths: list[str]) -> dict[str, Any]:
-    """Teacher-forced and free-running numbers on the held-out split (see the module doc)."""
+def evaluate_heldout(cfg: Config, model_dir: str | Path, shard_paths) -> dict[str, Any]:
+    """Teacher-forced and free-running numbers on the held-out split (see the module doc).
+
+    shard_paths: shard paths, or {shard: keys} (`preprocess.manifest.current_keys`: the
+    manifest's current samples only, sorted by key)."""
     from pipeline.model import PadCaptioner
     from pipeline.release.checkpoint import is_release_dir
     from pipeline.release.finetune import release_tuner

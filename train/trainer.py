@@ -6,9 +6,13 @@
 Data: the ok shards of `train.train_split` from the preprocess manifest are read by
 `ray.data.read_webdataset(decoder=None)` (raw bytes per field; local paths or s3://
 through a pyarrow PyFileSystem over our fsspec one, AWS_* forwarded to the read tasks),
-materialised once, and split across workers (`get_dataset_shard("train")`); each worker
-shuffles its stream with a seeded buffer per epoch and decodes/collates it with
-train/data.py. Held-out samples (`train.val_split`) are read by every worker directly.
+keeping only the manifest's current (shard, key) per video (a redone video's older
+sample stays in its old tar), sorted by key and cut into blocks of a fixed row count,
+materialised once, and split across workers (`get_dataset_shard("train")`, locality off)
+so every run on the same manifest gives each worker the same rows in the same order,
+however Ray Data happened to write the shards; each worker shuffles its stream with a
+seeded buffer per epoch and decodes/collates it with train/data.py. Held-out samples
+(`train.val_split`) are read by every worker directly, the same way (current keys, sorted).
 
 Ray Train: `TorchTrainer` with `ScalingConfig` from train.num_workers / use_gpu /
 cpus_per_worker / gpus_per_worker, `RunConfig(storage_path=out_dir/ray)` (local or
@@ -38,10 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 import ray.train
 import torch
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import Checkpoint, CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,11 +56,13 @@ if str(ROOT) not in sys.path:
 from pipeline import storage  # noqa: E402
 from pipeline.cluster import init_ray, train_resources  # noqa: E402
 from pipeline.config import Config, load_config, section_hash  # noqa: E402
+from pipeline.schema import KEY  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
 from preprocess.encoders import encoder_versions  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
 from train.data import read_samples, shuffle_buffer  # noqa: E402
 from train.evaluate import caption_parser  # noqa: E402
+from train.deepspeed_config import check_zero_stage  # noqa: E402
 from train.loop import resolve_backend, train_loop  # noqa: E402
 
 CRASH_ENV = ("PADCAP_TRAIN_CRASH_AT_STEP", "PADCAP_TRAIN_CRASH_MARKER", "PADCAP_TRAIN_CRASH_RANK")
@@ -152,7 +159,7 @@ def train_worker(config: dict[str, Any]) -> None:
     cfg = Config.from_json(config["cfg"])
     ctx = RayContext()
     _set_dist_env(ctx)
-    val = read_samples(config["val_shards"], limit=cfg.train.val_samples)
+    val = read_samples(config["val_keys"], limit=cfg.train.val_samples)
     data = RayEpochs(ray.train.get_dataset_shard("train"), cfg.train.seed, cfg.train.shuffle_buffer, ctx.rank)
     train_loop(cfg, ctx, data, val, visual_dim=config["visual_dim"], audio_dim=config["audio_dim"],
                parse=caption_parser(cfg))
@@ -213,13 +220,29 @@ def clear_finished_run(ray_dir: str, name: str) -> bool:
     return True
 
 
-def read_train_dataset(paths: list[str], cfg: Config):
-    """Ray Data: raw WebDataset records (bytes per field) of the training shards, materialised."""
+ROWS_PER_BLOCK = 32  # training blocks hold this many rows (the last fewer): a layout fixed by the data alone
+
+
+def _current_only(batch: dict[str, Any], wanted: frozenset) -> dict[str, Any]:
+    """Ray Data batch filter: the rows whose (path, key) the manifest names, without the path."""
+    keep = np.array([f"{p}\0{k}" in wanted for p, k in zip(batch["path"], batch[KEY])], dtype=bool)
+    return {name: values[keep] for name, values in batch.items() if name != "path"}
+
+
+def read_train_dataset(keys: dict[str, list[str]], cfg: Config):
+    """Ray Data: raw WebDataset records (bytes per field) of the manifest's current keys per
+    shard (`preprocess.manifest.current_keys`), sorted by key in fixed-size blocks, materialised."""
+    paths = list(keys)
     fs, _ = _pyarrow_fs(paths[0])
-    inner = [_pyarrow_fs(p)[1] for p in paths]
-    ds = ray.data.read_webdataset(inner, filesystem=fs, decoder=None, num_cpus=0.25,
+    inner = {p: _pyarrow_fs(p)[1] for p in paths}
+    wanted = frozenset(f"{inner[p]}\0{k}" for p in paths for k in keys[p])
+    ds = ray.data.read_webdataset(list(inner.values()), filesystem=fs, decoder=None, num_cpus=0.25, include_paths=True,
                                   runtime_env={"env_vars": storage.forwarded_env()})
-    ds = ds.materialize()
+    ds = ds.map_batches(_current_only, fn_args=(wanted,), batch_format="numpy", num_cpus=0.25)
+    # Ray's sort picks range boundaries from random samples, so its blocks differ from run to
+    # run; the split across workers goes by blocks: re-cut the sorted rows into fixed blocks.
+    ds = ds.sort(KEY).materialize()
+    ds = ds.repartition(max(1, -(-ds.count() // ROWS_PER_BLOCK)), shuffle=False).materialize()
     ds.context.enable_progress_bars = False  # no bar per epoch from the workers' split coordinator
     return ds
 
@@ -241,8 +264,11 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
     """The TorchTrainer of run `name` (default: `train_run_name` of the config and the shards);
     `rows`: the manifest of `shards_dir` when the caller has read it already."""
     tc = cfg.train
+    if resolve_backend(tc, tc.use_gpu) == "deepspeed":
+        check_zero_stage(tc)  # refused here, on the driver, not in every worker after start-up
     rows = read_manifest(shards_dir) if rows is None else rows
-    train_paths, val_paths = mf.ok_shards(rows, tc.train_split), mf.ok_shards(rows, tc.val_split)
+    train_keys, val_keys = mf.current_keys(rows, tc.train_split), mf.current_keys(rows, tc.val_split)
+    train_paths = list(train_keys)
     if not train_paths:
         raise SystemExit(f"no ok shards of split {tc.train_split!r} in {mf.manifest_path(shards_dir)}")
     probe = read_samples(train_paths[:1], limit=1)
@@ -256,7 +282,7 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
         os.makedirs(path, exist_ok=True)
     return TorchTrainer(
         train_worker,
-        train_loop_config={"cfg": cfg.to_json(indent=None), "val_shards": val_paths, "visual_dim": int(dv),
+        train_loop_config={"cfg": cfg.to_json(indent=None), "val_keys": val_keys, "visual_dim": int(dv),
                            "audio_dim": int(da)},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
                                      accelerator_type=accelerator),
@@ -264,7 +290,8 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=max(1, tc.keep_checkpoints)),
                              worker_runtime_env={"env_vars": worker_env(cfg)}),
-        datasets={"train": read_train_dataset(train_paths, cfg)},
+        datasets={"train": read_train_dataset(train_keys, cfg)},
+        dataset_config=DataConfig(enable_shard_locality=False),  # block -> worker by rows only: reproducible
     )
 
 
@@ -321,7 +348,7 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
         learning_curve(history, plot_local, title=f"PadCaptioner training ({cfg.model.backbone}, mask={cfg.model.mask})")
         storage.write_bytes(storage.join(out_dir, "learning_curve.png"), plot_local.read_bytes())
         storage.write_json(storage.join(out_dir, "history.json"), history)
-        heldout = evaluate_heldout(cfg, local / ckpt.MODEL_DIR, mf.ok_shards(rows, cfg.train.val_split))
+        heldout = evaluate_heldout(cfg, local / ckpt.MODEL_DIR, mf.current_keys(rows, cfg.train.val_split))
     last = history[-1] if history else {}
     vals = [h for h in history if "val_grounding_f1@0.5" in h]
     val = {k[4:]: round(v, 4) for k, v in (vals[-1] if vals else {}).items() if k.startswith("val_")}

@@ -28,7 +28,7 @@ from pipeline.metrics.etbench import ETBENCH_TIOUS, etbench_sentences, evaluate_
 from pipeline.metrics.io import MAX_PREDICTIONS, EvalInput, InputError, load_inputs
 from pipeline.metrics.report import write_report
 from pipeline.metrics.scorers import Scorers
-from pipeline.metrics.soda import evaluate_soda, soda_dp, soda_plan
+from pipeline.metrics.soda import DIRECTIONS as SODA_DIRECTIONS, evaluate_soda, soda_dp, soda_plan
 from pipeline.metrics.tiou import tiou, tiou_matrix
 
 PROTOCOLS = ("densevid", "soda", "etbench", "padcaptioner")
@@ -37,6 +37,7 @@ __all__ = [
     "DENSEVID_TIOUS",
     "ETBENCH_TIOUS",
     "PROTOCOLS",
+    "SODA_DIRECTIONS",
     "EvalInput",
     "InputError",
     "Scorers",
@@ -93,6 +94,7 @@ def evaluate(
     missing: str | None = None,
     seed: int = 0,
     soda_cider: bool = False,
+    soda_direction: str = "published",
     max_predictions: int = MAX_PREDICTIONS,
     progress: bool = False,
     scorers: Scorers | None = None,
@@ -102,6 +104,8 @@ def evaluate(
     pred / ref: paths or loaded objects in any form `pipeline.metrics.io` reads (or an
     EvalInput as `pred`). missing: "skip" (default) or "zero"; "zero" is densevid-only
     (the other protocols always leave videos without predictions out).
+    soda_direction: "published" (fujiso/SODA's pair direction, default) or "documented"
+    (METEOR's own); see pipeline/metrics/soda.py.
     scorers: reuse an open `Scorers` (its JVM) across calls; else one is opened and closed.
     Returns a JSON-ready dict: protocol, variant, metrics, per_threshold, counts,
     components (padcaptioner), videos (status + problems per video), problems.
@@ -109,6 +113,8 @@ def evaluate(
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
     missing = _missing_policy(protocol, missing)
+    if soda_direction not in SODA_DIRECTIONS:
+        raise ValueError(f"unknown soda_direction {soda_direction!r}; expected one of {SODA_DIRECTIONS}")
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
     data = load_inputs(pred, ref, ref_format, max_predictions)
@@ -130,7 +136,7 @@ def evaluate(
         if protocol == "densevid":
             result = timed("densevid", evaluate_densevid, prep, sc, missing=missing)
         elif protocol == "soda":
-            result = timed("soda", evaluate_soda, prep, sc, cider=soda_cider)
+            result = timed("soda", evaluate_soda, prep, sc, cider=soda_cider, direction=soda_direction)
         elif protocol == "etbench":
             result = timed("etbench", evaluate_etbench, prep, sc)
         else:
@@ -141,9 +147,9 @@ def evaluate(
             try:
                 sc.prefetch_embeddings(etbench_sentences(prep))
                 if prep.with_predictions():
-                    sc.prefetch_meteor(soda_plan(prep)[1] + [p for g in densevid_groups(prep)[1] for p in g])
+                    sc.prefetch_meteor(soda_plan(prep, soda_direction)[1] + [p for g in densevid_groups(prep)[1] for p in g])
                 dense = timed("densevid", evaluate_densevid, prep, sc, missing="skip")
-                soda = timed("soda", evaluate_soda, prep, sc, cider=soda_cider)
+                soda = timed("soda", evaluate_soda, prep, sc, cider=soda_cider, direction=soda_direction)
             finally:
                 sc.busy = False  # MiniLM may now use every core
             etb = timed("etbench", evaluate_etbench, prep, sc)
@@ -160,7 +166,7 @@ def evaluate(
                 "protocol": "padcaptioner",
                 "variant": {
                     "F1, Sim": "etbench (tIoU 0.1/0.3/0.5/0.7, parsed/total scaling)",
-                    "SODA_c": "soda (METEOR, mean over videos with predictions)",
+                    "SODA_c": f"soda (METEOR, mean over videos with predictions, {soda['variant']['direction']})",
                     "CIDEr, METEOR": "densevid LongVALE variant (tIoU 0.3/0.5/0.7/0.9, videos without predictions skipped)",
                     "seed": seed,
                 },

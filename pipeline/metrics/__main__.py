@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from pipeline.metrics import PROTOCOLS, evaluate, public_result, write_report
+from pipeline.metrics import PROTOCOLS, SODA_DIRECTIONS, evaluate, public_result, write_report
 from pipeline.metrics.io import REF_FORMATS, InputError
 
 
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     miss.add_argument("--missing-as-zero", dest="missing", action="store_const", const="zero", help="densevid: count videos without predictions as 0 (ActivityNet / PDVC)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the nonsense references")
     ap.add_argument("--soda-cider", action="store_true", help="also report SODA_c with CIDEr-D")
+    ap.add_argument("--soda-direction", choices=SODA_DIRECTIONS, default="published",
+                    help="SODA_c pair direction: published (fujiso/SODA, reference scored as the hypothesis; default) "
+                         "or documented (METEOR's own: prediction as the hypothesis)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--per-video", action="store_true", help="include per-video values in the JSON")
     ap.add_argument("--report", default=None, metavar="DIR", help="write index.html + PNGs here")
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = evaluate(
             args.pred, args.ref, args.protocol, ref_format=args.ref_format, missing=args.missing,
-            seed=args.seed, soda_cider=args.soda_cider, progress=args.progress,
+            seed=args.seed, soda_cider=args.soda_cider, soda_direction=args.soda_direction, progress=args.progress,
         )
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -12,9 +12,18 @@ P = best / #predictions, R = best / #references, F = 2PR / (P + R). SODA_c is th
 mean F over videos that have predictions. Pairs with tIoU = 0 contribute 0 whatever
 their METEOR, so only overlapping pairs are sent to METEOR.
 
-Optional `cider=True` adds SODA_c with CIDEr-D in place of METEOR; a video's CIDEr
-matrix comes from one pycocoevalcap CIDEr call over all its (prediction, reference)
-pairs, whose IDF is then that video's reference set.
+Direction of the pair scorer (`direction`):
+- "published" (default): as the public SODA evaluator (fujiso/SODA `calc_score_matrix`,
+  pinned by PDVC and bundled by LongVALE, so the SODA_c of those papers) computes it.
+  It calls pycocoevalcap's `compute_score(res, gt)` with the predictions where the
+  references go, so METEOR scores the *reference* caption as the hypothesis against the
+  prediction as the reference; and with `cider=True` it makes one CIDEr-D call per
+  reference caption r over all P predictions of the video (hypothesis r for every p,
+  reference p), so each row's IDF comes from the video's predictions (P documents).
+- "documented": METEOR's documented direction (prediction = hypothesis, reference =
+  reference) and one CIDEr-D call over all (prediction, reference) pairs of the video,
+  whose IDF is then the video's reference set. METEOR is not symmetric, so the two
+  directions give different numbers (the sign depends on caption lengths).
 
     best, matches = soda_dp(score)   # score float [R, P]
 """
@@ -60,9 +69,22 @@ def _sorted_order(times: np.ndarray) -> np.ndarray:
     return np.argsort(times[:, 0], kind="stable")
 
 
-def soda_plan(prep: Prepared) -> tuple[dict, list[tuple[str, str]]]:
+DIRECTIONS = ("published", "documented")
+_DIRECTION_TEXT = {
+    "published": "published (fujiso/SODA: METEOR(hyp=reference, ref=prediction); CIDEr-D IDF per reference row over the predictions)",
+    "documented": "documented (METEOR(hyp=prediction, ref=reference); CIDEr-D IDF over the video's references)",
+}
+
+
+def _check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown SODA direction {direction!r}; expected one of {DIRECTIONS}")
+
+
+def soda_plan(prep: Prepared, direction: str = "published") -> tuple[dict, list[tuple[str, str]]]:
     """Per video (sort orders, tIoU [R, P], overlapping index pairs, captions, slice) and
-    the (hyp, ref) pairs whose METEOR is needed (tIoU > 0)."""
+    the (hyp, ref) pairs whose METEOR is needed (tIoU > 0); published: (reference, prediction)."""
+    _check_direction(direction)
     plans = {}
     needed: list[tuple[str, str]] = []
     for vid in prep.with_predictions():
@@ -72,16 +94,27 @@ def soda_plan(prep: Prepared) -> tuple[dict, list[tuple[str, str]]]:
         rs, ps = np.nonzero(iou > 0)
         hyps = [prep.pred_tok[vid][k] for k in po]
         refs = [prep.ref_tok[vid][k] for k in ro]
-        pairs = [(hyps[p], refs[r]) for r, p in zip(rs, ps)]
+        if direction == "published":
+            pairs = [(refs[r], hyps[p]) for r, p in zip(rs, ps)]
+        else:
+            pairs = [(hyps[p], refs[r]) for r, p in zip(rs, ps)]
         plans[vid] = (po, ro, iou, rs, ps, hyps, refs, len(needed), len(needed) + len(pairs))
         needed.extend(pairs)
     return plans, needed
 
 
-def evaluate_soda(prep: Prepared, scorers, cider: bool = False) -> dict:
+def _cider_matrix(scorers, hyps: list[str], refs: list[str], direction: str) -> np.ndarray:
+    """CIDEr-D [R, P] of one video, in the pair direction and IDF scope of `direction`."""
+    if direction == "published":  # one call per reference row, IDF over the predictions
+        return np.stack([scorers.cider_item_scores([(ref, h) for h in hyps]) for ref in refs])
+    group = [(h, ref) for ref in refs for h in hyps]
+    return scorers.cider_item_scores(group).reshape(len(refs), len(hyps))
+
+
+def evaluate_soda(prep: Prepared, scorers, cider: bool = False, direction: str = "published") -> dict:
     """SODA_c (METEOR; optionally also CIDEr-D) with per-video detail."""
     videos = prep.with_predictions()
-    plans, needed = soda_plan(prep)
+    plans, needed = soda_plan(prep, direction)
     meteor = scorers.meteor_pair_scores(needed)
 
     per_video, fs, ps_, rs_, fs_cider = {}, [], [], [], []
@@ -98,8 +131,7 @@ def evaluate_soda(prep: Prepared, scorers, cider: bool = False) -> dict:
             "matches": [[int(po[j]), int(ro[i])] for i, j in matches],  # [pred index, ref index] in input order
         }
         if cider:
-            group = [(h, ref) for ref in refs for h in hyps]
-            cmat = scorers.cider_item_scores(group).reshape(len(refs), len(hyps))
+            cmat = _cider_matrix(scorers, hyps, refs, direction)
             cbest, _ = soda_dp(iou * cmat)
             entry["SODA_c_CIDEr"] = f1(cbest / iou.shape[1], cbest / iou.shape[0])
             fs_cider.append(entry["SODA_c_CIDEr"])
@@ -115,6 +147,7 @@ def evaluate_soda(prep: Prepared, scorers, cider: bool = False) -> dict:
         "protocol": "soda",
         "variant": {
             "scorer": "METEOR" + (" (+ CIDEr-D)" if cider else ""),
+            "direction": _DIRECTION_TEXT[direction],
             "matching": "order-preserving one-to-one, max sum of tIoU x score (iterative DP)",
             "averaged_over": "videos with predictions",
         },

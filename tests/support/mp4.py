@@ -71,3 +71,57 @@ def write_mp4(path: str | Path, frames: np.ndarray | None, fps: int = 8, audio: 
                 out.mux(aus.encode(af))
             out.mux(aus.encode(None))
     return path
+
+
+_CODECS = {"mp4": ("mp4", "libx264"), "mkv": ("matroska", "libx264"), "webm": ("webm", "libvpx-vp9"), "avi": ("avi", "mpeg4")}
+
+
+def write_timed(path: str | Path, times: list[float], last: float, audio_seconds: float = 0.0, size: tuple[int, int] = (48, 64)) -> Path:
+    """A video whose frames start at `times` (seconds; variable frame rate allowed), the last lasting `last` s.
+
+    The container comes from the suffix (.mp4, .mkv, .webm, .avi). Each packet carries its
+    true duration (next start - start), as a phone's muxer writes it. The codec's time base
+    is set as well as the stream's: with only the stream's, PyAV encodes pts in 1/rate units.
+    AVI is constant-rate by design: the time base is 1/30 s and a VFR file is one with gaps
+    (dropped ticks). `audio_seconds` > 0 adds a silent mono track of that length.
+    """
+    import av
+
+    path = Path(path)
+    fmt, codec = _CODECS[path.suffix.lstrip(".")]
+    tb = Fraction(1, 30) if fmt == "avi" else Fraction(1, 1000)
+    ends = list(times[1:]) + [times[-1] + last]
+    length = {int(round(t / tb)): int(round((e - t) / tb)) for t, e in zip(times, ends)}
+    with av.open(str(path), mode="w", format=fmt) as out:
+        vs = out.add_stream(codec, rate=30)
+        vs.height, vs.width = size
+        vs.pix_fmt = "yuv420p"
+        if codec == "libx264":
+            vs.options = {"preset": "ultrafast", "bf": "0"}
+        vs.codec_context.time_base = tb
+        vs.time_base = tb
+        aus = None
+        if audio_seconds > 0:
+            aus = out.add_stream("libopus" if fmt == "webm" else "aac", rate=48000)
+            aus.layout = "mono"
+
+        def mux(packets):
+            for packet in packets:
+                if packet.pts is not None:
+                    packet.duration = length[round(packet.pts * packet.time_base / tb)]
+                out.mux(packet)
+
+        for i, t in enumerate(times):
+            img = np.full((*size, 3), (i * 37) % 256, np.uint8)
+            vf = av.VideoFrame.from_ndarray(img, format="rgb24")
+            vf.pts, vf.time_base = int(round(t / tb)), tb
+            mux(vs.encode(vf))
+        mux(vs.encode(None))
+        if aus is not None:
+            samples = int(audio_seconds * 48000)
+            for start in range(0, samples, 960):
+                af = av.AudioFrame.from_ndarray(np.zeros((1, min(960, samples - start)), np.float32), format="fltp", layout="mono")
+                af.sample_rate, af.pts, af.time_base = 48000, start, Fraction(1, 48000)
+                out.mux(aus.encode(af))
+            out.mux(aus.encode(None))
+    return path

@@ -298,3 +298,22 @@ def bad_requests(tree: VideoTree) -> list[BadRequest]:
         raw("GET on the captions route", 405, None, {}, method="GET"),
         raw("unknown route", 404, None, {}, method="GET", path="/v1/../../etc/passwd"),
     ]
+
+
+def hanging_featurizer(cfg: Config):
+    """A decode-worker featurizer (infer/decode_pool.py) that never returns for files named
+    hang*: a decode stuck in C code, as a hostile file can make one. Other files get the
+    real featurizer. Module-level, so the spawned workers can unpickle it."""
+    import time
+
+    from infer.service import default_featurizer
+
+    real = default_featurizer(cfg)
+
+    def featurize(path: str, annotation):
+        if Path(path).name.startswith("hang"):
+            while True:
+                time.sleep(3600)
+        return real(path, annotation)
+
+    return featurize
