@@ -30,7 +30,16 @@ def release_run_config(run_dir: Path) -> Config:
     ])
 
 
-def test_finetune_and_caption_with_the_release_format_model(tmp_path):
+@pytest.fixture
+def local_ray():
+    """The driver starts a local Ray instance; stop it after the test (later tests start their own)."""
+    import ray
+
+    yield
+    ray.shutdown()
+
+
+def test_finetune_and_caption_with_the_release_format_model(tmp_path, local_ray):
     from pipeline.run import run
 
     cfg = release_run_config(tmp_path / "run")
