@@ -108,7 +108,7 @@ class CaptionEngine:
         dtype = resolve_dtype(cfg.dtype, self.device, model.dtype)
         if model.device.type != self.device.type:
             model.to(self.device)
-        if weights_dtype(model) != dtype:
+        if model.dtype != dtype:  # both models read it from their weights
             model.to(dtype)
             if not self.release:
                 model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
@@ -426,11 +426,6 @@ class CaptionEngine:
 def is_release_model(model) -> bool:
     """The published release's model (pipeline/release), decoded by its own front half."""
     return hasattr(model, "step_tables")
-
-
-def weights_dtype(model) -> torch.dtype:
-    """The dtype the model's weights are in now."""
-    return model.dtype if is_release_model(model) else model.new_embed.dtype
 
 
 def _poller(feed: Iterable[Request] | Callable[[], Request | None]) -> Callable[[], Request | None]:
