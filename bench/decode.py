@@ -351,8 +351,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--lengths", default="", help="comma-separated branch lengths (overrides --events/--tokens)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flash"], help="cascade attention backend")
-    ap.add_argument("--prefix-splits", type=int, default=0, help="cascade prefix KV chunks (0 = auto)")
+    ap.add_argument("--kernel", default="auto", choices=["auto", "sdpa", "flex", "reference"],
+                    help="the decode step's attention kernel (infer/kernels.py)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = 1 on CPU, torch default on CUDA)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the floor (default: known GPU, else measured)")
     ap.add_argument("--out", default="", help="also write the JSON here")
@@ -385,7 +385,7 @@ def main(argv=None) -> dict:
     sample = make_sample(model, preset.prefix)
     prefix_len = len(model.make_example(sample, with_targets=False).layout)
     cfg = InferConfig(device=preset.device, max_events=k, max_branch_tokens=max(lengths),
-                      attention_backend=args.backend, attention_prefix_splits=args.prefix_splits)
+                      kernel=args.kernel)
     control = DecodeControl(num_events=k, lengths=lengths)
     with torch.inference_mode():
         timed = run_modes(model, sample, cfg, control, modes, preset.repeats, preset.budget_s)

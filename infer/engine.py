@@ -1,60 +1,56 @@
-"""The PadCaptioner decoding engine: many videos per decode step (continuous batching).
+"""The PadCaptioner decoding engine: one token-budget step for many videos over a paged KV cache.
 
-    engine = CaptionEngine(model, cfg.infer)              # model: pipeline.model.PadCaptioner
+    engine = CaptionEngine(model, cfg.infer)              # model: PadCaptioner or the release model
     results = engine.caption(samples)                      # list[VideoResult], one per sample
     decoded = engine.decode(sample, DecodeControl(...))    # one video alone, with test/bench hooks
     engine.run(feed, emit)                                 # a stream (Serve): see `run`
 
-Per video, on admission (infer/front.py `run_front`, HF's forward with the layout mask):
-prefill, planning (<G>/<S>), grounding and aggregation give K intervals and K anchor
-embeddings at position A; the prefix KV (prefix + serial <G>s) is kept as it came out of
-prefill, once per video. The video's K anchor rows then join the decode step
-(infer/step.py) that already carries the branch rows of other videos:
+Every forward of every video runs in one shared step (infer/step.py), filled by the
+scheduler (infer/scheduler.py) under `infer.step_tokens`: every running caption-branch row,
+then one planning row per planning video, then prefill chunks of newly admitted videos. A
+video's program (infer/programs.py) turns the step's outputs for it into its next decision
+(planning over {<G>, <S>}, grounding, anchors); its branches join the next step.
 
-    while videos wait or rows are active:
-        admit videos while a slot is free and their K rows fit (infer.max_batch_videos,
-            infer.max_batch_rows): front, then K anchor rows at the end of the batch
-        one step over every active row (anchors and branch tokens of all videos alike):
-            positions = A_row + branch length_row, on the device
-            hidden = StepRunner.step(embeds, meta); logits = head(hidden)
-            scores = logits + bias (-inf at <G>, <S>), then any test processors
-            next = argmax (or a seeded draw per video)       -> one device-to-host copy
-        a row whose token is <eos>, or whose branch reached infer.max_branch_tokens, ends:
-            rows compacted in place (stable: each video's rows stay contiguous)
-        a video whose rows all ended is finished: result out, slot free
+    while videos wait or are in flight:
+        admit videos while the KV pool can promise their worst case (pages, not slots)
+        plan = scheduler.plan(videos); hidden, states = runner.forward(plan.batch)
+        prefill chunks: keep their grounding / aggregation states; the prefix's last row decides
+        planning rows: decide the next <G> (or stop: ground, build anchors, branches next step)
+        branch rows: logits -> tokens (bias bans <G>/<S>; test processors; greedy or a seeded draw);
+            <eos> or the cap ends a branch (its pages freed); a video whose branches all ended is done
+    (the step's tokens come back to the host once per step)
 
-Each row's arithmetic depends only on its own video, so greedy tokens equal decoding the
-video alone, whatever else shares the step or when it was admitted (tests/test_engine.py
-and tests/test_engine_batch.py check this against infer/reference.py). Events come back
-sorted by start with well-formed intervals (start < end inside [0, duration]); a branch cut by
-the cap is marked `capped`; a video longer than the model takes is shortened as training
-shortens it (pipeline/fitting.py) and says so (segments kept / total).
+KV lives in one pool of pages (infer/paged.py) sized by `infer.kv_memory_gb`: a video's
+branches see its prefix pages in place (no copies), ending a branch or a video frees pages.
+Each token's arithmetic depends only on its own video, so greedy tokens equal decoding the
+video alone, whatever shares the step and in whatever order videos arrive
+(tests/test_engine.py, tests/test_engine_batch.py against infer/reference.py).
 
-A sample that cannot be decoded (feature dims, bad duration, ...) gets a VideoResult
-with `error` set and no events; the others go on. `infer.decoder = "monolithic"` runs
-the single-chain baseline (infer/reference.py) one video at a time behind the same API.
+A sample that cannot be decoded (feature dims, bad duration, a prompt over the model's
+length, more KV than the pool holds) gets a VideoResult with `error` set; the others go on.
+`infer.decoder = "monolithic"` runs the single-chain baseline (infer/reference.py) one video
+at a time behind the same API.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache
 
-from infer.attention import choose_kernel
 from infer.decoded import Decoded, to_events
-from infer.front import DecodeError, Front, StageTimer, decode_reserve, prepare_example, run_front, well_formed
-from infer.release_front import release_front
-from infer.kv_pool import StepMeta
+from infer.front import DecodeError, well_formed
+from infer.kernels import choose_kernel
+from infer.paged import PagePool, pages_for
+from infer.programs import PadProgram, ReleaseProgram
 from infer.requests import Request, VideoResult, check_config, resolve_device, resolve_dtype
-from infer.sampling import NO_CONTROL, DecodeControl, TokenChooser, video_chooser
-from infer.step import GraphedStep, Mode, StepRunner
+from infer.sampling import NO_CONTROL, DecodeControl, video_chooser
+from infer.scheduler import Branch, Phase, Scheduler, StepPlan, VideoState
+from infer.step import Mode, ModelRunner
 from infer.step_weights import StepWeights
 from pipeline.backbone import DTYPES
 from pipeline.config import InferConfig
@@ -63,25 +59,20 @@ from pipeline.schema import Sample
 log = logging.getLogger("padcap.infer")
 
 
-class _Video:
-    """A video in flight: its front, rows, tokens and timings."""
+def kv_budget_bytes(cfg: InferConfig, device: torch.device) -> int:
+    """The KV pool's memory budget: infer.kv_memory_gb, else a fraction of free CUDA memory, else 1 GB."""
+    if cfg.kv_memory_gb > 0:
+        return int(cfg.kv_memory_gb * 1e9)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * cfg.kv_memory_fraction)
+    return int(1e9)
 
-    def __init__(self, request: Request, opts: InferConfig, front: Front, timer: StageTimer, slot: int,
-                 first_row: int, sampler: TokenChooser | None, eos_id: int):
-        self.request, self.opts, self.front, self.timer, self.slot = request, opts, front, timer, slot
-        self.first_row = first_row
-        k = front.num_events
-        self.events = list(range(k))  # event of each of its active rows, in row order
-        self.tokens: list[list[int]] = [[] for _ in range(k)]
-        self.traced: list[list[torch.Tensor]] | None = [[] for _ in range(k)] if request.control.trace else None
-        self.processors = request.control.processors(eos_id)
-        self.sampler = sampler  # None: greedy
-        self.steps = 0  # steps taken = tokens of every active row (lock-step within a video)
-        self.t_admit = time.perf_counter()
 
-    @property
-    def rows(self) -> int:
-        return len(self.events)
+def step_defaults(cfg: InferConfig, device: torch.device) -> tuple[int, int, int]:
+    """(step_tokens, page_size, q_block) with the auto values resolved for the device."""
+    cuda = device.type == "cuda"
+    return (cfg.step_tokens or (2048 if cuda else 512), cfg.page_size or 16, cfg.q_block or 16)
 
 
 class CaptionEngine:
@@ -113,34 +104,22 @@ class CaptionEngine:
             if not self.release:
                 model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
         model.eval()
-        max_seq_len = model.max_seq_len if self.release else model.cfg.max_seq_len
-        self.weights = StepWeights.of(model)
-        self.kernel = choose_kernel(cfg.attention_backend, dtype, self.device, self.weights.head_dim)
-        graphs = cfg.cuda_graphs and self.device.type == "cuda" and cfg.step_attention in ("auto", "padded")
-        attention = cfg.step_attention if cfg.step_attention != "auto" else ("padded" if graphs else "varlen")
-        self.runner = StepRunner(self.weights, self.kernel, cfg.max_batch_rows, cfg.max_branch_tokens,
-                                 prefix=attention, prefix_splits=cfg.attention_prefix_splits or 0,
-                                 slots=cfg.max_batch_videos, rows_per_video=cfg.max_events,
-                                 prefix_cap=max_seq_len if attention == "padded" else 1)
-        self.graphed: GraphedStep | None = None
-        if graphs:
-            # RoPE tables sized once for every position a decode can reach, so captured graphs stay valid
-            self.weights.rope_tables(max_seq_len + cfg.max_events + cfg.max_branch_tokens + 2)
-            self.graphed = GraphedStep(self.runner)
-        self.bias = torch.zeros(self.weights.head.shape[0], device=self.device)
+        self.weights = w = StepWeights.of(model)
+        self.kernel = choose_kernel(cfg.kernel, dtype, self.device)
+        self.step_tokens, page_size, self.q_block = step_defaults(cfg, self.device)
+        self.pool = PagePool.for_budget(w.num_layers, w.kv_heads, w.head_dim, dtype, self.device, page_size,
+                                        kv_budget_bytes(cfg, self.device))
+        self.runner = ModelRunner(w, self.pool, self.kernel)
+        self.scheduler = Scheduler(self.runner, self.pool, step_tokens=self.step_tokens, max_rows=cfg.max_batch_rows,
+                                   q_block=self.q_block)
+        self.bias = torch.zeros(w.head.shape[0], device=self.device)
         banned = [model.g_id, model.s_id] + ([model.shift_id] if self.release else [])
         self.bias[banned] = float("-inf")  # structural tokens are never caption text
-        rows, d = cfg.max_batch_rows, self.weights.hidden
-        self._embeds = torch.zeros(rows, d, dtype=dtype, device=self.device)
-        self._lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self._caps = torch.zeros(rows, dtype=torch.long, device=self.device)  # per row: its video's token cap
-        self._anchor = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self._slots = torch.full((rows,), cfg.max_batch_videos, dtype=torch.long, device=self.device)
-        self._ranks = torch.zeros(rows, dtype=torch.long, device=self.device)
-        # steps, rows summed over steps, ms in decode steps / in fronts, and ms per Mode (a step with any
-        # branch token counts as BRANCH, one of anchors only as ANCHOR; grounding counts as PLAN)
-        self.stats: dict[str, Any] = {"steps": 0, "row_steps": 0, "step_ms": 0.0, "front_ms": 0.0,
-                                      "mode_ms": {m.value: 0.0 for m in Mode}}
+        self._in_flight: list[VideoState] = []
+        # steps, branch rows summed over steps, ms in steps / in planning ends, and ms per Mode (a step
+        # with any branch row counts as BRANCH, else PLAN with a planning row, else PREFILL)
+        self.stats: dict[str, Any] = {"steps": 0, "row_steps": 0, "tokens": 0, "step_ms": 0.0, "front_ms": 0.0,
+                                      "mode_ms": {m.value: 0.0 for m in Mode}, "step_log": []}
 
     # ------------------------------------------------------------------ public API
 
@@ -155,8 +134,8 @@ class CaptionEngine:
     def caption(self, samples: list[Sample], *, controls: Sequence[DecodeControl] | None = None) -> list[VideoResult]:
         """Samples (decoded shards, or features straight from the encoders) -> one result each, in order.
 
-        All of them are decoded together (up to the batch caps at a time, continuous
-        admission). controls: test/benchmark hooks, one per sample; serving leaves it None.
+        All of them are decoded together (continuous admission under the KV budget).
+        controls: test/benchmark hooks, one per sample; serving leaves it None.
         """
         if controls is not None and len(controls) != len(samples):
             raise ValueError(f"{len(controls)} controls for {len(samples)} samples")
@@ -185,10 +164,10 @@ class CaptionEngine:
                            segments_total=int(res.timings.get("segments_total", 0)))
 
     def describe(self) -> dict[str, Any]:
-        """The decoding settings and the kernel chosen at set-up (for logs, reports, benchmarks)."""
+        """The decoding settings, the kernel chosen and the KV pool (for logs, /v1/model, benchmarks)."""
         return {**asdict(self.cfg), "resolved_device": str(self.device), "resolved_dtype": str(self.weights.dtype),
-                "kernel": self.kernel.name, "kernel_reason": self.kernel.reason, "step_attention": self.runner.prefix.name,
-                "cuda_graphs": self.graphed is not None}
+                "kernel": self.kernel.name, "kernel_reason": self.kernel.reason, "resolved_step_tokens": self.step_tokens,
+                "resolved_q_block": self.q_block, **{f"kv_{k}": v for k, v in self.pool.describe().items()}}
 
     # ------------------------------------------------------------------ the loop
 
@@ -199,212 +178,200 @@ class CaptionEngine:
         as each video finishes (in finishing order). feed: an iterator, or a function polled
         at every step boundary that returns a request or None (nothing new now): the loop
         returns when nothing is in flight and the feed has nothing. A request whose
-        `cancelled()` turns true leaves the batch at the next step, without a result."""
+        `cancelled()` turns true leaves at the next step, without a result."""
         if self.cfg.decoder == "monolithic":
             return self._run_monolithic(feed, emit)
         poll = _poller(feed)
-        active: list[_Video] = []
-        free = deque(range(self.cfg.max_batch_videos))
-        for slot in free:  # a run that raised may have left videos admitted: their slots start empty
-            self.runner.release(slot)
-        ready: _Admit | None = None
+        for v in self._in_flight:  # a run that raised left these: their pages go back
+            self._release(v)
+        self._in_flight = videos = []
+        waiting: VideoState | None = None
         while True:
-            # admission: fronts of new videos while a slot is free and their rows fit
-            while free:
-                if ready is None:
+            while len(videos) < self.cfg.max_batch_videos:
+                if waiting is None:
                     req = poll()
                     if req is None:
                         break
-                    ready = self._front(req, emit)
-                    if ready is None:
+                    waiting = self._prepare(req, emit)
+                    if waiting is None:
                         continue
-                if self._rows(active) + ready.front.num_events > self.cfg.max_batch_rows:
-                    break
-                active.append(self._admit(ready, free.popleft(), self._rows(active)))
-                ready = None
-            active = self._drop_cancelled(active, free)
-            if not active:
-                if ready is None:
+                if not self.pool.reserve(waiting.reserved):
+                    break  # its worst case does not fit now: it waits for pages to be freed
+                waiting.prefix = self.pool.open()
+                waiting.times["admit"] = time.perf_counter()
+                videos.append(waiting)
+                waiting = None
+            self._drop_cancelled(videos)
+            if not videos:
+                if waiting is None:
                     return
                 continue
-            active = self._step(active, free, emit)
+            self._start_branches(videos)
+            plan = self.scheduler.plan(videos)
+            if plan is None:
+                raise RuntimeError("videos in flight but nothing to run (a scheduler bug)")
+            t0 = time.perf_counter()
+            hidden, states = self.runner.forward(plan.batch)
+            self._absorb(plan, hidden, states, videos, emit)
+            self._account(plan, (time.perf_counter() - t0) * 1000.0)
 
-    def _rows(self, active: list[_Video]) -> int:
-        return sum(v.rows for v in active)
-
-    def _front(self, req: Request, emit) -> "_Admit | None":
-        """Prefill + planning + grounding + anchors of one video (HF forward); None if refused."""
-        t0 = time.perf_counter()
-        timer = StageTimer(self.device)
+    def _prepare(self, req: Request, emit) -> VideoState | None:
+        """A request's program and its KV worst case; None (and the error emitted) if it cannot be decoded."""
         try:
             opts = req.options.resolve(self.cfg)
-        except ValueError as e:
-            emit(req, DecodeError(str(e)))
-            return None
-        try:
-            cache = DynamicCache(config=self.model.hf_config)
-            if self.release:
-                front = release_front(self.model, req.sample, cache, opts.max_events, req.control, timer)
-            else:
-                example = prepare_example(self.model, req.sample, decode_reserve(opts))
-                front = run_front(self.model, example, cache, opts.max_events, req.control, timer)
-        except DecodeError as e:
+            program = ReleaseProgram if self.release else PadProgram
+            prog = program(self.model, req.sample, opts, req.control)
+        except ValueError as e:  # DecodeError, or per-video options out of range
             emit(req, e)
             return None
-        self.stats["front_ms"] += (time.perf_counter() - t0) * 1000.0
-        for mode, key in ((Mode.PREFILL, "prefill_ms"), (Mode.PLAN, "planning_ms"), (Mode.PLAN, "grounding_ms")):
-            self.stats["mode_ms"][mode.value] += timer.ms.get(key, 0.0)
-        if front.num_events == 0:  # the release model may plan no event: nothing to decode
-            emit(req, self._finish(_Video(req, opts, front, timer, -1, 0, None, self.model.eos_id)))
+        S = self.pool.page_size
+        cap = opts.max_branch_tokens
+        worst = pages_for(prog.length + opts.max_events, S) + opts.max_events * pages_for(cap, S)
+        if worst > self.pool.usable:
+            emit(req, DecodeError(
+                f"{req.sample.video_id}: needs up to {worst} KV pages ({prog.length} prefix tokens, {opts.max_events} "
+                f"events x {cap} tokens), the pool has {self.pool.usable}: raise infer.kv_memory_gb or lower "
+                f"infer.max_events / max_branch_tokens"))
             return None
-        return _Admit(req, opts, front, timer)
+        v = VideoState(req, opts, prog, worst, None, cap)  # type: ignore[arg-type]
+        if opts.temperature > 0:
+            v.sampler = video_chooser(self.model.ids, opts, req.sample.video_id, self.device)
+        return v
 
-    def _admit(self, ready: "_Admit", slot: int, first: int) -> _Video:
-        front, k = ready.front, ready.front.num_events
-        cache = front.cache
-        prefix_kv = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-        self.runner.admit(slot, prefix_kv)
-        opts = ready.opts
-        self.weights.rope_tables(front.anchor_pos + opts.max_branch_tokens + 1)
-        rows = slice(first, first + k)
-        self._embeds[rows] = front.anchors.to(self._embeds.dtype)
-        self._lengths[rows] = 0
-        self._caps[rows] = opts.max_branch_tokens
-        self._anchor[rows] = front.anchor_pos
-        self._slots[rows] = slot
-        self._ranks[rows] = torch.arange(k, device=self.device)
-        sampler = video_chooser(self.model.ids, opts, ready.request.sample.video_id, self.device) \
-            if opts.temperature > 0 else None
-        return _Video(ready.request, opts, front, ready.timer, slot, first, sampler, self.model.eos_id)
+    def _start_branches(self, videos: list[VideoState]) -> None:
+        """Planned videos whose branch rows fit under the row cap start their branches (next step)."""
+        rows = sum(v.rows for v in videos if v.phase is Phase.BRANCH)
+        for v in videos:
+            if v.phase is not Phase.READY:
+                continue
+            k = v.anchors.anchors.shape[0]
+            if rows + k > self.cfg.max_batch_rows:
+                break  # admission order: later videos do not overtake
+            trace = v.request.control.trace
+            v.branches = [Branch(i, self.pool.open(), traced=[] if trace else None) for i in range(k)]
+            v.phase = Phase.BRANCH
+            v.times["branches"] = time.perf_counter()
+            rows += k
 
-    def _drop_cancelled(self, active: list[_Video], free: deque) -> list[_Video]:
-        gone = [v for v in active if v.request.cancelled()]
-        if not gone:
-            return active
-        keep_rows = [r for v in active if v not in gone for r in range(v.first_row, v.first_row + v.rows)]
-        for v in gone:
-            self.runner.release(v.slot)
-            free.append(v.slot)
-        kept = [v for v in active if v not in gone]
-        self._compact(kept, keep_rows)
-        return kept
+    def _absorb(self, plan: StepPlan, hidden, states, videos: list[VideoState], emit) -> None:
+        """The step's outputs back into each video: prefill states, decisions, branch tokens."""
+        for v, first, lo, hi in plan.prefill:
+            for i in v.prog.capture:
+                v.chunks[i].append(states[i][first:first + hi - lo])
+            v.cursor = hi
+            if hi == v.prog.length:
+                v.prog.prefilled({i: torch.cat(c) for i, c in v.chunks.items()})
+                v.chunks = {}
+                v.times["prefilled"] = time.perf_counter()
+                self._decide(v, hidden[first + hi - lo - 1], states[v.prog.ground_layer][first + hi - lo - 1])
+        for v, row in plan.plan:
+            self._decide(v, hidden[row], states[v.prog.ground_layer][row])
+        if plan.n_branch:
+            self._branch_tokens(plan, hidden[: plan.n_branch], emit)
+        for v in [v for v in videos if v.phase is Phase.BRANCH and not v.branches] + \
+                [v for v in videos if v.phase is Phase.READY and v.anchors.anchors.shape[0] == 0]:
+            videos.remove(v)
+            self._release(v)
+            emit(v.request, self._finish(v))
 
-    def _choose(self, logits: torch.Tensor, active: list[_Video]) -> torch.Tensor:
-        """logits [R, V] -> next tokens [R] on the device (bias, test processors, greedy or seeded draw)."""
-        scores = logits.float() + self.bias
-        for v in active:
-            if v.processors:
-                rows = slice(v.first_row, v.first_row + v.rows)
-                for proc in v.processors:
-                    scores[rows] = proc(scores[rows], v.steps, v.events)
-        nxt = scores.argmax(dim=-1)
-        for v in active:
-            if v.sampler is not None:  # temperature > 0: this video's seeded draw
-                rows = slice(v.first_row, v.first_row + v.rows)
-                nxt[rows] = v.sampler.pick(scores[rows])
-        return nxt
-
-    def _step(self, active: list[_Video], free: deque, emit) -> list[_Video]:
-        """One decode step over every active row, then terminations, compaction, finished videos."""
+    def _decide(self, v: VideoState, hidden: torch.Tensor, ground: torch.Tensor) -> None:
+        """A decision row of v: another serial <G> next step, or the end of planning."""
+        v.phase = Phase.PLAN
+        v.feed_g = v.prog.decide(hidden, ground)
+        if v.feed_g:
+            return
         t0 = time.perf_counter()
-        n = self._rows(active)
-        r = n
-        if self.runner.padded:  # static shapes: pad to the bucket with rows of the scratch slot
-            r = self.bucket_rows(n)
-            self._pad_rows(n, r)
-        max_len = max(v.steps for v in active)  # branch KV entries of the longest row
-        meta = StepMeta(positions=self._anchor[:r] + self._lengths[:r], lengths=self._lengths[:r],
-                        slots=self._slots[:r], ranks=self._ranks[:r],
-                        spans=[(v.slot, v.first_row, v.rows) for v in active], max_length=max_len + 1)
-        hidden = (self.graphed or self.runner.step)(self._embeds[:r], meta)
+        v.anchors = v.prog.finish()
+        v.grounding_ms = (time.perf_counter() - t0) * 1000.0
+        self.stats["front_ms"] += v.grounding_ms
+        v.times["planned"] = time.perf_counter()
+        k = v.anchors.anchors.shape[0]
+        keep = k * pages_for(v.cap, self.pool.page_size)  # the branches' worst case; the prefix is complete
+        self.pool.unreserve(v.reserved - keep)
+        v.reserved = keep
+        v.phase = Phase.READY
+
+    def _branch_tokens(self, plan: StepPlan, hidden: torch.Tensor, emit) -> None:
+        """Logits of the branch rows -> one token each; ended branches leave (pages freed)."""
         logits = self.runner.logits(hidden)
-        nxt = self._choose(logits, active)[:n]
-        self._lengths[:n] += 1
-        ended = (nxt == self.model.eos_id) | (self._lengths[:n] >= self._caps[:n])  # on the device
-        chosen, done = torch.stack([nxt, ended.long()]).tolist()  # the step's one device-to-host copy
-        keep_rows: list[int] = []
-        still: list[_Video] = []
-        for v in active:
+        scores = logits.float() + self.bias
+        for v, first, k in plan.branch:
+            if v.processors:
+                rows = slice(first, first + k)
+                events = [b.event for b in v.branches]
+                for proc in v.processors:
+                    scores[rows] = proc(scores[rows], v.steps, events)
+        nxt = scores.argmax(dim=-1)
+        for v, first, k in plan.branch:
+            if v.sampler is not None:  # temperature > 0: this video's seeded draw
+                nxt[first:first + k] = v.sampler.pick(scores[first:first + k])
+        chosen = nxt.tolist()  # the step's one device-to-host copy
+        eos = self.model.eos_id
+        S = self.pool.page_size
+        for v, first, k in plan.branch:
             v.steps += 1
             alive = []
-            for i, e in enumerate(v.events):
-                row = v.first_row + i
-                v.tokens[e].append(chosen[row])
-                if v.traced is not None:
-                    v.traced[e].append(logits[row].float().cpu())
-                if not done[row]:
-                    alive.append(e)
-                    keep_rows.append(row)
-            v.events = alive
-            if alive:
-                still.append(v)
-            else:
-                self.runner.release(v.slot)
-                free.append(v.slot)
-                emit(v.request, self._finish(v))
-        if len(keep_rows) != n:
-            self._compact(still, keep_rows, nxt)
-        else:
-            self._embeds[:n] = self.runner.embed(nxt)
-        ms = (time.perf_counter() - t0) * 1000.0
-        self.stats["steps"] += 1
-        self.stats["row_steps"] += n
-        self.stats["step_ms"] += ms
-        self.stats["mode_ms"][(Mode.ANCHOR if max_len == 0 else Mode.BRANCH).value] += ms
-        return still
+            for i, b in enumerate(v.branches):
+                tok = chosen[first + i]
+                b.tokens.append(tok)
+                if b.traced is not None:
+                    b.traced.append(logits[first + i].float().cpu())
+                if tok == eos or v.steps >= v.cap:
+                    unused = pages_for(v.cap, S) - len(b.seq.pages)
+                    self.pool.close(b.seq)
+                    self.pool.unreserve(unused)
+                    v.reserved -= unused
+                    v.finished.append(b)
+                else:
+                    alive.append(b)
+            v.branches = alive
 
-    def bucket_rows(self, n: int) -> int:
-        """Rows a padded step runs for n live rows: the next power of two (>= 8), at most max_batch_rows."""
-        b = 8
-        while b < n:
-            b *= 2
-        return min(b, self.cfg.max_batch_rows)
+    def _account(self, plan: StepPlan, ms: float) -> None:
+        mode = Mode.BRANCH if plan.n_branch else (Mode.PLAN if plan.plan else Mode.PREFILL)
+        st = self.stats
+        st["steps"] += 1
+        st["row_steps"] += plan.n_branch
+        st["tokens"] += plan.tokens
+        st["step_ms"] += ms
+        st["mode_ms"][mode.value] += ms
+        if len(st["step_log"]) < 100_000:
+            st["step_log"].append((plan.tokens, plan.n_branch, len(plan.plan), sum(h - l for _, _, l, h in plan.prefill),
+                                   ms))
 
-    def _pad_rows(self, n: int, r: int) -> None:
-        """Rows n..r-1 of a padded step: scratch slot, branch length 0, zero input (results ignored)."""
-        if r > n:
-            self._slots[n:r] = self.cfg.max_batch_videos
-            self._ranks[n:r] = 0
-            self._lengths[n:r] = 0
-            self._anchor[n:r] = 0
-            self._embeds[n:r] = 0
+    def _drop_cancelled(self, videos: list[VideoState]) -> None:
+        for v in [v for v in videos if v.request.cancelled()]:
+            videos.remove(v)
+            self._release(v)
 
-    def _compact(self, kept: list[_Video], keep_rows: list[int], nxt: torch.Tensor | None = None) -> None:
-        """Move the kept rows (in order) to the front of every per-row buffer and the branch pool."""
-        idx = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
-        m = len(keep_rows)
-        if m:
-            live = max(v.steps for v in kept)
-            start = next((i for i, r in enumerate(keep_rows) if r != i), m)  # rows before the first hole stay
-            self.runner.branch.compact(idx, live, start)
-            for buf in (self._lengths, self._caps, self._anchor, self._slots):
-                buf[:m] = buf.index_select(0, idx)
-            if nxt is not None:
-                self._embeds[:m] = self.runner.embed(nxt.index_select(0, idx))
-            else:
-                self._embeds[:m] = self._embeds.index_select(0, idx)
-        first = 0
-        ranks = []
-        for v in kept:
-            v.first_row = first
-            first += v.rows
-            ranks.extend(range(v.rows))
-        if m:
-            self._ranks[:m] = torch.tensor(ranks, dtype=torch.long, device=self.device)
+    def _release(self, v: VideoState) -> None:
+        """All of v's pages and promises back to the pool."""
+        for b in v.branches:
+            self.pool.close(b.seq)
+        v.branches = []
+        if v.prefix is not None:
+            self.pool.close(v.prefix)
+        self.pool.unreserve(v.reserved)
+        v.reserved = 0
 
-    def _finish(self, v: _Video) -> Decoded:
-        front, req = v.front, v.request
-        timings = dict(v.timer.ms)
-        timings["decode_ms"] = (time.perf_counter() - v.t_admit) * 1000.0
-        timings.update(total_ms=sum(timings.values()), steps=float(v.steps), tokens=float(sum(map(len, v.tokens))),
-                       events=float(len(v.tokens)), segments_kept=float(front.segments_kept),
+    def _finish(self, v: VideoState) -> Decoded:
+        req, a = v.request, v.anchors
+        t = v.times
+        now = time.perf_counter()
+        timings = {"prefill_ms": (t.get("prefilled", now) - t["admit"]) * 1000.0,
+                   "planning_ms": (t.get("planned", now) - t.get("prefilled", now)) * 1000.0,
+                   "grounding_ms": v.grounding_ms,
+                   "decode_ms": (now - t.get("branches", now)) * 1000.0}
+        by_event = sorted(v.finished, key=lambda b: b.event)
+        tokens = [b.tokens for b in by_event]
+        timings.update(total_ms=(now - t["admit"]) * 1000.0, steps=float(v.steps), tokens=float(sum(map(len, tokens))),
+                       events=float(len(tokens)), segments_kept=float(a.segments_kept),
                        segments_total=float(req.sample.num_segments))
         trace = req.control.trace
-        return Decoded(video_id=req.sample.video_id, duration=float(req.sample.duration), intervals=front.intervals,
-                       tokens=v.tokens, steps=v.steps, timings=timings,
-                       planning_logits=front.planning_logits if trace else None,
-                       branch_logits=[torch.stack(t) for t in v.traced] if v.traced is not None else None,
-                       grounding_logits=front.grounding_logits if trace else None)
+        return Decoded(video_id=req.sample.video_id, duration=float(req.sample.duration), intervals=a.intervals,
+                       tokens=tokens, steps=v.steps, timings=timings,
+                       planning_logits=a.planning_logits if trace else None,
+                       branch_logits=[torch.stack(b.traced) for b in by_event] if trace else None,
+                       grounding_logits=a.grounding_logits if trace else None)
 
     def _run_monolithic(self, feed, emit) -> None:
         from infer.ordered import decoder_for
@@ -434,14 +401,3 @@ def _poller(feed: Iterable[Request] | Callable[[], Request | None]) -> Callable[
         return feed
     it = iter(feed)
     return lambda: next(it, None)
-
-
-@dataclass
-class _Admit:
-    """A video whose front is done, waiting for room in the step."""
-
-    request: Request
-    opts: InferConfig  # the engine's settings with the request's options applied
-    front: Front
-    timer: StageTimer
-

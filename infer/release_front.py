@@ -103,9 +103,12 @@ def media_tokens(model, video: ReleaseVideo) -> tuple[torch.Tensor, torch.Tensor
     return vis.to(model.device, model.dtype), aud.to(model.device, model.dtype)
 
 
-@torch.no_grad()
-def release_prefill(model, video: ReleaseVideo, cache) -> ReleasePrefill:
-    """Steps 1-3 of the module doc for one video."""
+def prefill_inputs(model, video: ReleaseVideo) -> tuple[ReleaseLayout, torch.Tensor, torch.Tensor, int]:
+    """A video's prompt for prefill: (layout, input embeddings [L, d], M-RoPE ids [3, L], rope delta).
+
+    Raises DecodeError for a video that cannot be decoded as given (the engine records it
+    for that video alone): bad timing, features that do not match the grid, a prompt over
+    the model's max_seq_len."""
     if not (video.duration > 0 and video.seconds_per_step > 0):
         raise DecodeError(f"{video.video_id}: duration and seconds per timestep must be positive")
     vis, aud = media_tokens(model, video)
@@ -125,15 +128,30 @@ def release_prefill(model, video: ReleaseVideo, cache) -> ReleasePrefill:
     emb[lay.video_slots.to(dev)] = vis
     if aud.shape[0]:
         emb[lay.audio_slots.to(dev)] = aud
+    return lay, emb, pos, delta
+
+
+def aggregation_row(model, lay: ReleaseLayout, pos: torch.Tensor, h_agg: torch.Tensor) -> torch.Tensor:
+    """[L] aggregation probabilities of the user turn's <|im_end|> (layer-6 attention, fp32 softmax cast to
+    the model dtype, mean over heads; 0 on hidden keys) from the aggregation layer's input states."""
+    dev = h_agg.device
+    q = lay.query_index
+    keys = torch.zeros(lay.length, dtype=torch.bool, device=dev)
+    keys[: q + 1] = True
+    return attention_row(model.decoder, model.aggregation_layer, MRope(), h_agg, pos.T.to(dev), q, keys,
+                         probs_dtype=model.dtype)
+
+
+@torch.no_grad()
+def release_prefill(model, video: ReleaseVideo, cache) -> ReleasePrefill:
+    """Steps 1-3 of the module doc for one video (HF's forward; the reference front)."""
+    lay, emb, pos, delta = prefill_inputs(model, video)
+    dev = model.device
     out = model.decoder(inputs_embeds=emb[None], attention_mask=prefill_mask(lay, model.dtype).to(dev),
                         position_ids=pos[:, None].to(dev), cache=cache, use_cache=True, output_hidden_states=True)
     hs = out.hidden_states
     h_ground, h_agg = hs[-2][0], hs[model.aggregation_layer][0]
-    q = lay.query_index
-    keys = torch.zeros(lay.length, dtype=torch.bool, device=dev)
-    keys[: q + 1] = True
-    row = attention_row(model.decoder, model.aggregation_layer, MRope(), h_agg, pos.T.to(dev), q, keys,
-                        probs_dtype=model.dtype)
+    row = aggregation_row(model, lay, pos, h_agg)
     segments = model.segment_vectors(h_ground, lay)
     return ReleasePrefill(lay, pos, delta, emb, h_ground, h_agg, out.last_hidden_state[0, -1], h_ground[-1], row,
                           segments)

@@ -107,8 +107,11 @@ def check_config(cfg: InferConfig) -> None:
                          f"(got {cfg.max_events}, {cfg.max_branch_tokens})")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
         raise ValueError(f"need infer.temperature >= 0 and 0 < infer.top_p <= 1 (got {cfg.temperature}, {cfg.top_p})")
-    if cfg.attention_prefix_splits < 0:
-        raise ValueError(f"infer.attention_prefix_splits must be >= 0 (0 = auto), got {cfg.attention_prefix_splits}")
+    if min(cfg.step_tokens, cfg.page_size, cfg.q_block) < 0 or cfg.kv_memory_gb < 0 \
+            or not 0 < cfg.kv_memory_fraction <= 1:
+        raise ValueError(f"infer.step_tokens, page_size, q_block and kv_memory_gb must be >= 0 (0 = auto) and "
+                         f"0 < kv_memory_fraction <= 1; got {cfg.step_tokens}, {cfg.page_size}, {cfg.q_block}, "
+                         f"{cfg.kv_memory_gb}, {cfg.kv_memory_fraction}")
     if cfg.max_batch_videos < 1 or cfg.max_batch_rows < cfg.max_events:
         raise ValueError(f"need infer.max_batch_videos >= 1 and infer.max_batch_rows >= infer.max_events (one video's "
                          f"rows must fit a step); got {cfg.max_batch_videos}, {cfg.max_batch_rows} < {cfg.max_events}")

@@ -103,6 +103,7 @@ class StepWeights:
                 down=effective_linear(mlp.down_proj)))
         self.norm = dec.norm
         self.rope = dec.rotary_emb
+        self.mrope = getattr(self.rope, "mrope_section", None) is not None  # Qwen2.5-VL: 3-axis position ids
         self.rotate_half = importlib.import_module(type(dec).__module__).rotate_half
         if hasattr(model, "step_tables"):  # the release model: its <G>/<S> rows live in the tables themselves
             self.embed, self.head, self.head_bias = model.step_tables()

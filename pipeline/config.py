@@ -189,10 +189,10 @@ class InferConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
-    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
-    # KV chunks the shared prefix is split into per cascade step with the torch backends
-    # (flash-decoding style; 0 = auto: `infer.attention.auto_prefix_splits`). flash-attn splits by itself.
-    attention_prefix_splits: int = 0
+    # the attention kernel of the decode step (infer/kernels.py): auto = "flex" (torch FlexAttention,
+    # compiled through Triton) on CUDA, "sdpa" (torch scaled_dot_product_attention over the gathered
+    # pages) on the CPU; "reference" = the pure-torch oracle. One that cannot run is an error.
+    kernel: Literal["auto", "sdpa", "flex", "reference"] = "auto"
     decoder: Literal["parallel", "monolithic"] = "parallel"
     # videos handed to the engine per call (offline: the Ray Data batch of a captioning actor)
     videos_per_call: int = 16
@@ -200,12 +200,16 @@ class InferConfig:
     # finished videos make room for new ones (infer/DECODING.md)
     max_batch_rows: int = 128
     max_batch_videos: int = 16
-    # "varlen": per-video prefix attention (eager; the fastest on CPU); "padded": static
-    # shapes (prefix pool per video slot, masked), the form torch.compile / CUDA graphs take;
-    # auto = padded with CUDA graphs on CUDA (when cuda_graphs), varlen elsewhere
-    step_attention: Literal["auto", "varlen", "padded"] = "auto"
-    # capture the padded step in CUDA graphs, one per bucket of rows (CUDA only)
-    cuda_graphs: bool = True
+    # tokens per decode step (the token budget, infer/scheduler.py): every branch row, then every
+    # planning row, then prefill chunks of new videos up to this; 0 = auto (512 on CPU, 2048 on CUDA)
+    step_tokens: int = 0
+    # the paged KV pool (infer/paged.py): its memory budget in GB (0 = auto: kv_memory_fraction of the
+    # free device memory on CUDA, 1 GB on the CPU), keys per page (0 = auto: 16) and query tokens per
+    # attention block (0 = auto: 16)
+    kv_memory_gb: float = 0.0
+    kv_memory_fraction: float = 0.85
+    page_size: int = 0
+    q_block: int = 0
     # model dtype for decoding: auto = bfloat16 on CUDA, the model's own dtype on the CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -86,14 +86,16 @@ def test_k5_very_unequal_lengths(model, video):
     assert len(set(got.intervals)) > 1  # and are grounded differently
 
 
-def test_split_prefix_engine_equals_references(model, video):
-    """infer.attention_prefix_splits > 1 (the long-prefix CUDA path) run through the whole engine."""
-    import dataclasses
-
+@pytest.mark.parametrize("over", [dict(step_tokens=7, page_size=4, q_block=3), dict(page_size=1, q_block=1),
+                                  dict(kernel="reference")])
+def test_chunked_prefill_and_small_pages_equal_references(model, video, over):
+    """Prefill in chunks under a tiny token budget (cut only where the AV block allows), pages of
+    1-4 keys, odd query blocks and the reference kernel: still the references' decode."""
     ctl = DecodeControl(num_events=3, lengths=[4, 9, 2], trace=True)
-    check_against_references(model, video, ctl, cfg=dataclasses.replace(CPU, attention_prefix_splits=3))
-    with pytest.raises(ValueError, match="attention_prefix_splits"):
-        CaptionEngine(model, dataclasses.replace(CPU, attention_prefix_splits=-1))
+    got = check_against_references(model, video, ctl, cfg=dataclasses.replace(CPU, **over))
+    assert got.num_events == 3
+    with pytest.raises(ValueError, match="step_tokens"):
+        CaptionEngine(model, dataclasses.replace(CPU, step_tokens=-1))
 
 
 def test_branch_that_ends_at_its_first_token(model, video):
@@ -143,20 +145,15 @@ def test_termination_leaves_other_branches_unchanged(model, video):
         torch.testing.assert_close(early.branch_logits[i], late.branch_logits[i][:n], atol=1e-5, rtol=0)
 
 
-def test_finished_branches_are_dropped_not_padded(model, video, monkeypatch):
-    """The step at branch step j carries exactly the branches with len > j; the branch KV
-    pool is compacted to the same rows (in order) whenever one ends."""
-    from infer.kv_pool import BranchPool
-    from infer.step import StepRunner
-
+def test_finished_branches_are_dropped_not_padded(model, video):
+    """The step at branch step j carries exactly the branches with len > j, and an ended
+    branch's pages go back to the pool at once."""
     lengths = [2, 11, 1, 6, 3]
-    fed, kept = [], []
-    step, compact = StepRunner.step, BranchPool.compact
-    monkeypatch.setattr(StepRunner, "step", lambda self, e, meta: (fed.append(e.shape[0]), step(self, e, meta))[1])
-    monkeypatch.setattr(BranchPool, "compact", lambda self, idx, *a: (kept.append(idx.tolist()), compact(self, idx, *a))[1])
-    engine(model).decode(video, DecodeControl(num_events=5, lengths=lengths))
-    assert fed == [sum(n > j for n in lengths) for j in range(max(lengths))]
-    assert kept == [[0, 1, 3, 4], [1, 2, 3], [0, 1], [0]]  # rows among the active ones
+    eng = engine(model)
+    eng.decode(video, DecodeControl(num_events=5, lengths=lengths))
+    branch_steps = [n_branch for _, n_branch, _, _, _ in eng.stats["step_log"] if n_branch]
+    assert branch_steps == [sum(n > j for n in lengths) for j in range(max(lengths))]
+    assert eng.pool.allocated == 0 and eng.pool.free_pages == eng.pool.usable  # nothing held, nothing promised
 
 
 def test_planning_respects_max_events(model, video):

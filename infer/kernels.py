@@ -1,0 +1,339 @@
+"""Attention over the paged KV pool: one interface, kernels with public contracts, a pure-torch reference.
+
+    kernel = choose_kernel("auto", dtype, device)               # "sdpa" on CPU, "flex" on CUDA
+    meta = AttnMeta.build(plan, pool, kernel, scratch)          # once per step, shared by the layers
+    o = kernel(q, pool.k[layer], pool.v[layer], meta, scale)    # q [N, Hq, D] -> o [N, Hq, D]
+
+What a step asks of attention. The N tokens of a step (prefill chunks, planning rows, branch
+rows of many videos) each see at most two sequences of the pool (infer/paged.py): query t
+sees key i of sequence s iff (s == seq_a[t] and i < lim_a[t]) or (s == seq_b[t] and i <
+lim_b[t]). A prefill token sees its video's prefix up to its causal limit (the end of the
+audio-visual block for a token inside a bidirectional block); a planning row sees the prefix
+and the serial <G>s so far; a branch row sees its video's prefix (all of it) and its own
+branch. One softmax over both: no log-sum-exp merge is needed, and the shared prefix pages
+are read once per query block, not once per branch (the cascade, without copies).
+
+Query blocks. Tokens are grouped in blocks of at most `q_block` tokens of one video; a
+block lists the pages its tokens may see (`pages` [Qb, B], padded with the scratch page 0,
+`npages` [Qb]). That is FlexAttention's block-sparse description (BlockMask.from_kv_blocks
+with BLOCK_SIZE = (q_block, page_size)), and the reference and the SDPA kernel gather exactly
+those pages. The visibility above is the mask_mod.
+
+Kernels (`infer.kernel`; chosen explicitly, never a silent fallback):
+  "reference"  pure torch: gather the blocks' pages, fp32 scores, mask, softmax, fp32 sum;
+               the oracle. It enforces the contract of the kernel it stands in for
+               (`contract=`), so CPU tests drive the exact glue a GPU kernel runs.
+  "sdpa"       the same gather, then torch.nn.functional.scaled_dot_product_attention with
+               the boolean mask (public API; CPU default).
+  "flex"       torch.nn.attention.flex_attention over the whole pool with the BlockMask
+               (public API; compiled through Triton on CUDA, the CUDA default; eager on the
+               CPU, for tests on small pools).
+No private aten call anywhere: their signatures differ between torch releases.
+Pure torch; no ray. Tests: tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("padcap.infer")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a kernel accepts: dtypes, and the alignment of page and query-block sizes."""
+
+    dtypes: tuple[torch.dtype, ...] = _DTYPES
+    page_multiple: int = 1
+    q_block_multiple: int = 1
+    max_head_dim: int = 256
+
+    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: "AttnMeta") -> None:
+        """Raise ValueError naming the broken rule (shapes, dtypes, alignment)."""
+        if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
+            raise ValueError(f"attention wants q [N, Hq, D], k = v [Hkv, keys, D]; got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        if not (q.dtype == k.dtype == v.dtype) or q.dtype not in self.dtypes:
+            raise ValueError(f"attention dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: need one of {self.dtypes}")
+        n, hq, d = q.shape
+        hkv, keys, dk = k.shape
+        if d != dk or d > self.max_head_dim or hq % hkv:
+            raise ValueError(f"attention head dims: q {hq}x{d}, kv {hkv}x{dk} (Hq % Hkv == 0, D <= {self.max_head_dim})")
+        if meta.page_size % self.page_multiple or keys % meta.page_size:
+            raise ValueError(f"page size {meta.page_size} must be a multiple of {self.page_multiple} and divide the "
+                             f"pool's {keys} keys")
+        if meta.q_block % self.q_block_multiple:
+            raise ValueError(f"query block {meta.q_block} must be a multiple of {self.q_block_multiple}")
+        if n != meta.tokens:
+            raise ValueError(f"{n} queries for a step of {meta.tokens} tokens")
+
+
+@dataclass
+class BlockPlan:
+    """One query block as the scheduler describes it (host): its step tokens and the pages they may see."""
+
+    tokens: Sequence[int]
+    pages: Sequence[int]
+
+
+@dataclass
+class AttnMeta:
+    """A step's attention metadata (module doc); device tensors, built once per step.
+
+    tokens: N; q_block: BM; page_size: S;
+    q_gather [Qb*BM]: step token of each padded query slot (N = a zero padding query);
+    q_out [N]: padded slot of each step token;
+    pages [Qb, B] long, npages [Qb] int32: the pages each block may see (padded with page 0);
+    seq_a, lim_a, seq_b, lim_b [Qb*BM]: per padded query slot, the two (sequence, limit) pairs;
+    visible [Qb, BM, B*S] bool: the mask over the gathered keys (reference / sdpa kernels);
+    block_mask: the FlexAttention BlockMask (flex kernel only).
+    """
+
+    tokens: int
+    q_block: int
+    page_size: int
+    q_gather: torch.Tensor
+    q_out: torch.Tensor
+    pages: torch.Tensor
+    npages: torch.Tensor
+    seq_a: torch.Tensor
+    lim_a: torch.Tensor
+    seq_b: torch.Tensor
+    lim_b: torch.Tensor
+    visible: torch.Tensor | None = None
+    block_mask: object | None = None
+
+    @property
+    def blocks(self) -> int:
+        return int(self.pages.shape[0])
+
+    @staticmethod
+    def build(blocks: Sequence[BlockPlan], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
+              lim_b: Sequence[int], *, q_block: int, pool, kernel: "Kernel") -> "AttnMeta":
+        """Host description of a step -> AttnMeta on the pool's device (one copy per tensor).
+
+        seq_*/lim_* are per step token (N of them); a token with no second sequence has
+        seq_b = -1 (FREE: matches no page a sequence holds) and lim_b = 0.
+        """
+        from infer.paged import SCRATCH_SEQ
+
+        n, S = len(seq_a), pool.page_size
+        qb = len(blocks)
+        width = max(1, max(len(b.pages) for b in blocks))
+        gather = torch.full((qb, q_block), n, dtype=torch.long)
+        page_t = torch.zeros((qb, width), dtype=torch.long)
+        npages = torch.zeros(qb, dtype=torch.int32)
+        for i, b in enumerate(blocks):
+            if len(b.tokens) > q_block:
+                raise ValueError(f"a query block of {len(b.tokens)} tokens over q_block {q_block}")
+            gather[i, : len(b.tokens)] = torch.as_tensor(list(b.tokens), dtype=torch.long)
+            page_t[i, : len(b.pages)] = torch.as_tensor(list(b.pages), dtype=torch.long)
+            npages[i] = len(b.pages)
+        gather = gather.flatten()
+        out = torch.empty(n, dtype=torch.long)
+        real = gather < n
+        out[gather[real]] = torch.arange(qb * q_block)[real]
+        pad = lambda vals, fill: torch.cat([torch.as_tensor(list(vals), dtype=torch.long),  # noqa: E731
+                                            torch.tensor([fill])])[gather]
+        dev = pool.device
+        meta = AttnMeta(tokens=n, q_block=q_block, page_size=S, q_gather=gather.to(dev), q_out=out.to(dev),
+                        pages=page_t.to(dev), npages=npages.to(dev), seq_a=pad(seq_a, SCRATCH_SEQ).to(dev),
+                        lim_a=pad(lim_a, 1).to(dev), seq_b=pad(seq_b, -1).to(dev), lim_b=pad(lim_b, 0).to(dev))
+        if kernel.name == "flex":
+            meta.block_mask = flex_block_mask(meta, pool)
+        else:
+            meta.visible = gathered_visibility(meta, pool)
+        return meta
+
+
+def gathered_visibility(meta: AttnMeta, pool) -> torch.Tensor:
+    """[Qb, BM, B*S] bool: which gathered key each padded query sees (module doc's rule)."""
+    S = meta.page_size
+    owner = pool.owner[meta.pages]  # [Qb, B]
+    first = pool.start[meta.pages]  # [Qb, B]
+    real = torch.arange(meta.pages.shape[1], device=owner.device)[None] < meta.npages[:, None].long()
+    owner = owner.masked_fill(~real, -3)  # padding page slots: nobody's
+    kseq = owner.repeat_interleave(S, dim=1)  # [Qb, T]
+    kidx = (first[:, :, None] + torch.arange(S, device=owner.device)).flatten(1)  # [Qb, T]
+    shape = (meta.blocks, meta.q_block, 1)
+    sa, la = meta.seq_a.view(shape), meta.lim_a.view(shape)
+    sb, lb = meta.seq_b.view(shape), meta.lim_b.view(shape)
+    ks, ki = kseq[:, None], kidx[:, None]
+    return ((ks == sa) & (ki < la)) | ((ks == sb) & (ki < lb))
+
+
+def flex_block_mask(meta: AttnMeta, pool):
+    """The step's BlockMask over the whole pool: the blocks' pages as kv blocks, the rule as mask_mod."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    S = meta.page_size
+    owner, start = pool.owner, pool.start
+    sa, la, sb, lb = meta.seq_a, meta.lim_a, meta.seq_b, meta.lim_b
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        page = kv_idx // S
+        seq, idx = owner[page], start[page] + kv_idx % S
+        return ((seq == sa[q_idx]) & (idx < la[q_idx])) | ((seq == sb[q_idx]) & (idx < lb[q_idx]))
+
+    return BlockMask.from_kv_blocks(meta.npages[None, None], meta.pages.to(torch.int32)[None, None],
+                                    BLOCK_SIZE=(meta.q_block, S), mask_mod=mask_mod,
+                                    seq_lengths=(meta.blocks * meta.q_block, pool.pages * S))
+
+
+# ----------------------------------------------------------------------------------- kernels
+
+
+def _padded_queries(q: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """q [N, Hq, D] -> [Qb*BM, Hq, D] in block order (padding slots zero)."""
+    return torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.q_gather]
+
+
+def _gather(k: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """pool layer [Hkv, P*S, D] -> the blocks' pages [Qb, Hkv, B*S, D] (one index, one copy)."""
+    hkv, keys, d = k.shape
+    S = meta.page_size
+    g = k.view(hkv, keys // S, S, d)[:, meta.pages]  # [Hkv, Qb, B, S, D]
+    return g.transpose(0, 1).flatten(2, 3)
+
+
+def _blocked(q: torch.Tensor, meta: AttnMeta, hkv: int) -> torch.Tensor:
+    """q [N, Hq, D] -> [Qb, Hkv, BM*g, D]: a block's queries of one KV head, rows (query, head in group)."""
+    hq, d = q.shape[1:]
+    qp = _padded_queries(q, meta).view(meta.blocks, meta.q_block, hkv, hq // hkv, d)
+    return qp.permute(0, 2, 1, 3, 4).flatten(2, 3)
+
+
+def _unblocked(o: torch.Tensor, meta: AttnMeta, hq: int) -> torch.Tensor:
+    """[Qb, Hkv, BM*g, D] -> [N, Hq, D] in step order."""
+    qb, hkv, _, d = o.shape
+    o = o.view(qb, hkv, meta.q_block, hq // hkv, d).permute(0, 2, 1, 3, 4).reshape(qb * meta.q_block, hq, d)
+    return o[meta.q_out]
+
+
+def _group_mask(meta: AttnMeta, g: int) -> torch.Tensor:
+    """visible [Qb, BM, T] -> [Qb, 1, BM*g, T] (the g query heads of a KV head share a row's mask)."""
+    return meta.visible.repeat_interleave(g, dim=1)[:, None]
+
+
+class Kernel:
+    """The step's attention kernel (module doc): kernel(q, k, v, meta, scale) -> o.
+
+    q [N, Hq, D]; k, v: one layer of the pool [Hkv, P*S, D]; o [N, Hq, D] in q's dtype.
+    name: what runs; reason: why it was chosen (reported in /v1/model and the result rows);
+    contract: what it accepts, checked on every call.
+    """
+
+    name = "base"
+
+    def __init__(self, reason: str, contract: Contract):
+        self.reason, self.contract = reason, contract
+
+    def __call__(self, q, k, v, meta: AttnMeta, scale: float) -> torch.Tensor:
+        self.contract.check(q, k, v, meta)
+        return self.attend(q, k, v, meta, scale)
+
+    def attend(self, q, k, v, meta: AttnMeta, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ReferenceKernel(Kernel):
+    """Pure torch, fp32 scores and sums (the oracle); `contract` is that of the kernel it stands in for."""
+
+    name = "reference"
+
+    def attend(self, q, k, v, meta, scale):
+        hq, hkv = q.shape[1], k.shape[0]
+        qb = _blocked(q, meta, hkv).float()
+        s = torch.matmul(qb, _gather(k, meta).float().transpose(-1, -2)) * scale
+        s = s.masked_fill(~_group_mask(meta, hq // hkv), float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), _gather(v, meta).float())
+        return _unblocked(o, meta, hq).to(q.dtype)
+
+
+class SdpaKernel(Kernel):
+    """The gathered pages through torch's public scaled_dot_product_attention (boolean mask)."""
+
+    name = "sdpa"
+
+    def attend(self, q, k, v, meta, scale):
+        hq, hkv = q.shape[1], k.shape[0]
+        o = F.scaled_dot_product_attention(_blocked(q, meta, hkv), _gather(k, meta), _gather(v, meta),
+                                           attn_mask=_group_mask(meta, hq // hkv), scale=scale)
+        return _unblocked(o, meta, hq)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class FlexKernel(Kernel):
+    """torch's public FlexAttention over the whole pool with the step's BlockMask (compiled on CUDA)."""
+
+    name = "flex"
+
+    def __init__(self, reason: str, contract: Contract, compiled: bool):
+        super().__init__(reason, contract)
+        self.compiled = compiled
+
+    def attend(self, q, k, v, meta, scale):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = _compiled_flex() if self.compiled else flex_attention
+        qf = _padded_queries(q, meta).transpose(0, 1)[None]  # [1, Hq, Qb*BM, D]
+        o = fn(qf, k[None], v[None], block_mask=meta.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[0])
+        return o[0].transpose(0, 1)[meta.q_out]
+
+
+FLEX_CONTRACT = Contract(dtypes=_DTYPES, page_multiple=16, q_block_multiple=16, max_head_dim=256)
+SDPA_CONTRACT = Contract()
+
+
+def _flex_unavailable(device: torch.device) -> str:
+    """Why FlexAttention cannot run compiled on `device` ("" = it can)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError as e:
+        return f"torch {torch.__version__} has no FlexAttention ({e})"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "FlexAttention on CUDA compiles through Triton, which is not installed"
+    return ""
+
+
+def choose_kernel(name: str, dtype: torch.dtype, device: torch.device, *, stand_in_for: str = "") -> Kernel:
+    """The kernel `infer.kernel` asks for, on this device and dtype (module doc).
+
+    "auto" = "flex" on CUDA, "sdpa" on the CPU. A kernel that cannot run raises with the
+    reason (never a silent fallback). stand_in_for: for "reference", whose contract to enforce.
+    """
+    chosen = name if name != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    if chosen == "reference":
+        contract = FLEX_CONTRACT if stand_in_for == "flex" else SDPA_CONTRACT
+        kernel: Kernel = ReferenceKernel(f"requested ({'flex' if stand_in_for == 'flex' else 'sdpa'} contract)",
+                                         contract)
+    elif chosen == "sdpa":
+        kernel = SdpaKernel("torch scaled_dot_product_attention over the gathered pages"
+                            + (" (auto on CPU)" if name == "auto" else ""), SDPA_CONTRACT)
+    elif chosen == "flex":
+        why = _flex_unavailable(device)
+        if why:
+            raise RuntimeError(f"infer.kernel=flex cannot run on {device}: {why}")
+        compiled = device.type == "cuda"
+        kernel = FlexKernel(f"torch FlexAttention ({'compiled, Triton' if compiled else 'eager'})"
+                            + (" (auto on CUDA)" if name == "auto" else ""), FLEX_CONTRACT, compiled)
+    else:
+        raise ValueError(f"unknown infer.kernel {name!r} (auto, sdpa, flex, reference)")
+    if dtype not in kernel.contract.dtypes:
+        raise RuntimeError(f"infer.kernel={chosen} does not take {dtype}")
+    log.info("attention kernel: %s (%s)", kernel.name, kernel.reason)
+    return kernel

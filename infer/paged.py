@@ -1,0 +1,178 @@
+"""The paged KV cache of the decode engine: one pool of fixed-size pages, block tables per sequence.
+
+    pool = PagePool.for_budget(weights, page_size=16, memory_bytes=2 << 30)
+    seq = pool.open()                       # a new sequence (a video's prefix, or one branch)
+    pool.reserve(n_pages); pool.grow(seq, 300)   # pages for 300 keys, from the reservation
+    slots = pool.slots(seq, 290, 300)       # flat slot index of keys 290..299 (where the step writes)
+    pool.close(seq)                         # its pages go back to the free list (no copy)
+
+Layout. `k` and `v` are one tensor each for all layers, [layers, Hkv, pages * page_size, D]
+(per layer the [1, Hkv, keys, D] a fused kernel takes, as a view):
+page p holds flat slots [p*S, (p+1)*S). A sequence's keys live in the pages of its block
+table in order (key i at page table[i // S], offset i % S). Page 0 is the scratch page:
+padding rows of a step write there and see only its first key, so no real page is ever
+touched by padding.
+
+Ownership. Every page records its owner sequence id and the logical index of its first key
+(`owner`, `start`, device tensors of [pages]); the attention kernels decide visibility from
+them (infer/kernels.py). Sequence ids are never reused, so a page freed by one video and
+handed to another can never be read as the old owner's (no leak from a previous owner).
+
+Sharing. A video's branches do not copy its prefix: each branch row sees two sequences, the
+video's prefix (prompt + serial <G>s) and its own branch (anchor + tokens): the cascade
+layout without copies.
+
+Budget. The pool is sized from a memory budget (`infer.kv_memory_gb`, or a fraction of the
+free device memory on CUDA), never from max_seq_len x slots. Admission reserves a video's
+worst case (`reserve`) so no sequence can run out of pages mid-decode; pages are taken from
+the free list only when keys arrive (`grow`), so what is allocated tracks what is live.
+Pure torch; no ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SCRATCH_SEQ = -2  # owner id of the scratch page (page 0)
+FREE_SEQ = -1  # owner id of a page nobody holds
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` keys."""
+    return -(-int(tokens) // int(page_size))
+
+
+def page_bytes(layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes one page takes over all layers, keys and values."""
+    return 2 * layers * page_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+@dataclass
+class Seq:
+    """One sequence in the pool: its id, block table (page ids, host) and key count."""
+
+    id: int
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class OutOfPages(RuntimeError):
+    """The pool has no free page for a key that was not reserved (a scheduler bug, never user input)."""
+
+
+class PagePool:
+    """The engine's KV pool (module doc)."""
+
+    def __init__(self, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        if pages < 2 or page_size < 1:
+            raise ValueError(f"a KV pool needs at least 2 pages of >= 1 key (got {pages} of {page_size})")
+        self.layers, self.pages, self.page_size = layers, pages, page_size
+        self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
+        shape = (layers, kv_heads, pages * page_size, head_dim)
+        # empty, not zeros: a page is written before any key of it is visible; untouched pages cost no RAM on CPU
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, :, :page_size].zero_()
+        self.v[:, :, :page_size].zero_()
+        self.owner = torch.full((pages,), FREE_SEQ, dtype=torch.long, device=device)
+        self.start = torch.zeros(pages, dtype=torch.long, device=device)
+        self.owner[0] = SCRATCH_SEQ
+        self._free = list(range(pages - 1, 0, -1))  # pop() gives the lowest page first
+        self._reserved = 0
+        self._next_id = 0
+        self._pending: list[tuple[int, int, int]] = []  # (page, owner, start) not yet on the device
+        self.peak_pages = 0
+
+    @classmethod
+    def for_budget(cls, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                   page_size: int, memory_bytes: int) -> "PagePool":
+        """A pool of as many pages as `memory_bytes` holds (at least 2)."""
+        per = page_bytes(layers, kv_heads, head_dim, page_size, dtype)
+        return cls(layers, max(2, int(memory_bytes) // per), page_size, kv_heads, head_dim, dtype, device)
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def usable(self) -> int:
+        """Pages a sequence can ever get (all but the scratch page)."""
+        return self.pages - 1
+
+    @property
+    def free_pages(self) -> int:
+        """Pages neither allocated nor promised to an admitted video."""
+        return len(self._free) - self._reserved
+
+    @property
+    def allocated(self) -> int:
+        return self.usable - len(self._free)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return page_bytes(self.layers, self.kv_heads, self.head_dim, self.page_size, self.dtype)
+
+    def reserve(self, n: int) -> bool:
+        """Promise n pages to a video (its worst case); False (nothing promised) if they are not free."""
+        if n > self.free_pages:
+            return False
+        self._reserved += n
+        return True
+
+    def unreserve(self, n: int) -> None:
+        """Give back n promised pages that will not be used."""
+        if n < 0 or n > self._reserved:
+            raise ValueError(f"cannot give back {n} of {self._reserved} reserved pages")
+        self._reserved -= n
+
+    # ------------------------------------------------------------------ sequences
+
+    def open(self) -> Seq:
+        seq = Seq(self._next_id)
+        self._next_id += 1
+        return seq
+
+    def grow(self, seq: Seq, length: int) -> None:
+        """Make room for keys [0, length) of seq, taking new pages from the reservation."""
+        need = pages_for(length, self.page_size) - len(seq.pages)
+        if need > 0:
+            if need > len(self._free) or need > self._reserved:
+                raise OutOfPages(f"sequence {seq.id} needs {need} pages: {len(self._free)} free, "
+                                 f"{self._reserved} reserved")
+            for _ in range(need):
+                page = self._free.pop()
+                self._pending.append((page, seq.id, len(seq.pages) * self.page_size))
+                seq.pages.append(page)
+            self._reserved -= need
+            self.peak_pages = max(self.peak_pages, self.allocated)
+        seq.length = max(seq.length, length)
+
+    def close(self, seq: Seq) -> None:
+        """Free the pages of seq (a block-table edit; the data stays until a new owner writes)."""
+        self._free.extend(reversed(seq.pages))
+        self._pending.extend((p, FREE_SEQ, 0) for p in seq.pages)
+        seq.pages = []
+        seq.length = 0
+
+    def slots(self, seq: Seq, lo: int, hi: int) -> torch.Tensor:
+        """Flat slot ids [hi - lo] (host long) of keys lo..hi-1 of seq (pages must exist)."""
+        i = torch.arange(lo, hi)
+        table = torch.tensor(seq.pages, dtype=torch.long)
+        return table[i // self.page_size] * self.page_size + i % self.page_size
+
+    def sync(self) -> None:
+        """Apply the step's page ownership changes on the device: one scatter each, once per step."""
+        if not self._pending:
+            return
+        last = {page: (own, start) for page, own, start in self._pending}  # a page freed and retaken: the last wins
+        self._pending.clear()
+        idx = torch.tensor(list(last), dtype=torch.long)
+        own = torch.tensor([o for o, _ in last.values()], dtype=torch.long)
+        start = torch.tensor([s for _, s in last.values()], dtype=torch.long)
+        self.owner.index_copy_(0, idx.to(self.device), own.to(self.device))
+        self.start.index_copy_(0, idx.to(self.device), start.to(self.device))
+
+    def describe(self) -> dict[str, float]:
+        return {"pages": self.pages, "page_size": self.page_size, "bytes_per_page": self.bytes_per_page,
+                "pool_gb": self.pages * self.bytes_per_page / 1e9}

@@ -1,0 +1,227 @@
+"""What one video asks of the scheduler, model by model: its prefix, planning rules and anchors.
+
+    prog = PadProgram(model, sample, opts, control)      # the project's model
+    prog = ReleaseProgram(model, video, opts, control)   # the published release model
+    prog.embeds [P, d], prog.positions [3, P], prog.limits [P], prog.cuts   # the prefix to prefill
+    prog.prefilled(h_states)                              # the prefix's captured states, once
+    want_g = prog.decide(hidden, ground)                  # at every decision row
+    x, pos = prog.plan_input()                            # the serial <G> to feed next
+    prog.finish() -> Anchors                              # intervals, anchors [K, d], position A
+
+The scheduler (infer/scheduler.py) runs every forward in the shared step (infer/step.py);
+a program only turns the step's outputs for its own video into the next decision, so the
+rules below are the same functions the reference front halves use (infer/front.py,
+infer/release_front.py), applied to the same states.
+
+PadCaptioner (infer/front.py's rules): the prefix layout of pipeline/layout.py with its
+mask and positions; planning greedy over {<G>, <S>} from the last instruction row, each
+<G> fed at shared_position(P + k); the grounding-layer state of the row that predicted a
+<G> is its event query; then grounding and attention-guided anchors at A = P + K.
+
+Release (RELEASE.md 2-4): the release prompt with its M-RoPE ids, the AV block
+bidirectional; at every decision row the event vector is grounded; a <G> is fed as
+E[<G>] + agg(the interval grounded at the row that predicted it), at L + k + delta;
+K = 0 allowed; anchors E[<G>] + agg(interval) at L + K + delta.
+
+Prefix visibility must be "keys [0, limit)" per row (causal, or a bidirectional block):
+`row_limits` reads the limits off the layout's own mask and refuses any other shape.
+Pure torch + HF; no ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infer.front import DecodeError, decode_reserve, ground_intervals, prepare_example, token_position_ids
+from infer.sampling import DecodeControl, plan_decision, planning_capped
+from pipeline.batch import collate
+from pipeline.grounding import similarity_logits
+from pipeline.layout import Role, anchor_position, shared_position
+
+
+def row_limits(visible: torch.Tensor) -> torch.Tensor:
+    """visible [P, P] bool (query, key) -> limits [P] long: row i sees keys [0, limits[i]).
+
+    Raises ValueError if some row is not of that form (a mask the paged step cannot express)."""
+    p = visible.shape[0]
+    idx = torch.arange(p)
+    lim = torch.where(visible, idx[None] + 1, torch.zeros_like(idx)[None]).amax(dim=1)
+    if not torch.equal(visible, idx[None] < lim[:, None]) or bool((lim < idx + 1).any()):
+        raise ValueError("the prefix mask is not 'each row sees a leading run of keys including itself'")
+    return lim
+
+
+def legal_cuts(limits: torch.Tensor) -> list[int]:
+    """Chunk boundaries c (1..P) such that no row before c sees a key at or after c."""
+    reach = torch.cummax(limits, dim=0).values  # furthest key seen by rows 0..i
+    ends = torch.arange(1, limits.shape[0] + 1)
+    return ends[reach <= ends].tolist()
+
+
+def _plan_position(value: int) -> torch.Tensor:
+    return torch.full((3,), int(value), dtype=torch.long)
+
+
+@dataclass
+class Anchors:
+    """The end of planning: intervals (seconds, planning order), anchors [K, d] at position A."""
+
+    intervals: list[tuple[float, float]]
+    anchors: torch.Tensor
+    anchor_pos: int
+    planning_logits: torch.Tensor
+    grounding_logits: torch.Tensor
+    segments_kept: int
+
+
+class PadProgram:
+    """A sample for the project's PadCaptioner (module doc)."""
+
+    release = False
+
+    def __init__(self, model, sample, opts, control: DecodeControl):
+        if opts.max_events < 1:
+            raise DecodeError(f"max_events must be >= 1 (every video gets at least one event), got {opts.max_events}")
+        self.model, self.opts, self.control = model, opts, control
+        self.example = prepare_example(model, sample, decode_reserve(opts))
+        lay = self.example.layout
+        self.length = p = lay.prefix_len
+        pk = collate([self.example]).packed
+        self._pos = model.position_ids(pk)[:, :p]
+        self.embeds = model.embed(pk, [self.example], slice(0, p))[0]
+        self.positions = self._pos[0].cpu().expand(3, -1)  # host: the scheduler copies a step's at once
+        try:
+            self.limits = row_limits(lay.mask[0, 0, :p, :p] == 0)
+        except ValueError as e:
+            raise DecodeError(f"{sample.video_id}: {e}") from e
+        self.cuts = legal_cuts(self.limits)
+        n_layers = model.hf_config.get_text_config(decoder=True).num_hidden_layers
+        self.ground_layer = model.cfg.grounding_layer % (n_layers + 1)
+        self.agg_layer = model.aggregation_layer
+        self.capture = (self.ground_layer, self.agg_layer)
+        self.k = 0
+        self.queries: list[torch.Tensor] = []
+        self.plan_logits: list[torch.Tensor] = []
+        self.g_emb = model.embed_tokens(torch.tensor([[model.g_id]], device=model.device))[0, 0]
+
+    def prefilled(self, states: dict[int, torch.Tensor]) -> None:
+        self.h_ground, self.h_agg = states[self.ground_layer], states[self.agg_layer]
+
+    def decide(self, hidden: torch.Tensor, ground: torch.Tensor) -> bool:
+        """At a decision row (final-norm state, grounding-layer state): feed another <G>?"""
+        if planning_capped(self.k, self.opts.max_events, self.control):
+            return False
+        restricted = self.model.lm_logits(hidden[None])[0, [self.model.g_id, self.model.s_id]].float()
+        self.plan_logits.append(restricted)
+        if not plan_decision(restricted, self.k, self.opts.max_events, self.control):
+            return False
+        self.queries.append(ground)
+        return True
+
+    def plan_input(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embedding [d], positions [3]) of the next serial <G>."""
+        pos = token_position_ids(self.model, shared_position(self.length + self.k), 1, Role.SERIAL_G, "cpu")
+        self.k += 1
+        return self.g_emb, _plan_position(int(pos.flatten()[0]))
+
+    def finish(self) -> Anchors:
+        model, ex = self.model, self.example
+        lay = ex.layout
+        events = model.event_vectors(torch.stack(self.queries))
+        dev = self.h_ground.device
+        segments = model.segment_vectors(self.h_ground, lay.visual_index.to(dev), lay.audio_index.to(dev))
+        g_logits = similarity_logits(events, segments)
+        intervals = ground_intervals(model, g_logits, ex)
+        p = self.length
+        key_visible = lay.mask[0, 0, lay.instruction_end, :p].to(dev) == 0
+        anchors = model.anchor_embeddings(self.h_agg, lay, ex.segment_times, torch.tensor(intervals, dtype=torch.float32),
+                                          self._pos[0], key_visible)
+        return Anchors(intervals, anchors, anchor_position(p, self.k), _stack(self.plan_logits), g_logits,
+                       int(lay.num_segments))
+
+
+class ReleaseProgram:
+    """A video for the published release model (module doc)."""
+
+    release = True
+
+    def __init__(self, model, video, opts, control: DecodeControl):
+        from infer.release_front import prefill_inputs
+        from pipeline.release.video import as_release_video
+
+        self.model, self.opts, self.control = model, opts, control
+        try:
+            video = as_release_video(video)
+        except ValueError as e:
+            raise DecodeError(str(e)) from e
+        self.video = video
+        self.lay, self.embeds, pos, self.delta = prefill_inputs(model, video)
+        self._pos = pos
+        self.positions = pos.cpu()
+        self.length = L = self.lay.length
+        visible = torch.ones(L, L, dtype=torch.bool).tril()
+        b0, b1 = self.lay.p0, self.lay.p0 + self.lay.block_len
+        visible[b0:b1, b0:b1] = True
+        self.limits = row_limits(visible)
+        self.cuts = legal_cuts(self.limits)
+        n_layers = model.hf_config.get_text_config(decoder=True).num_hidden_layers
+        self.ground_layer = n_layers - 1  # hidden_states[-2]
+        self.agg_layer = model.aggregation_layer
+        self.capture = (self.ground_layer, self.agg_layer)
+        self.k = 0
+        self.steps: list[tuple[int, int]] = []
+        self.sims: list[torch.Tensor] = []
+        self.plan_logits: list[torch.Tensor] = []
+        self.g_emb = model.embed_tokens(torch.tensor([model.g_id]))[0]
+        self._next: tuple[int, int] | None = None
+
+    def prefilled(self, states: dict[int, torch.Tensor]) -> None:
+        from infer.release_front import aggregation_row
+
+        self.h_ground, self.h_agg = states[self.ground_layer], states[self.agg_layer]
+        self.attn_row = aggregation_row(self.model, self.lay, self._pos, self.h_agg)
+        self.segments = self.model.segment_vectors(self.h_ground, self.lay)
+
+    def _agg(self, step: tuple[int, int]) -> torch.Tensor:
+        from pipeline.release.grounding import aggregate
+
+        s = self.model.settings
+        return aggregate(self.attn_row, self.h_agg, self.lay, step, s.aggregation, self.model.audio_mean_weight)
+
+    def decide(self, hidden: torch.Tensor, ground: torch.Tensor) -> bool:
+        from pipeline.release.grounding import find_and_merge
+
+        s = self.model.settings
+        sim = self.model.similarity(ground, self.segments)
+        self.sims.append(sim)
+        step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
+        if planning_capped(self.k, self.opts.max_events, self.control):
+            return False
+        restricted = self.model.lm_logits(hidden[None])[0, [self.model.g_id, self.model.s_id]].float()
+        self.plan_logits.append(restricted)
+        if not plan_decision(restricted, self.k, self.opts.max_events, self.control, min_events=0):
+            return False
+        self.steps.append(step)
+        self._next = step
+        return True
+
+    def plan_input(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.g_emb + self._agg(self._next)
+        pos = self.length + self.k + self.delta
+        self.k += 1
+        return x, _plan_position(pos)
+
+    def finish(self) -> Anchors:
+        from infer.release_front import seconds
+
+        anchors = torch.stack([self.g_emb + self._agg(st) for st in self.steps]) if self.steps else \
+            self.g_emb.new_zeros(0, self.g_emb.shape[0])
+        d = float(self.video.seconds_per_step)
+        return Anchors([seconds(st, d) for st in self.steps], anchors, self.length + self.k + self.delta,
+                       _stack(self.plan_logits), torch.stack(self.sims).float(), self.lay.grid.timesteps)
+
+
+def _stack(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(rows) if rows else torch.zeros(0, 2)

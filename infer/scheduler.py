@@ -1,0 +1,231 @@
+"""The token-budget scheduler: what each step carries, for every video in flight.
+
+    sched = Scheduler(runner, pool, step_tokens=512, max_rows=128, q_block=16)
+    plan = sched.plan(videos)            # -> StepPlan (ForwardBatch + who owns which rows), or None
+    hidden, states = runner.forward(plan.batch)
+    sched.absorb(plan, hidden, states)   # decisions, chunk states, branch rows' logits rows
+
+A video moves through three phases, each a kind of row in the shared step:
+
+  PREFILL  chunks of its prefix, at most what is left of the step's token budget, cut only
+           where the prefix mask allows (`legal_cuts`: never inside a bidirectional block; a
+           block that is larger than the budget goes whole, in a step of its own prefill);
+  PLAN     one row per step: the serial <G> it decided on at the previous row; the row's
+           final state and grounding-layer state come back from the same forward;
+  BRANCH   its K caption branches, one row each (the anchor at step 0, then the last token).
+
+Each step is filled in that priority: every running branch row, then every planning row,
+then prefill chunks in admission order up to `step_tokens`. A newcomer's prefill thus never
+stalls running videos for more than one chunk. Rows are laid out per video in query blocks
+of at most `q_block` tokens (infer/kernels.py); all of it is host bookkeeping done once per
+step, never per layer. Pure torch; no ray.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.kernels import AttnMeta, BlockPlan
+from infer.paged import FREE_SEQ, PagePool, Seq, pages_for
+from infer.step import ForwardBatch, ModelRunner
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    PLAN = "plan"
+    READY = "ready"  # planned, waiting for room for its branch rows
+    BRANCH = "branch"
+
+
+@dataclass
+class Branch:
+    event: int
+    seq: Seq
+    tokens: list[int] = field(default_factory=list)
+    traced: list[torch.Tensor] | None = None
+
+
+class VideoState:
+    """A video in flight: its program (infer/programs.py), its sequences, and where it is."""
+
+    def __init__(self, request, opts, prog, reserved: int, seq: Seq, cap: int):
+        self.request, self.opts, self.prog = request, opts, prog
+        self.prefix = seq
+        self.cursor = 0  # prefix tokens prefilled
+        self.reserved = reserved  # pages promised to this video, not yet taken
+        self.cap = cap  # tokens per branch
+        self.phase = Phase.PREFILL
+        self.feed_g = False  # a serial <G> goes into the next step
+        self.chunks: dict[int, list[torch.Tensor]] = {i: [] for i in prog.capture}
+        self.branches: list[Branch] = []  # active ones, in event order
+        self.finished: list[Branch] = []
+        self.anchors = None  # programs.Anchors once planned
+        self.steps = 0  # branch steps taken (lock-step within a video)
+        self.processors = request.control.processors(prog.model.eos_id)
+        self.sampler = None
+        self.times = {"admit": time.perf_counter()}
+        self.grounding_ms = 0.0
+
+    @property
+    def rows(self) -> int:
+        return len(self.branches)
+
+
+@dataclass
+class StepPlan:
+    """One step: its ForwardBatch and the layout of its rows.
+
+    branch: (video, first row, rows) for the branch rows, which come first ([0, n_branch));
+    plan: (video, row) of each planning row; prefill: (video, first row, lo, hi) of each chunk.
+    """
+
+    batch: ForwardBatch
+    n_branch: int
+    branch: list[tuple[VideoState, int, int]]
+    plan: list[tuple[VideoState, int]]
+    prefill: list[tuple[VideoState, int, int, int]]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.batch.embeds.shape[0])
+
+
+class Scheduler:
+    """Fills each step under the token budget and lays out its metadata (module doc)."""
+
+    def __init__(self, runner: ModelRunner, pool: PagePool, *, step_tokens: int, max_rows: int, q_block: int):
+        self.runner, self.pool = runner, pool
+        self.step_tokens, self.max_rows, self.q_block = step_tokens, max_rows, q_block
+        self.device = pool.device
+
+    # ------------------------------------------------------------------ building a step
+
+    def _grow(self, v: VideoState, seq: Seq, length: int) -> None:
+        before = len(seq.pages)
+        self.pool.grow(seq, length)
+        v.reserved -= len(seq.pages) - before
+
+    def _blocks(self, first: int, count: int, pages: list[int], own: list[list[int]] | None = None) -> list[BlockPlan]:
+        """Query blocks over step tokens [first, first + count): each sees `pages` (+ its rows' own pages)."""
+        out = []
+        for lo in range(first, first + count, self.q_block):
+            hi = min(first + count, lo + self.q_block)
+            extra = [p for r in range(lo - first, hi - first) for p in own[r]] if own else []
+            out.append(BlockPlan(range(lo, hi), pages + extra))
+        return out
+
+    def plan(self, videos: list[VideoState]) -> StepPlan | None:
+        S = self.pool.page_size
+        embeds: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        seq_a: list[int] = []
+        lim_a: list[int] = []
+        seq_b: list[int] = []
+        lim_b: list[int] = []
+        blocks: list[BlockPlan] = []
+        n = 0
+        branch_rows, plan_rows, chunks = [], [], []
+        # 1. every running branch row (anchors at step 0, else the last token)
+        tok_ids: list[int] = []
+        for v in videos:
+            if v.phase is not Phase.BRANCH:
+                continue
+            j = v.steps
+            pref = v.prefix
+            for b in v.branches:
+                self._grow(v, b.seq, j + 1)
+            if j == 0:
+                embeds.append(v.anchors.anchors.to(self.runner.w.dtype))
+            else:
+                tok_ids.extend(b.tokens[-1] for b in v.branches)
+                embeds.append(None)  # filled by one embedding gather below
+            k = v.rows
+            positions.append(torch.full((3, k), v.anchors.anchor_pos + j, dtype=torch.long))
+            slots.append(torch.tensor([b.seq.pages[j // S] * S + j % S for b in v.branches], dtype=torch.long))
+            seq_a += [pref.id] * k
+            lim_a += [pref.length] * k
+            seq_b += [b.seq.id for b in v.branches]
+            lim_b += [j + 1] * k
+            blocks += self._blocks(n, k, pref.pages, [b.seq.pages for b in v.branches])
+            branch_rows.append((v, n, k))
+            n += k
+        n_branch = n
+        if tok_ids:  # the branch tokens of every video: one embedding gather
+            pieces = iter(self.runner.embed(torch.tensor(tok_ids, device=self.device)).split(
+                [k for (_, _, k), e in zip(branch_rows, embeds) if e is None]))
+            embeds = [next(pieces) if e is None else e for e in embeds]
+        # 2. one planning row per planning video
+        for v in videos:
+            if v.phase is not Phase.PLAN or not v.feed_g:
+                continue
+            pref = v.prefix
+            x, pos = v.prog.plan_input()
+            key = pref.length
+            self._grow(v, pref, key + 1)
+            embeds.append(x[None].to(self.runner.w.dtype))
+            positions.append(pos[:, None].cpu())
+            slots.append(self.pool.slots(pref, key, key + 1))
+            seq_a.append(pref.id)
+            lim_a.append(key + 1)
+            seq_b.append(FREE_SEQ)
+            lim_b.append(0)
+            blocks += self._blocks(n, 1, pref.pages)
+            plan_rows.append((v, n))
+            n += 1
+        # 3. prefill chunks up to the budget
+        prefilled_any = False
+        for v in videos:
+            if v.phase is not Phase.PREFILL:
+                continue
+            room = self.step_tokens - n
+            cut = _largest_cut(v.prog.cuts, v.cursor, v.cursor + room)
+            if cut is None:
+                if prefilled_any:
+                    continue  # its smallest chunk does not fit beside the others: a later step
+                cut = _smallest_cut(v.prog.cuts, v.cursor)  # a whole bidirectional block, over the budget
+            lo, hi = v.cursor, cut
+            pref = v.prefix
+            self._grow(v, pref, hi)
+            embeds.append(v.prog.embeds[lo:hi].to(self.runner.w.dtype))
+            positions.append(v.prog.positions[:, lo:hi].cpu())
+            slots.append(self.pool.slots(pref, lo, hi))
+            lims = v.prog.limits[lo:hi].tolist()
+            seq_a += [pref.id] * (hi - lo)
+            lim_a += lims
+            seq_b += [FREE_SEQ] * (hi - lo)
+            lim_b += [0] * (hi - lo)
+            for blk in self._blocks(n, hi - lo, []):
+                last = max(lims[t - n] for t in blk.tokens)
+                blk.pages = pref.pages[: pages_for(last, S)]
+                blocks.append(blk)
+            chunks.append((v, n, lo, hi))
+            n += hi - lo
+            prefilled_any = True
+        if n == 0:
+            return None
+        self.pool.sync()
+        capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
+        attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=self.q_block, pool=self.pool,
+                              kernel=self.runner.kernel)
+        batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
+                             slots=torch.cat(slots).to(self.device), attn=attn, capture=capture)
+        return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks)
+
+
+def _largest_cut(cuts: list[int], lo: int, hi: int) -> int | None:
+    """The largest legal cut in (lo, hi], or None."""
+    import bisect
+
+    i = bisect.bisect_right(cuts, hi) - 1
+    return cuts[i] if i >= 0 and cuts[i] > lo else None
+
+
+def _smallest_cut(cuts: list[int], lo: int) -> int:
+    import bisect
+
+    return cuts[bisect.bisect_right(cuts, lo)]
