@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -335,8 +335,9 @@ class CaptionEngine:
         st["step_ms"] += ms
         st["mode_ms"][mode.value] += ms
         if len(st["step_log"]) < 100_000:
-            st["step_log"].append((plan.tokens, plan.n_branch, len(plan.plan), sum(h - l for _, _, l, h in plan.prefill),
-                                   ms))
+            videos = {id(v) for v, *_ in plan.branch + plan.plan + plan.prefill}
+            st["step_log"].append(StepRecord(plan.tokens, plan.n_branch, len(plan.plan),
+                                             sum(h - lo for _, _, lo, h in plan.prefill), len(videos), ms))
 
     def _drop_cancelled(self, videos: list[VideoState]) -> None:
         for v in [v for v in videos if v.request.cancelled()]:
@@ -388,6 +389,17 @@ class CaptionEngine:
                 emit(req, e)
                 continue
             emit(req, dec)
+
+
+class StepRecord(NamedTuple):
+    """One step as `stats["step_log"]` keeps it."""
+
+    tokens: int
+    branch_rows: int
+    plan_rows: int
+    prefill_tokens: int
+    videos: int
+    ms: float
 
 
 def is_release_model(model) -> bool:

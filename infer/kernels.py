@@ -185,7 +185,8 @@ def flex_block_mask(meta: AttnMeta, pool):
 
     return BlockMask.from_kv_blocks(meta.npages[None, None], meta.pages.to(torch.int32)[None, None],
                                     BLOCK_SIZE=(meta.q_block, S), mask_mod=mask_mod,
-                                    seq_lengths=(meta.blocks * meta.q_block, pool.pages * S))
+                                    seq_lengths=(meta.blocks * meta.q_block, pool.pages * S),
+                                    compute_q_blocks=False)  # forward only: no transposed (q-block) index
 
 
 # ----------------------------------------------------------------------------------- kernels

@@ -170,8 +170,15 @@ class PagePool:
         idx = torch.tensor(list(last), dtype=torch.long)
         own = torch.tensor([o for o, _ in last.values()], dtype=torch.long)
         start = torch.tensor([s for _, s in last.values()], dtype=torch.long)
-        self.owner.index_copy_(0, idx.to(self.device), own.to(self.device))
-        self.start.index_copy_(0, idx.to(self.device), start.to(self.device))
+        idx, own, start = idx.to(self.device), own.to(self.device), start.to(self.device)
+        self.owner.index_copy_(0, idx, own)
+        self.start.index_copy_(0, idx, start)
+        # A new page's unwritten slots are read (masked) by the kernels: 0 * NaN would be NaN, and torch.empty
+        # can hold anything. Zero what was just handed out (one fill per step, all layers at once).
+        taken = idx[own >= 0]
+        if taken.numel():
+            for buf in (self.k, self.v):
+                buf.view(self.layers, self.kv_heads, self.pages, self.page_size, self.head_dim).index_fill_(2, taken, 0)
 
     def describe(self) -> dict[str, float]:
         return {"pages": self.pages, "page_size": self.page_size, "bytes_per_page": self.bytes_per_page,

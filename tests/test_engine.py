@@ -151,7 +151,7 @@ def test_finished_branches_are_dropped_not_padded(model, video):
     lengths = [2, 11, 1, 6, 3]
     eng = engine(model)
     eng.decode(video, DecodeControl(num_events=5, lengths=lengths))
-    branch_steps = [n_branch for _, n_branch, _, _, _ in eng.stats["step_log"] if n_branch]
+    branch_steps = [r.branch_rows for r in eng.stats["step_log"] if r.branch_rows]
     assert branch_steps == [sum(n > j for n in lengths) for j in range(max(lengths))]
     assert eng.pool.allocated == 0 and eng.pool.free_pages == eng.pool.usable  # nothing held, nothing promised
 

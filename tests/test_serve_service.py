@@ -105,15 +105,15 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
 
     def recording_factory(infer_cfg):
         eng = factory(infer_cfg)
-        step = eng.runner.step
+        forward = eng.runner.forward
 
-        def counting(embeds, meta):
-            spans_per_step.append(len(meta.spans))
+        def counting(batch):
+            spans_per_step.append(len(eng.stats["step_log"]))
             if len(spans_per_step) == 2:
                 time.sleep(0.3)  # a slow step: the late request arrives while the batch runs
-            return step(embeds, meta)
+            return forward(batch)
 
-        eng.runner.step = counting
+        eng.runner.forward = counting
         engines.append(eng)
         return eng
 
@@ -135,7 +135,7 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
     alone_b = _events(direct_caption(factory, cfg, tree.good, "good", max_events=2))
     assert [b["video_id"] for b in bodies] == ["a", "b", "c", "late"]
     assert [_events(b) for b in bodies] == [alone, alone_b, alone, alone]  # b's own options, in the same batch
-    assert len(engines) == 1 and max(spans_per_step) >= 2  # several videos' rows in one step
+    assert len(engines) == 1 and max(r.videos for r in engines[0].stats["step_log"]) >= 2  # videos share steps
     assert svc._batcher.max_in_flight >= 2
 
 

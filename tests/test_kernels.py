@@ -1,0 +1,177 @@
+"""The paged attention kernels (infer/kernels.py) and the KV pool (infer/paged.py).
+
+Each kernel against torch's own dense SDPA on random paged layouts (sequences scattered over
+a pool, pages shared by several queries, prefix + own-branch visibility, causal and
+bidirectional limits); the contract checks fire on misaligned and mis-typed calls; the kernel
+is the one the config asked for. Also the pool's accounting: reservations, page reuse with
+fresh ownership, freed pages never visible to their old owner's ids.
+
+Run: .venv/bin/python -m pytest tests/test_kernels.py -q
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.kernels import FLEX_CONTRACT, AttnMeta, BlockPlan, choose_kernel
+from infer.paged import FREE_SEQ, OutOfPages, PagePool, pages_for
+
+HKV, G, D = 2, 3, 16
+
+
+def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32):
+    """A pool with a few prefixes and branches at random pages, and a step of queries over them.
+
+    Returns (pool, q [N, Hq, D], meta, dense: list of (k [Hkv, L, D], v, token) per query) where
+    dense holds exactly the keys each query may see, in order, for a dense SDPA oracle."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    pool = PagePool(1, 64, page_size, HKV, D, dtype, torch.device("cpu"))
+    pool.reserve(pool.free_pages)
+    # churn: open and close sequences so live pages are scattered and reused
+    for _ in range(3):
+        junk = pool.open()
+        pool.grow(junk, rnd.randint(1, 3 * page_size))
+        pool.sync()
+        pool.k[0].view(HKV, -1, D)[:, pool.slots(junk, 0, junk.length)] = 9.0  # stale keys of a dead owner
+        pool.close(junk)
+        pool.reserve(pool.free_pages)
+    seqs = []
+    for length in (rnd.randint(5, 40), rnd.randint(1, 9), rnd.randint(1, 9), rnd.randint(3, 30)):
+        s = pool.open()
+        pool.grow(s, length)
+        pool.sync()  # pages handed out (zeroed) before the step writes them, as in the engine
+        keys = torch.randn(HKV, length, D, generator=gen).to(dtype)
+        vals = torch.randn(HKV, length, D, generator=gen).to(dtype)
+        slots = pool.slots(s, 0, length)
+        pool.k[0][:, slots] = keys
+        pool.v[0][:, slots] = vals
+        seqs.append((s, keys, vals))
+    prefix, b1, b2, other = seqs
+    rows = []  # (seq_a, lim_a, seq_b, lim_b)
+    lp = prefix[0].length
+    rows += [(prefix, min(lp, i + 1 if i % 3 else lp), None, 0) for i in range(7)]  # prefill-like, some bidirectional
+    rows += [(prefix, lp, b1, b1[0].length), (prefix, lp, b2, rnd.randint(1, b2[0].length))]  # branch rows
+    rows += [(other, rnd.randint(1, other[0].length), None, 0) for _ in range(3)]  # another video
+    q = torch.randn(len(rows), HKV * G, D, generator=gen).to(dtype)
+    blocks, start = [], 0
+    for group in (rows[:7], rows[7:9], rows[9:]):
+        for lo in range(0, len(group), q_block):
+            chunk = group[lo:lo + q_block]
+            pages = list(dict.fromkeys(p for a, la, b, lb in chunk for p in a[0].pages[: pages_for(la, page_size)]))
+            pages += [p for _, _, b, lb in chunk if b is not None for p in b[0].pages[: pages_for(lb, page_size)]]
+            blocks.append(BlockPlan(range(start + lo, start + lo + len(chunk)), pages))
+        start += len(group)
+    meta = AttnMeta.build(blocks, [a[0].id for a, *_ in rows], [la for _, la, _, _ in rows],
+                          [b[0].id if b is not None else FREE_SEQ for _, _, b, _ in rows],
+                          [lb for *_, lb in rows], q_block=q_block, pool=pool, kernel=kernel)
+    dense = []
+    for a, la, b, lb in rows:
+        ks, vs = [a[1][:, :la]], [a[2][:, :la]]
+        if b is not None:
+            ks.append(b[1][:, :lb])
+            vs.append(b[2][:, :lb])
+        dense.append((torch.cat(ks, 1), torch.cat(vs, 1)))
+    return pool, q, meta, dense
+
+
+def _oracle(q, dense, scale):
+    """Dense SDPA per query (fp64), GQA by repeating the KV heads."""
+    out = []
+    for t, (k, v) in enumerate(dense):
+        qt = q[t].double().view(HKV, G, 1, D)
+        o = F.scaled_dot_product_attention(qt, k.double()[:, None], v.double()[:, None], scale=scale)
+        out.append(o.reshape(HKV * G, D))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", ["reference", "sdpa", "flex"])
+@pytest.mark.parametrize("seed,page_size,q_block", [(0, 4, 2), (1, 16, 16), (2, 1, 5), (3, 16, 4)])
+def test_kernel_equals_dense_sdpa_on_random_paged_layouts(name, seed, page_size, q_block):
+    kernel = choose_kernel(name, torch.float32, torch.device("cpu"))
+    if name == "flex" and (page_size % 16 or q_block % 16):
+        pytest.skip("flex takes pages and query blocks of multiples of 16")
+    pool, q, meta, dense = _layout(seed, page_size, q_block, kernel)
+    scale = D ** -0.5
+    got = kernel(q, pool.k[0], pool.v[0], meta, scale)
+    torch.testing.assert_close(got.double(), _oracle(q, dense, scale), atol=1e-5, rtol=0)
+
+
+def test_bf16_kernels_stay_within_one_rounding_of_fp64():
+    """bf16 inputs: the reference and sdpa outputs are within bf16 rounding of the fp64 oracle."""
+    for name in ("reference", "sdpa"):
+        kernel = choose_kernel(name, torch.bfloat16, torch.device("cpu"))
+        pool, q, meta, dense = _layout(5, 4, 3, kernel, dtype=torch.bfloat16)
+        got = kernel(q, pool.k[0], pool.v[0], meta, D ** -0.5)
+        assert got.dtype == torch.bfloat16
+        err = float((got.double() - _oracle(q, dense, D ** -0.5)).abs().max())
+        assert err < 2e-2, (name, err)
+
+
+def test_contract_checks_fire():
+    kernel = choose_kernel("reference", torch.float32, torch.device("cpu"), stand_in_for="flex")
+    assert kernel.contract == FLEX_CONTRACT
+    pool, q, meta, _ = _layout(0, 4, 2, kernel)
+    with pytest.raises(ValueError, match="page size 4 must be a multiple of 16"):
+        kernel(q, pool.k[0], pool.v[0], meta, 1.0)
+    plain = choose_kernel("sdpa", torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="dtypes"):
+        plain(q.double(), pool.k[0], pool.v[0], meta, 1.0)
+    with pytest.raises(ValueError, match="head dims"):
+        plain(q[:, :5], pool.k[0], pool.v[0], meta, 1.0)
+    with pytest.raises(ValueError, match="queries for a step"):
+        plain(q[:3], pool.k[0], pool.v[0], meta, 1.0)
+    pool16, q16, meta16, _ = _layout(1, 16, 6, plain)
+    flex = choose_kernel("flex", torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="query block 6 must be a multiple of 16"):
+        flex(q16, pool16.k[0], pool16.v[0], meta16, 1.0)
+
+
+def test_kernel_choice_is_explicit():
+    cpu = torch.device("cpu")
+    assert choose_kernel("auto", torch.float32, cpu).name == "sdpa"
+    assert choose_kernel("flex", torch.float32, cpu).name == "flex"
+    assert choose_kernel("reference", torch.float32, cpu).name == "reference"
+    with pytest.raises(ValueError, match="unknown infer.kernel"):
+        choose_kernel("flash", torch.float32, cpu)
+
+
+def test_no_private_aten_calls():
+    """The decode path calls no torch.ops.aten._* kernel (their signatures change between releases)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "infer"
+    offenders = [p.name for p in root.glob("*.py") if "ops.aten._" in p.read_text()]
+    assert offenders == []
+
+
+# ------------------------------------------------------------------------ the pool
+
+
+def test_pool_reservations_pages_and_fresh_owners():
+    pool = PagePool(2, 10, 4, HKV, D, torch.float32, torch.device("cpu"))
+    assert pool.usable == 9 and pool.free_pages == 9
+    assert pool.reserve(6) and not pool.reserve(4) and pool.free_pages == 3
+    a = pool.open()
+    pool.grow(a, 9)  # 3 pages from the reservation
+    assert len(a.pages) == 3 and pool.allocated == 3 and pool.free_pages == 3
+    with pytest.raises(OutOfPages):
+        pool.grow(a, 30)
+    pool.sync()
+    assert pool.owner[a.pages].tolist() == [a.id] * 3 and pool.start[a.pages].tolist() == [0, 4, 8]
+    old = list(a.pages)
+    pool.close(a)
+    b = pool.open()
+    pool.grow(b, 12)
+    pool.sync()
+    assert set(b.pages) == set(old) and b.id != a.id  # the same pages, a new owner id
+    assert pool.owner[b.pages].tolist() == [b.id] * 3
+    assert (pool.k[:, :, torch.tensor(pool.slots(b, 0, 12))] == 0).all()  # handed out zeroed
+    pool.close(b)
+    pool.sync()
+    assert (pool.owner[1:] == FREE_SEQ).all()
+    assert pool.free_pages == pool.usable and pool.peak_pages == 3
