@@ -47,7 +47,7 @@ from infer.front import DecodeError, well_formed
 from infer.kernels import choose_kernel
 from infer.paged import PagePool, pages_for
 from infer.programs import PadProgram, ReleaseProgram
-from infer.requests import Request, VideoResult, check_config, resolve_device, resolve_dtype
+from infer.requests import Request, VideoResult, check_config, model_caps, resolve_device, resolve_dtype
 from infer.sampling import NO_CONTROL, DecodeControl, video_chooser
 from infer.scheduler import Branch, Phase, Scheduler, StepPlan, VideoState
 from infer.step import Mode, ModelRunner
@@ -82,6 +82,8 @@ class CaptionEngine:
     """
 
     def __init__(self, model, cfg: InferConfig):
+        check_config(cfg)
+        cfg = model_caps(cfg, model)  # 0 = the model's own max_events / max_branch_tokens
         check_config(cfg)
         from infer.ordered import engine_refusal
 

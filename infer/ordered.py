@@ -242,8 +242,9 @@ def decode_events(model, decoder, sample, cfg: InferConfig) -> tuple[dict, dict[
     """One video through `decoder` (from `decoder_for`) -> (its output as the metrics read it:
     {"events": [...]} or, for a text chain, {"text": ...}; the decode's timings)."""
     from infer.decoded import to_events
+    from infer.requests import model_caps
 
-    got = decoder(model, sample, cfg)
+    got = decoder(model, sample, model_caps(cfg, model))  # 0 = the model's own caps
     if isinstance(got, TextDecoded):
         return {"text": got.text, "capped": got.capped}, got.timings
     events = [{"start": e.start, "end": e.end, "caption": e.caption} for e in to_events(got, model.tokenizer, model.eos_id)]

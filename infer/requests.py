@@ -101,9 +101,22 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> 
     return DTYPES[name]
 
 
+def model_caps(cfg: InferConfig, model) -> InferConfig:
+    """cfg with max_events / max_branch_tokens of 0 replaced by the model's own caps: the release
+    checkpoint's (max_planning_events; 1 + max_branch_tokens, its first token comes from the
+    anchor step), else 30 events and what training teaches (model.max_caption_tokens + 1)."""
+    import dataclasses
+
+    if hasattr(model, "step_tables"):  # the release model
+        events, tokens = model.max_events, model.max_branch_tokens + 1
+    else:
+        events, tokens = 30, int(model.cfg.max_caption_tokens) + 1
+    return dataclasses.replace(cfg, max_events=cfg.max_events or events, max_branch_tokens=cfg.max_branch_tokens or tokens)
+
+
 def check_config(cfg: InferConfig) -> None:
-    if cfg.max_events < 1 or cfg.max_branch_tokens < 1:
-        raise ValueError(f"infer.max_events and infer.max_branch_tokens must be >= 1 "
+    if cfg.max_events < 0 or cfg.max_branch_tokens < 0:
+        raise ValueError(f"infer.max_events and infer.max_branch_tokens must be >= 1, or 0 for the model's own "
                          f"(got {cfg.max_events}, {cfg.max_branch_tokens})")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
         raise ValueError(f"need infer.temperature >= 0 and 0 < infer.top_p <= 1 (got {cfg.temperature}, {cfg.top_p})")

@@ -182,7 +182,8 @@ class CaptionService:
                 options = CaptionOptions.model_validate(options)
             except ValidationError as e:
                 raise RequestError(422, "bad_options", error_message(e, "options")) from None
-        caps = {"max_events": self.cfg.infer.max_events, "max_branch_tokens": self.cfg.infer.max_branch_tokens}
+        limits = self.engine().cfg  # the engine's settings, with the model's own caps resolved
+        caps = {"max_events": limits.max_events, "max_branch_tokens": limits.max_branch_tokens}
         for name, cap in caps.items():
             value = getattr(options, name)
             if value is not None and value > cap:

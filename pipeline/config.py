@@ -182,10 +182,13 @@ class TrainConfig:
 class InferConfig:
     """Planning and parallel decoding."""
 
-    max_events: int = 30
-    # tokens per caption branch, <eos> included (upstream: 320; training teaches
-    # model.max_caption_tokens + 1 = 257 by default). A branch cut here is marked `capped`.
-    max_branch_tokens: int = 320
+    # planning cap: at most this many events per video (0 = the model's own: the release
+    # checkpoint's max_planning_events, else 30)
+    max_events: int = 0
+    # tokens per caption branch, <eos> included; a branch cut here is marked `capped`
+    # (0 = the model's own: 1 + the release checkpoint's max_branch_tokens, else what training
+    # teaches, model.max_caption_tokens + 1)
+    max_branch_tokens: int = 0
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0

@@ -188,7 +188,8 @@ def test_capped_branches_are_marked(model, videos):
     res = eng.caption([videos[3]], controls=[DecodeControl(num_events=3, lengths=[2, 9, 5])])[0]
     assert sorted(res.capped) == [False, False, True]  # only the 9-token branch hit the cap of 5
     assert all(e.caption for e, c in zip(res.events, res.capped) if c)  # a capped caption is still returned
-    assert InferConfig().max_branch_tokens >= tiny_cfg().max_caption_tokens + 1  # the default cap covers training
+    auto = CaptionEngine(model, dataclasses.replace(CPU, max_branch_tokens=0, max_events=0)).cfg
+    assert auto.max_branch_tokens == model.cfg.max_caption_tokens + 1 and auto.max_events == 30  # the model's own
 
 
 def test_long_video_is_fitted_like_training_and_says_so(model):

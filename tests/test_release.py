@@ -177,14 +177,21 @@ def test_engine_reproduces_the_fixture_and_marks_the_capped_branch(model):
     assert all(0 <= e.start < e.end <= 31.0 for e in res.events)
 
 
-@pytest.mark.parametrize("attention", ["varlen", "padded"])
-def test_engine_batch_equals_the_release_loop_on_random_models(attention):
+@pytest.mark.parametrize("step_tokens", [512, 8])
+def test_engine_batch_equals_the_release_loop_on_random_models(step_tokens):
+    """The release model through the token-budget scheduler: with a budget of 8 tokens the prompt
+    is prefilled in chunks around its bidirectional AV block (kept whole), beside other videos'
+    planning and branch rows; every video decodes as the release's own loop does."""
     seen = set()
     for seed in (2, 3):  # seed 2: branches run to the cap; seed 3: they end after one token
         model = perturbed(seed, eos_gain=0.75)
         videos = [random_video(10 * seed + i, timesteps=3 + i, audio=i != 1) for i in range(3)]
         # 6 rows: a video of K = 4 waits for the one before it (continuous admission)
-        results = engine_for(model, step_attention=attention, max_batch_rows=6).caption(videos)
+        batched = engine_for(model, step_tokens=step_tokens, max_batch_rows=6)
+        results = batched.caption(videos)
+        if step_tokens == 8:
+            log = batched.stats["step_log"]
+            assert any(r.prefill_tokens and (r.branch_rows or r.plan_rows) for r in log)
         alone = engine_for(model)
         for video, res in zip(videos, results):
             ref = release_reference(model, video, model.max_events, model.max_branch_tokens)

@@ -56,9 +56,11 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
         return {"unavailable": f"infer.engine not importable ({e})"}
     from infer.ordered import decode_events, decoder_for, output_events
 
-    infer_cfg = cfg.infer
+    from infer.requests import model_caps
+
     if hasattr(model, "model"):  # the release fine-tuning wrapper: its ReleaseCaptioner decodes
         model = model.model
+    infer_cfg = model_caps(cfg.infer, model)  # 0 = the model's own caps
     ablation = decoder_for(model, infer_cfg)  # an ablation model decodes in its own training layout
     t0 = time.perf_counter()
     if ablation is None:
