@@ -1,37 +1,37 @@
-"""Throughput benchmark: many videos per decode step against one at a time and the single chain.
+"""Throughput benchmark: the token-budget engine with N videos in flight against one at a time.
 
 One random-init model of a trained shape (cpu-small: the Qwen2 shape of bench/decode.py,
-fp32), one set of videos with unequal prefixes (1k to 4k tokens), event counts (K 2 to
-16) and caption lengths (8 to 80 tokens, forced through the test-only logits processor so
-every mode generates the same tokens), captioned by
+fp32), one set of videos with unequal prefixes (1k to 4k tokens), event counts (K 2 to 16)
+and caption lengths (8 to 80 tokens, forced through the test-only logits processor so every
+mode generates the same tokens), captioned end to end (prefill, planning, grounding, decode)
+by
 
   one_at_a_time      the engine with one video in flight (its K branches per step)
-  in_flight_N        the engine with N videos in flight (continuous admission: a finished
-                     video's slot and rows go to the next video at once), N = 4, 16, 64
+  in_flight_N        N videos in flight, N = 4, 16, 64: a finished video's pages go to the
+                     next at once, whose prefill chunks and planning rows ride in the steps
+                     of the videos already decoding (infer/scheduler.py)
   single_chain       the standard decoder (infer/reference.py `monolithic`: HF forward,
                      DynamicCache, an explicit mask per step), all events in one chain
-  single_chain_fast  the best single chain this code can run: the same decode step as
-                     the engine (infer/step.py) with one row, a static KV buffer and no
-                     mask, i.e. the honest baseline for the step ratio
+  single_chain_fast  the best single chain this code can run: the engine's own step
+                     (infer/step.py) with one row over the paged pool, i.e. the honest
+                     baseline for the step ratio
 
-Prefill, planning and grounding are per video and identical in every mode (none is
-batched across videos), so each video's front is run once, its time kept, and reused by
-every mode: the decode phase (anchor and branch steps) is timed per mode, and the end-to-end
-time of a mode is its decode wall time plus the sum of the fronts. The single-chain modes
-run on the first `--chain-videos` videos (their decode is 10-20x slower on a CPU) and are
-reported per token.
-
-Prints one JSON object with "throughput_speedup" {"4", "16", "64"} (decode-phase tokens/s
-with N in flight over one at a time), "end_to_end_speedup" (same form, whole set),
-"tokens_equal" (every video's tokens identical across all engine modes), tokens/s and
-videos/min per mode, ms per step against a cost model (`cost_model`: the step's GEMMs
-and prefix attention timed alone at each step's rows and prefixes: what the step would
-cost with no other work and no Python or launch overhead), the memory floor per step
-(weights + the prefix KV of every video in the step, over the measured copy bandwidth:
-each video in flight costs one read of its prefix per step), and the kernel.
+Measured side by side in one run and printed as one JSON object:
+  throughput_speedup {N}: branch tokens per second in decode-only steps, N in flight over one
+                     at a time; tokens_equal: every video's tokens identical in every mode
+  end_to_end_speedup {N}: the whole set's wall time, one at a time over N in flight (prefill,
+                     planning and decode included, videos arriving as others finish), with
+                     `time_split` saying where the time goes
+  ops_per_layer_step {"1", "16"}: aten ops (as the step's code issues them: torch.profiler,
+                     top-level aten events) per decoder layer in one decode-only step
+  kv_allocated_over_live: peak KV bytes in allocated pages over peak KV bytes of live keys
+                     (16 in flight)
+  admission_p99_over_median: with videos arriving while 16 are in flight, the 99th
+                     percentile step time over the median decode-only step
+  plus tokens/s, videos/min, ms per step and the memory floor per step per mode, the kernel.
 
 Run:
-  .venv/bin/python bench/throughput.py                         # cpu-small, 64 videos, ~10 min on 2 cores
+  .venv/bin/python bench/throughput.py --out bench/results/throughput_cpu-small.json   # ~25 min on 2 cores
   .venv/bin/python bench/throughput.py --videos 16 --in-flight 4,16 --chain-videos 2   # quicker
   python bench/throughput.py --preset qwen2.5-3b --device cuda --dtype bfloat16 --out r.json
 """
@@ -39,7 +39,6 @@ Run:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -49,24 +48,23 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import (A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token,  # noqa: E402
                     measure_bandwidth, weight_bytes)
 
-from infer.engine import CaptionEngine, _Admit  # noqa: E402
-from infer.requests import Request  # noqa: E402
-from infer.front import StageTimer, decode_reserve, prepare_example, run_front  # noqa: E402
+from infer.engine import CaptionEngine  # noqa: E402
+from infer.kernels import AttnMeta, BlockPlan  # noqa: E402
+from infer.paged import FREE_SEQ  # noqa: E402
+from infer.programs import PadProgram  # noqa: E402
 from infer.reference import monolithic  # noqa: E402
+from infer.requests import Request  # noqa: E402
 from infer.sampling import DecodeControl  # noqa: E402
-from infer.kv_pool import StepMeta  # noqa: E402
-from infer.step import StepRunner  # noqa: E402
+from infer.step import ForwardBatch  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 from pipeline.layout import shared_position  # noqa: E402
 from pipeline.schema import Sample  # noqa: E402
-from transformers.cache_utils import DynamicCache  # noqa: E402
 
 
 def make_videos(model, n: int, prefix_range: tuple[int, int], k_range: tuple[int, int], len_range: tuple[int, int],
@@ -88,154 +86,145 @@ def make_videos(model, n: int, prefix_range: tuple[int, int], k_range: tuple[int
     return out
 
 
-def run_fronts(model, cfg: InferConfig, videos) -> tuple[dict, float]:
-    """Each video's prefill + planning + grounding once -> {video_id: (front, timer)}, total ms."""
-    fronts, total = {}, 0.0
-    for s, ctl in videos:
-        t0 = time.perf_counter()
-        timer = StageTimer(model.device)
-        ex = prepare_example(model, s, decode_reserve(cfg))
-        front = run_front(model, ex, DynamicCache(config=model.hf_config), cfg.max_events, ctl, timer)
-        total += (time.perf_counter() - t0) * 1000.0
-        fronts[s.video_id] = (front, timer)
-    return fronts, total
+def count_ops(fn) -> int:
+    """Top-level aten ops `fn()` issues (an op called by another aten op is not counted again)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = prof.events()
+    return sum(1 for e in events if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
-def engine_mode(model, cfg: InferConfig, videos, fronts, in_flight: int) -> dict:
-    """The engine with `in_flight` videos in flight over all videos, fronts reused."""
-    kmax = max(c.num_events for _, c in videos)
-    ecfg = replace(cfg, max_batch_videos=in_flight, max_batch_rows=max(cfg.max_events, in_flight * kmax))
+def ops_per_layer(model, cfg: InferConfig, videos, n: int) -> float:
+    """Aten ops per decoder layer in a decode-only step with n videos decoding: n videos start
+    together (all prefilled in the first step) with captions of 24 tokens, and the first step in
+    which all n decode (and nothing else) is profiled."""
+    ecfg = replace(cfg, max_batch_videos=n, max_batch_rows=max(cfg.max_events, n * cfg.max_events),
+                   step_tokens=1 << 20, max_branch_tokens=max(cfg.max_branch_tokens, 24))
     eng = CaptionEngine(model, ecfg)
-    eng._front = lambda req, emit: _Admit(req, req.options.resolve(eng.cfg), fronts[req.sample.video_id][0],
-                                          copy.deepcopy(fronts[req.sample.video_id][1]))
-    rows: list[tuple[int, int, int, int]] = []  # per step: (rows, sum of rows x prefix keys, prefix keys read, videos)
-    step = eng.runner.step
-    kv = eng.runner.prefix.kv
+    forward, counted = eng.runner.forward, []
 
-    def recording(e, meta):
-        lens = [(n, kv[slot][0][0].shape[1]) for slot, _, n in meta.spans]
-        rows.append((e.shape[0], sum(n * lp for n, lp in lens), sum(lp for _, lp in lens), len(lens)))
-        return step(e, meta)
+    def recording(batch: ForwardBatch):
+        decoding = [v for v in eng._in_flight if v.branches]
+        if not counted and not batch.capture and len(decoding) == n and len(eng._in_flight) == n:
+            counted.append(count_ops(lambda: forward(batch)))
+        return forward(batch)
 
-    eng.runner.step = recording
+    eng.runner.forward = recording
+    eng.caption([s for s, _ in videos[:n]], controls=[replace(c, lengths=[24]) for _, c in videos[:n]])
+    if not counted:
+        raise RuntimeError(f"no decode-only step with {n} videos decoding")
+    return round(counted[0] / eng.weights.num_layers, 1)
+
+
+def engine_mode(model, cfg: InferConfig, videos, in_flight: int) -> dict:
+    """The engine with at most `in_flight` videos in flight over all videos (arrivals as others finish)."""
+    ecfg = replace(cfg, max_batch_videos=in_flight, max_batch_rows=max(cfg.max_events, in_flight * cfg.max_events))
+    eng = CaptionEngine(model, ecfg)
+    forward = eng.runner.forward
+    peaks = {"allocated": 0, "live": 0}
+
+    def recording(batch: ForwardBatch):
+        live = sum(v.prefix.length + sum(b.seq.length for b in v.branches) for v in eng._in_flight)
+        peaks["allocated"] = max(peaks["allocated"], eng.pool.allocated * eng.pool.page_size)
+        peaks["live"] = max(peaks["live"], live)
+        return forward(batch)
+
+    eng.runner.forward = recording
     tokens = {}
     t0 = time.perf_counter()
     eng.run(iter([Request(s, c) for s, c in videos]), lambda req, res: tokens.__setitem__(req.sample.video_id, res.tokens))
     wall = (time.perf_counter() - t0) * 1000.0
     n_tok = sum(len(t) for toks in tokens.values() for t in toks)
     st = eng.stats
-    return {"decode_ms": round(st["step_ms"], 1), "wall_ms": round(wall, 1), "steps": st["steps"], "tokens": n_tok,
-            "rows_per_step": round(st["row_steps"] / max(1, st["steps"]), 2), "ms_per_step": round(st["step_ms"] / st["steps"], 3),
-            "tokens_per_s": round(n_tok / (st["step_ms"] / 1000.0), 2), "kernel": eng.kernel.name,
-            "_tokens": tokens, "_rows": rows}
+    log = st["step_log"]
+    decode_only = [r for r in log if r.branch_rows and not r.prefill_tokens and not r.plan_rows]
+    mixed = [r for r in log if r.branch_rows and (r.prefill_tokens or r.plan_rows)]
+    front = [r for r in log if not r.branch_rows]
+    dec_ms = sum(r.ms for r in decode_only)
+    return {"wall_ms": round(wall, 1), "steps": st["steps"], "tokens": n_tok,
+            "decode_only_steps": len(decode_only), "decode_only_ms": round(dec_ms, 1),
+            "decode_only_tokens": sum(r.branch_rows for r in decode_only),
+            "rows_per_decode_step": round(statistics.mean(r.branch_rows for r in decode_only), 2) if decode_only else 0,
+            "ms_per_decode_step": round(statistics.median(r.ms for r in decode_only), 3) if decode_only else 0,
+            "tokens_per_s": round(sum(r.branch_rows for r in decode_only) / max(dec_ms, 1e-9) * 1000.0, 2),
+            "time_split_ms": {"decode_only_steps": round(dec_ms, 1), "mixed_steps": round(sum(r.ms for r in mixed), 1),
+                              "prefill_and_planning_steps": round(sum(r.ms for r in front), 1),
+                              "programs": round(st["prepare_ms"], 1),
+                              "grounding_and_anchors (inside steps)": round(st["front_ms"], 1),
+                              "other": round(wall - st["step_ms"] - st["prepare_ms"], 1)},
+            "step_ms_p99": round(float(np.percentile([r.ms for r in log], 99)), 3),
+            "kernel": eng.kernel.name, "_tokens": tokens, "_peaks": peaks, "_log": log, "_pool": eng.pool}
 
 
-def single_chain_fast(model, eng: CaptionEngine, front, control: DecodeControl) -> tuple[list[list[int]], float, int]:
-    """All events in one causal chain on the engine's decode step with one row (module doc).
+def single_chain_fast(model, eng: CaptionEngine, sample: Sample, control: DecodeControl) -> tuple[list[list[int]], float, int]:
+    """All events in one causal chain on the engine's step with one row (module doc).
 
-    The chain (anchor 1, caption 1, anchor 2, ...) is the row's own KV in a static buffer;
-    every token sees the prefix + serial <G>s and all of the chain before it, at consecutive
-    positions, as infer/reference.py `monolithic` decodes. Returns (tokens, decode ms, steps).
+    The prefix and the K serial <G>s go through the engine's step in one forward (K is forced,
+    so no decision is read), the anchors come from the program's own rules; the chain (anchor 1, caption 1, anchor 2, ...) is one sequence in the pool at
+    consecutive positions after the serial <G>s, each token seeing the prefix, the <G>s and
+    the chain before it, as infer/reference.py `monolithic` decodes. -> (tokens, decode ms, steps).
     """
-    k = front.num_events
+    prog = PadProgram(model, sample, eng.cfg, control)
+    k = min(control.num_events, eng.cfg.max_events)  # planning is forced to K in this benchmark
+    pool, runner, S = eng.pool, eng.runner, eng.pool.page_size
     total = sum(min(control.length(e), eng.cfg.max_branch_tokens) for e in range(k))
-    runner = StepRunner(eng.weights, eng.kernel, rows=1, branch_tokens=total)
-    runner.admit(0, [(layer.keys[0], layer.values[0]) for layer in front.cache.layers])
-    start = front.cache.get_seq_length()
-    eng.weights.rope_tables(start + total + 1)
+    pool.reserve(-(-(prog.length + k) // S) + -(-total // S) + 2)
+    prefix, chain = pool.open(), pool.open()
+    pool.grow(prefix, prog.length + k)
+    pool.sync()
+    # prefix + serial <G>s through the step, then the anchors from the program's own rules
+    embeds = [prog.embeds]
+    positions = [prog.positions]
+    lims = prog.limits.tolist()
+    for i in range(k):
+        x, pos = prog.plan_input()
+        embeds.append(x[None])
+        positions.append(pos[:, None])
+        lims.append(prog.length + i + 1)
+    n = prog.length + k
+    meta = AttnMeta.build([BlockPlan(range(lo, min(n, lo + eng.q_block)), prefix.pages)
+                           for lo in range(0, n, eng.q_block)], [prefix.id] * n, lims, [FREE_SEQ] * n, [0] * n,
+                          q_block=eng.q_block, pool=pool, kernel=eng.kernel)
     dev = eng.device
-    bias = eng.bias
+    _, states = runner.forward(ForwardBatch(torch.cat(embeds).to(eng.weights.dtype), torch.cat(positions, 1).to(dev),
+                                            pool.slots(prefix, 0, n).to(dev), meta, prog.capture))
+    prog.prefilled({i: states[i][: prog.length] for i in prog.capture})
+    prog.queries = [states[prog.ground_layer][prog.length - 1 + i] for i in range(k)]
+    anchors = prog.finish().anchors
+    start = shared_position(prog.length + k)
     procs = control.processors(model.eos_id)
-    zero = torch.zeros(1, dtype=torch.long, device=dev)
     tokens: list[list[int]] = [[] for _ in range(k)]
-    embeds = front.anchors[0:1]
-    length = torch.zeros(1, dtype=torch.long, device=dev)
-    t0 = time.perf_counter()
+    x = anchors[0:1]
     steps = 0
+    t0 = time.perf_counter()
     for e in range(k):
         while True:
-            meta = StepMeta(positions=shared_position(start) + length, lengths=length, slots=zero, ranks=zero,
-                            spans=[(0, 0, 1)], max_length=steps + 1)
-            scores = runner.logits(runner.step(embeds, meta)).float() + bias
+            pool.grow(chain, steps + 1)
+            pool.sync()
+            meta = AttnMeta.build([BlockPlan([0], prefix.pages + chain.pages)], [prefix.id], [n], [chain.id], [steps + 1],
+                                  q_block=eng.q_block, pool=pool, kernel=eng.kernel)
+            batch = ForwardBatch(x.to(eng.weights.dtype), torch.full((3, 1), start + steps, device=dev),
+                                 pool.slots(chain, steps, steps + 1).to(dev), meta)
+            h, _ = runner.forward(batch)
+            scores = runner.logits(h).float() + eng.bias
             for p in procs:
                 scores = p(scores, len(tokens[e]), [e])
             tok = int(scores.argmax(-1)[0])
             tokens[e].append(tok)
             steps += 1
-            length += 1
             if tok == model.eos_id or len(tokens[e]) >= eng.cfg.max_branch_tokens:
                 break
-            embeds = runner.embed(torch.tensor([tok], device=dev))
+            x = runner.embed(torch.tensor([tok], device=eng.device))
         if e + 1 < k:
-            embeds = front.anchors[e + 1:e + 2]
-    return tokens, (time.perf_counter() - t0) * 1000.0, steps
-
-
-def cost_model(eng: CaptionEngine, row_counts: list[int], prefix_keys: int, reps: int = 3) -> dict:
-    """The kernels of a step timed alone, for a step cost with no per-step overhead.
-
-    GEMMs: every linear of every layer + the LM head on R rows (F.linear, the step's own
-    weights), timed at a few R and interpolated. Prefix attention: one packed block of 5
-    rows (x g query heads; a video's live rows in a step of the prescribed mix) against `prefix_keys` keys in every layer, through the engine's
-    kernel, as ms per (row x prefix key), hot (one prefix, cached across layers: a lone
-    video's step) and cold (a distinct prefix per call: several videos in flight stream
-    their prefixes from memory every step); a step's share is that rate x sum over its
-    videos of rows x prefix length. Everything else a step does (branch-part attention, merge,
-    norms, RoPE, sampling, bookkeeping, Python) is what `overhead_ms_per_step` measures.
-    """
-    w = eng.weights
-    dev, dt = eng.device, w.dtype
-    probe = sorted({1, 8, 32, 128, max(row_counts)})
-
-    def time_it(fn):
-        fn()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return best * 1000.0
-
-    gemm = {}
-    for r in probe:
-        x = torch.randn(r, w.hidden, device=dev, dtype=dt)
-        xo = torch.randn(r, w.heads * w.head_dim, device=dev, dtype=dt)
-        xi = torch.randn(r, w.layers[0].down[0].shape[1], device=dev, dtype=dt)
-
-        def lin():
-            for lw in w.layers:
-                for weight, bias in (lw.q, lw.k, lw.v, lw.gate, lw.up):
-                    F.linear(x, weight, bias)
-                F.linear(xo, *lw.o)
-                F.linear(xi, *lw.down)
-            F.linear(x, w.head)
-
-        gemm[r] = time_it(lin)
-    lp, rows = max(1, int(prefix_keys)), 5  # ~ a video's live rows in a step of the prescribed mix
-    q = torch.randn(1, w.kv_heads, rows * (w.heads // w.kv_heads), w.head_dim, device=dev, dtype=dt)
-    # hot: one prefix per layer, the same every call (a lone video's step: it stays in cache); cold: a
-    # distinct key and value tensor per call, 64 of each (far more than a last-level cache: many
-    # videos in flight stream their prefixes from memory)
-    kvs = [(torch.randn(1, w.kv_heads, lp, w.head_dim, device=dev, dtype=dt),
-            torch.randn(1, w.kv_heads, lp, w.head_dim, device=dev, dtype=dt)) for _ in range(64)]
-    layers = len(w.layers)
-    hot = time_it(lambda: [eng.kernel(q, *kvs[i % 2], 0.1) for i in range(layers)])
-    cold = time_it(lambda: [eng.kernel(q, k, v, 0.1) for k, v in kvs]) * layers / len(kvs)
-    return {"gemm_ms_at_rows": {str(r): round(gemm[r], 2) for r in probe},
-            "prefix_attention_ms_per_row_key": {"hot": hot / (rows * lp), "cold": cold / (rows * lp)},
-            "prefix_attention_probe": {"rows": rows, "keys": lp, "hot_ms": round(hot, 2), "cold_ms": round(cold, 2)}}
-
-
-def modelled_ms(costs: dict, steps: list[tuple[int, int]]) -> float:
-    """Mean modelled step time over `steps` [(rows, sum of rows x prefix keys, prefix keys read, videos)]:
-    GEMMs at the step's rows + prefix attention at the hot rate (one video) or the cold one (several)."""
-    xs = [int(r) for r in costs["gemm_ms_at_rows"]]
-    g = np.interp([st[0] for st in steps], xs, list(costs["gemm_ms_at_rows"].values()))
-    rate = costs["prefix_attention_ms_per_row_key"]
-    a = np.array([st[1] * (rate["hot"] if st[3] == 1 else rate["cold"]) for st in steps], dtype=float)
-    return float(np.mean(g + a))
+            x = anchors[e + 1:e + 2]
+    ms = (time.perf_counter() - t0) * 1000.0
+    pool.close(prefix)
+    pool.close(chain)
+    pool.unreserve(pool._reserved)
+    return tokens, ms, steps
 
 
 def main(argv=None) -> dict:
@@ -249,6 +238,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefix", default="1000,4000", help="prefix token range")
     ap.add_argument("--events", default="2,16", help="K range")
     ap.add_argument("--lengths", default="8,80", help="caption length range (tokens, eos included)")
+    ap.add_argument("--step-tokens", type=int, default=0, help="infer.step_tokens (0 = the engine's default)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = 1 on CPU)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -262,15 +252,16 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     model = build_model(preset, device, max_len=pr[1] + kr[1] + lr[1] + 256, segments=pr[1] // (V_TOKENS + A_TOKENS) + 1)
     videos = make_videos(model, args.videos, pr, kr, lr)
-    cfg = InferConfig(device=preset.device, max_events=kr[1], max_branch_tokens=lr[1], temperature=0.0)
+    cfg = InferConfig(device=preset.device, max_events=kr[1], max_branch_tokens=lr[1], temperature=0.0,
+                      step_tokens=args.step_tokens)
     in_flight = [int(x) for x in args.in_flight.split(",") if x]
 
     with torch.inference_mode():
         CaptionEngine(model, cfg).decode(videos[0][0], replace(videos[0][1], lengths=[2]))  # warm-up
-        fronts, front_ms = run_fronts(model, cfg, videos)
-        modes = {"one_at_a_time": engine_mode(model, cfg, videos, fronts, 1)}
+        modes = {"one_at_a_time": engine_mode(model, cfg, videos, 1)}
         for n in in_flight:
-            modes[f"in_flight_{n}"] = engine_mode(model, cfg, videos, fronts, n)
+            modes[f"in_flight_{n}"] = engine_mode(model, cfg, videos, n)
+        ops = {str(n): ops_per_layer(model, cfg, videos, n) for n in (1, 16) if n <= len(videos)}
         chain = {}
         if args.chain_videos:
             eng = CaptionEngine(model, cfg)
@@ -278,60 +269,75 @@ def main(argv=None) -> dict:
             ms, toks, steps = 0.0, 0, 0
             fast_tokens = {}
             for s, c in sub:
-                t, dt_ms, n = single_chain_fast(model, eng, fronts[s.video_id][0], c)
+                t, dt_ms, n = single_chain_fast(model, eng, s, c)
                 fast_tokens[s.video_id] = t
                 ms, toks, steps = ms + dt_ms, toks + sum(map(len, t)), steps + n
             chain["single_chain_fast"] = {"videos": len(sub), "decode_ms": round(ms, 1), "tokens": toks, "steps": steps,
                                           "ms_per_step": round(ms / steps, 3), "tokens_per_s": round(toks / ms * 1000, 2)}
             ms, toks, steps, equal = 0.0, 0, 0, True
             for s, c in sub:
-                d = monolithic(model, s, cfg, c)
+                d = monolithic(model, s, eng.cfg, c)
                 ms, toks, steps = ms + d.timings["decode_ms"], toks + d.num_tokens, steps + d.steps
                 equal &= d.tokens == fast_tokens[s.video_id]
             chain["single_chain"] = {"videos": len(sub), "decode_ms": round(ms, 1), "tokens": toks, "steps": steps,
                                      "ms_per_step": round(ms / steps, 3), "tokens_per_s": round(toks / ms * 1000, 2)}
             chain["single_chain_fast"]["tokens_equal_single_chain"] = equal
-        rows_all = [st[0] for m in modes.values() for st in m["_rows"]]
-        prefix_mean = statistics.mean(len(fronts[s.video_id][0].keys.order) for s, _ in videos)
-        costs = cost_model(CaptionEngine(model, cfg), sorted(set(rows_all)), int(prefix_mean))
 
     w_bytes, kv_bytes, bandwidth = weight_bytes(model), kv_bytes_per_token(model), measure_bandwidth(device)
     base = modes["one_at_a_time"]
     ref_tokens = base["_tokens"]
     tokens_equal = all(m["_tokens"] == ref_tokens for m in modes.values())
     n_videos = len(videos)
+    prefix_mean = statistics.mean(len(model.make_example(s, with_targets=False).layout) for s, _ in videos)
+    peaks16, admission = None, None
     for name, m in modes.items():
-        rows = m.pop("_rows")
         m.pop("_tokens")
-        e2e = m["wall_ms"] + front_ms
-        m["end_to_end_ms"] = round(e2e, 1)
-        m["videos_per_min"] = round(n_videos / (e2e / 60000.0), 2)
-        m["modelled_ms_per_step"] = round(modelled_ms(costs, rows), 3)
-        prefix_read = statistics.mean(st[2] for st in rows)
-        m["prefix_kv_mb_per_step"] = round(prefix_read * kv_bytes / 1e6, 1)
-        m["floor_ms_per_step"] = round((w_bytes + prefix_read * kv_bytes) / (bandwidth * 1e9) * 1e3, 3)
-        m["overhead_ms_per_step"] = round(m["ms_per_step"] - m["modelled_ms_per_step"], 3)
+        log, peaks, pool = m.pop("_log"), m.pop("_peaks"), m.pop("_pool")
+        m["videos_per_min"] = round(n_videos / (m["wall_ms"] / 60000.0), 2)
+        videos_per_step = statistics.mean(r.videos for r in log if r.branch_rows and not r.prefill_tokens) \
+            if any(r.branch_rows for r in log) else 1
+        m["floor_ms_per_step"] = round((w_bytes + videos_per_step * prefix_mean * kv_bytes) / (bandwidth * 1e9) * 1e3, 3)
+        m["kv_peak_allocated_mb"] = round(peaks["allocated"] * kv_bytes / 1e6, 2)
+        m["kv_peak_live_mb"] = round(peaks["live"] * kv_bytes / 1e6, 2)
+        m["kv_pool_mb"] = round(pool.pages * pool.page_size * kv_bytes / 1e6, 1)
+        if name == "in_flight_16":
+            peaks16 = peaks
+            dec = [r.ms for r in log if r.branch_rows and not r.prefill_tokens and not r.plan_rows]
+            admission = {"p99_step_ms": round(float(np.percentile([r.ms for r in log], 99)), 3),
+                         "median_decode_step_ms": round(statistics.median(dec), 3),
+                         "max_step_ms": round(max(r.ms for r in log), 3),
+                         "max_prefill_tokens_in_a_step": max(r.prefill_tokens for r in log)}
     speed = {str(n): round(modes[f"in_flight_{n}"]["tokens_per_s"] / base["tokens_per_s"], 3) for n in in_flight}
-    e2e = {str(n): round(base["end_to_end_ms"] / modes[f"in_flight_{n}"]["end_to_end_ms"], 3) for n in in_flight}
+    e2e = {str(n): round(base["wall_ms"] / modes[f"in_flight_{n}"]["wall_ms"], 3) for n in in_flight}
     c = model.hf_config
+    probe = CaptionEngine(model, cfg)
     out = {"preset": args.preset, "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "dtype": preset.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
            "model": {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "heads": c.num_attention_heads,
-                     "kv_heads": c.num_key_value_heads},
+                     "kv_heads": c.num_key_value_heads, "av_bidirectional": bool(model.cfg.av_bidirectional)},
            "videos": n_videos, "prefix_range": pr, "events_range": kr, "length_range": lr,
-           "total_tokens": base["tokens"], "front_ms_total": round(front_ms, 1),
-           "bandwidth_gbs": round(bandwidth, 1), "weight_mb": round(w_bytes / 1e6, 1),
+           "step_tokens": probe.step_tokens, "page_size": probe.pool.page_size, "q_block": probe.q_block,
+           "total_tokens": base["tokens"], "bandwidth_gbs": round(bandwidth, 1), "weight_mb": round(w_bytes / 1e6, 1),
            "kernel": base["kernel"], "throughput_speedup": speed, "end_to_end_speedup": e2e,
-           "tokens_equal": tokens_equal, "modes": modes, **({"single_chain": chain} if chain else {}),
-           "cost_model": costs}
+           "tokens_equal": tokens_equal, "ops_per_layer_step": ops,
+           "kv_allocated_over_live": round(peaks16["allocated"] / max(1, peaks16["live"]), 3) if peaks16 else None,
+           "admission_p99_over_median": round(admission["p99_step_ms"] / admission["median_decode_step_ms"], 3)
+           if admission else None, "admission": admission, "modes": modes, **({"single_chain": chain} if chain else {})}
     if chain:
         out["single_chain_fast_over_single_chain_tokens_per_s"] = round(
             chain["single_chain_fast"]["tokens_per_s"] / chain["single_chain"]["tokens_per_s"], 3)
         out["one_at_a_time_over_single_chain_fast_tokens_per_s"] = round(
             base["tokens_per_s"] / chain["single_chain_fast"]["tokens_per_s"], 3)
     if "16" in speed:
-        out["targets"] = {"throughput_speedup_16_min": 2.0, "met": speed["16"] >= 2.0 and tokens_equal}
+        t = {"throughput_speedup_16_min": 1.8, "ops_per_layer_step_16_max": 45, "ops_16_over_1_max": 1.1,
+             "kv_allocated_over_live_max": 1.25, "admission_p99_over_median_max": 3.0}
+        met = {"throughput_speedup_16": speed["16"] >= 1.8 and tokens_equal,
+               "kv_allocated_over_live": out["kv_allocated_over_live"] <= 1.25,
+               "admission_p99_over_median": out["admission_p99_over_median"] <= 3.0}
+        if {"1", "16"} <= set(ops):
+            met["ops_per_layer_step"] = ops["16"] <= 45 and ops["16"] <= 1.1 * ops["1"]
+        out["targets"] = {**t, "met": met}
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:

@@ -110,17 +110,19 @@ class CaptionEngine:
         self.kernel = choose_kernel(cfg.kernel, dtype, self.device)
         self.step_tokens, page_size, self.q_block = step_defaults(cfg, self.device)
         self.pool = PagePool.for_budget(w.num_layers, w.kv_heads, w.head_dim, dtype, self.device, page_size,
-                                        kv_budget_bytes(cfg, self.device))
+                                        kv_budget_bytes(cfg, self.device), zero=self.kernel.reads_whole_pool)
         self.runner = ModelRunner(w, self.pool, self.kernel)
         self.scheduler = Scheduler(self.runner, self.pool, step_tokens=self.step_tokens, max_rows=cfg.max_batch_rows,
-                                   q_block=self.q_block)
+                                   q_block=self.q_block, prefill_block=4 * self.q_block)
         self.bias = torch.zeros(w.head.shape[0], device=self.device)
         banned = [model.g_id, model.s_id] + ([model.shift_id] if self.release else [])
         self.bias[banned] = float("-inf")  # structural tokens are never caption text
         self._in_flight: list[VideoState] = []
-        # steps, branch rows summed over steps, ms in steps / in planning ends, and ms per Mode (a step
-        # with any branch row counts as BRANCH, else PLAN with a planning row, else PREFILL)
+        # steps, branch rows summed over steps, tokens, ms in steps (metadata + forward + decisions), of that
+        # in planning ends (grounding, anchors), ms building programs (inputs of the prefix), ms per Mode
+        # (a step with any branch row counts as BRANCH, else PLAN with a planning row, else PREFILL)
         self.stats: dict[str, Any] = {"steps": 0, "row_steps": 0, "tokens": 0, "step_ms": 0.0, "front_ms": 0.0,
+                                      "prepare_ms": 0.0,
                                       "mode_ms": {m.value: 0.0 for m in Mode}, "step_log": []}
 
     # ------------------------------------------------------------------ public API
@@ -209,16 +211,23 @@ class CaptionEngine:
                     return
                 continue
             self._start_branches(videos)
+            t0 = time.perf_counter()  # a step: its metadata, the forward, and what the videos make of it
             plan = self.scheduler.plan(videos)
             if plan is None:
                 raise RuntimeError("videos in flight but nothing to run (a scheduler bug)")
-            t0 = time.perf_counter()
             hidden, states = self.runner.forward(plan.batch)
             self._absorb(plan, hidden, states, videos, emit)
             self._account(plan, (time.perf_counter() - t0) * 1000.0)
 
     def _prepare(self, req: Request, emit) -> VideoState | None:
         """A request's program and its KV worst case; None (and the error emitted) if it cannot be decoded."""
+        t0 = time.perf_counter()
+        try:
+            return self._program(req, emit)
+        finally:
+            self.stats["prepare_ms"] += (time.perf_counter() - t0) * 1000.0
+
+    def _program(self, req: Request, emit) -> VideoState | None:
         try:
             opts = req.options.resolve(self.cfg)
             program = ReleaseProgram if self.release else PadProgram

@@ -2,7 +2,7 @@
 
     kernel = choose_kernel("auto", dtype, device)               # "sdpa" on CPU, "flex" on CUDA
     meta = AttnMeta.build(plan, pool, kernel, scratch)          # once per step, shared by the layers
-    o = kernel(q, pool.k[layer], pool.v[layer], meta, scale)    # q [N, Hq, D] -> o [N, Hq, D]
+    o = kernel(q, pool.k[layer], pool.v[layer], meta, scale)    # q [N, Hq, D], kv [keys, Hkv, D] -> o [N, Hq, D]
 
 What a step asks of attention. The N tokens of a step (prefill chunks, planning rows, branch
 rows of many videos) each see at most two sequences of the pool (infer/paged.py): query t
@@ -59,12 +59,12 @@ class Contract:
     def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: "AttnMeta") -> None:
         """Raise ValueError naming the broken rule (shapes, dtypes, alignment)."""
         if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
-            raise ValueError(f"attention wants q [N, Hq, D], k = v [Hkv, keys, D]; got q {tuple(q.shape)}, "
+            raise ValueError(f"attention wants q [N, Hq, D], k = v [keys, Hkv, D]; got q {tuple(q.shape)}, "
                              f"k {tuple(k.shape)}, v {tuple(v.shape)}")
         if not (q.dtype == k.dtype == v.dtype) or q.dtype not in self.dtypes:
             raise ValueError(f"attention dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: need one of {self.dtypes}")
         n, hq, d = q.shape
-        hkv, keys, dk = k.shape
+        keys, hkv, dk = k.shape
         if d != dk or d > self.max_head_dim or hq % hkv:
             raise ValueError(f"attention head dims: q {hq}x{d}, kv {hkv}x{dk} (Hq % Hkv == 0, D <= {self.max_head_dim})")
         if meta.page_size % self.page_multiple or keys % meta.page_size:
@@ -127,13 +127,18 @@ class AttnMeta:
 
         n, S = len(seq_a), pool.page_size
         qb = len(blocks)
+        # the query block: the fullest block of this step, rounded up to the kernel's alignment (no padding
+        # beyond it: a step of 8-row videos attends in blocks of 8, not of q_block)
+        fill = max(1, max(len(b.tokens) for b in blocks))
+        if fill > q_block:
+            raise ValueError(f"a query block of {fill} tokens over q_block {q_block}")
+        mult = kernel.contract.q_block_multiple
+        q_block = -(-fill // mult) * mult
         width = max(1, max(len(b.pages) for b in blocks))
         gather = torch.full((qb, q_block), n, dtype=torch.long)
         page_t = torch.zeros((qb, width), dtype=torch.long)
         npages = torch.zeros(qb, dtype=torch.int32)
         for i, b in enumerate(blocks):
-            if len(b.tokens) > q_block:
-                raise ValueError(f"a query block of {len(b.tokens)} tokens over q_block {q_block}")
             gather[i, : len(b.tokens)] = torch.as_tensor(list(b.tokens), dtype=torch.long)
             page_t[i, : len(b.pages)] = torch.as_tensor(list(b.pages), dtype=torch.long)
             npages[i] = len(b.pages)
@@ -198,11 +203,11 @@ def _padded_queries(q: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
 
 
 def _gather(k: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """pool layer [Hkv, P*S, D] -> the blocks' pages [Qb, Hkv, B*S, D] (one index, one copy)."""
-    hkv, keys, d = k.shape
+    """pool layer [P*S, Hkv, D] -> the blocks' pages [Qb, Hkv, B*S, D] (one gather of whole pages)."""
+    keys, hkv, d = k.shape
     S = meta.page_size
-    g = k.view(hkv, keys // S, S, d)[:, meta.pages]  # [Hkv, Qb, B, S, D]
-    return g.transpose(0, 1).flatten(2, 3)
+    g = k.view(keys // S, S * hkv * d)[meta.pages.flatten()]  # [Qb*B, S*Hkv*D]: contiguous pages
+    return g.view(meta.blocks, -1, hkv, d).transpose(1, 2)
 
 
 def _blocked(q: torch.Tensor, meta: AttnMeta, hkv: int) -> torch.Tensor:
@@ -227,12 +232,13 @@ def _group_mask(meta: AttnMeta, g: int) -> torch.Tensor:
 class Kernel:
     """The step's attention kernel (module doc): kernel(q, k, v, meta, scale) -> o.
 
-    q [N, Hq, D]; k, v: one layer of the pool [Hkv, P*S, D]; o [N, Hq, D] in q's dtype.
+    q [N, Hq, D]; k, v: one layer of the pool [P*S, Hkv, D]; o [N, Hq, D] in q's dtype.
     name: what runs; reason: why it was chosen (reported in /v1/model and the result rows);
     contract: what it accepts, checked on every call.
     """
 
     name = "base"
+    reads_whole_pool = False  # True: reads pages outside the blocks' lists (masked), so the pool must be zeroed
 
     def __init__(self, reason: str, contract: Contract):
         self.reason, self.contract = reason, contract
@@ -251,7 +257,7 @@ class ReferenceKernel(Kernel):
     name = "reference"
 
     def attend(self, q, k, v, meta, scale):
-        hq, hkv = q.shape[1], k.shape[0]
+        hq, hkv = q.shape[1], k.shape[1]
         qb = _blocked(q, meta, hkv).float()
         s = torch.matmul(qb, _gather(k, meta).float().transpose(-1, -2)) * scale
         s = s.masked_fill(~_group_mask(meta, hq // hkv), float("-inf"))
@@ -265,7 +271,7 @@ class SdpaKernel(Kernel):
     name = "sdpa"
 
     def attend(self, q, k, v, meta, scale):
-        hq, hkv = q.shape[1], k.shape[0]
+        hq, hkv = q.shape[1], k.shape[1]
         o = F.scaled_dot_product_attention(_blocked(q, meta, hkv), _gather(k, meta), _gather(v, meta),
                                            attn_mask=_group_mask(meta, hq // hkv), scale=scale)
         return _unblocked(o, meta, hq)
@@ -286,13 +292,15 @@ class FlexKernel(Kernel):
     def __init__(self, reason: str, contract: Contract, compiled: bool):
         super().__init__(reason, contract)
         self.compiled = compiled
+        self.reads_whole_pool = not compiled  # eager flex materialises the scores over every key
 
     def attend(self, q, k, v, meta, scale):
         from torch.nn.attention.flex_attention import flex_attention
 
         fn = _compiled_flex() if self.compiled else flex_attention
         qf = _padded_queries(q, meta).transpose(0, 1)[None]  # [1, Hq, Qb*BM, D]
-        o = fn(qf, k[None], v[None], block_mask=meta.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[0])
+        kf, vf = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, P*S, D] views
+        o = fn(qf, kf, vf, block_mask=meta.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         return o[0].transpose(0, 1)[meta.q_out]
 
 

@@ -6,9 +6,9 @@
     slots = pool.slots(seq, 290, 300)       # flat slot index of keys 290..299 (where the step writes)
     pool.close(seq)                         # its pages go back to the free list (no copy)
 
-Layout. `k` and `v` are one tensor each for all layers, [layers, Hkv, pages * page_size, D]
-(per layer the [1, Hkv, keys, D] a fused kernel takes, as a view):
-page p holds flat slots [p*S, (p+1)*S). A sequence's keys live in the pages of its block
+Layout. `k` and `v` are one tensor each for all layers, [layers, pages * page_size, Hkv, D]:
+page p holds flat slots [p*S, (p+1)*S), a contiguous run (gathering a page is one memcpy;
+a fused kernel takes a layer as the [1, Hkv, keys, D] view it wants). A sequence's keys live in the pages of its block
 table in order (key i at page table[i // S], offset i % S). Page 0 is the scratch page:
 padding rows of a step write there and see only its first key, so no real page is ever
 touched by padding.
@@ -66,17 +66,19 @@ class PagePool:
     """The engine's KV pool (module doc)."""
 
     def __init__(self, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, zero: bool = False):
         if pages < 2 or page_size < 1:
             raise ValueError(f"a KV pool needs at least 2 pages of >= 1 key (got {pages} of {page_size})")
         self.layers, self.pages, self.page_size = layers, pages, page_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
-        shape = (layers, kv_heads, pages * page_size, head_dim)
-        # empty, not zeros: a page is written before any key of it is visible; untouched pages cost no RAM on CPU
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.k[:, :, :page_size].zero_()
-        self.v[:, :, :page_size].zero_()
+        shape = (layers, pages * page_size, kv_heads, head_dim)
+        # empty, not zeros: pages are zeroed when handed out (`sync`); untouched pages cost no RAM on CPU.
+        # zero=True for kernels that read pages no block lists (eager FlexAttention reads the whole pool).
+        make = torch.zeros if zero else torch.empty
+        self.k = make(shape, dtype=dtype, device=device)
+        self.v = make(shape, dtype=dtype, device=device)
+        self.k[:, :page_size].zero_()
+        self.v[:, :page_size].zero_()
         self.owner = torch.full((pages,), FREE_SEQ, dtype=torch.long, device=device)
         self.start = torch.zeros(pages, dtype=torch.long, device=device)
         self.owner[0] = SCRATCH_SEQ
@@ -88,10 +90,10 @@ class PagePool:
 
     @classmethod
     def for_budget(cls, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                   page_size: int, memory_bytes: int) -> "PagePool":
+                   page_size: int, memory_bytes: int, zero: bool = False) -> "PagePool":
         """A pool of as many pages as `memory_bytes` holds (at least 2)."""
         per = page_bytes(layers, kv_heads, head_dim, page_size, dtype)
-        return cls(layers, max(2, int(memory_bytes) // per), page_size, kv_heads, head_dim, dtype, device)
+        return cls(layers, max(2, int(memory_bytes) // per), page_size, kv_heads, head_dim, dtype, device, zero)
 
     # ------------------------------------------------------------------ accounting
 
@@ -178,7 +180,7 @@ class PagePool:
         taken = idx[own >= 0]
         if taken.numel():
             for buf in (self.k, self.v):
-                buf.view(self.layers, self.kv_heads, self.pages, self.page_size, self.head_dim).index_fill_(2, taken, 0)
+                buf.view(self.layers, self.pages, -1).index_fill_(1, taken, 0)
 
     def describe(self) -> dict[str, float]:
         return {"pages": self.pages, "page_size": self.page_size, "bytes_per_page": self.bytes_per_page,

@@ -97,9 +97,12 @@ class StepPlan:
 class Scheduler:
     """Fills each step under the token budget and lays out its metadata (module doc)."""
 
-    def __init__(self, runner: ModelRunner, pool: PagePool, *, step_tokens: int, max_rows: int, q_block: int):
+    def __init__(self, runner: ModelRunner, pool: PagePool, *, step_tokens: int, max_rows: int, q_block: int,
+                 prefill_block: int = 0):
         self.runner, self.pool = runner, pool
         self.step_tokens, self.max_rows, self.q_block = step_tokens, max_rows, q_block
+        # prefill chunks attend in larger blocks: a block gathers its pages once for all its queries
+        self.prefill_block = prefill_block or 4 * q_block
         self.device = pool.device
 
     # ------------------------------------------------------------------ building a step
@@ -109,11 +112,14 @@ class Scheduler:
         self.pool.grow(seq, length)
         v.reserved -= len(seq.pages) - before
 
-    def _blocks(self, first: int, count: int, pages: list[int], own: list[list[int]] | None = None) -> list[BlockPlan]:
-        """Query blocks over step tokens [first, first + count): each sees `pages` (+ its rows' own pages)."""
+    def _blocks(self, first: int, count: int, pages: list[int], own: list[list[int]] | None = None,
+                size: int = 0) -> list[BlockPlan]:
+        """Query blocks of `size` (default q_block) over step tokens [first, first + count): each sees
+        `pages` (+ its rows' own pages)."""
         out = []
-        for lo in range(first, first + count, self.q_block):
-            hi = min(first + count, lo + self.q_block)
+        size = size or self.q_block
+        for lo in range(first, first + count, size):
+            hi = min(first + count, lo + size)
             extra = [p for r in range(lo - first, hi - first) for p in own[r]] if own else []
             out.append(BlockPlan(range(lo, hi), pages + extra))
         return out
@@ -199,7 +205,7 @@ class Scheduler:
             lim_a += lims
             seq_b += [FREE_SEQ] * (hi - lo)
             lim_b += [0] * (hi - lo)
-            for blk in self._blocks(n, hi - lo, []):
+            for blk in self._blocks(n, hi - lo, [], size=self.prefill_block):
                 last = max(lims[t - n] for t in blk.tokens)
                 blk.pages = pref.pages[: pages_for(last, S)]
                 blocks.append(blk)
@@ -210,7 +216,7 @@ class Scheduler:
             return None
         self.pool.sync()
         capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
-        attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=self.q_block, pool=self.pool,
+        attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=max(self.q_block, self.prefill_block), pool=self.pool,
                               kernel=self.runner.kernel)
         batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
                              slots=torch.cat(slots).to(self.device), attn=attn, capture=capture)

@@ -12,7 +12,7 @@ differ only in their metadata, never in the code they run, so one step reads top
     x = embeds
     for each decoder layer:
         h = input_norm(x); q, k, v = linear(h); q, k = rotate(q, k; cos, sin)
-        pool.k[layer][:, slots], pool.v[layer][:, slots] = k, v # the tokens' own KV, paged
+        pool.k[layer][slots], pool.v[layer][slots] = k, v       # the tokens' own KV, paged
         o = kernel(q, pool.k[layer], pool.v[layer], attn, scale) # infer/kernels.py
         x = x + o_proj(o); x = x + mlp(post_norm(x))
     hidden = norm(x)
@@ -107,8 +107,8 @@ class ModelRunner:
             qk = torch.cat([q, k], dim=1)
             qk = qk * cos + w.rotate_half(qk) * sin
             q, k = qk[:, :hq], qk[:, hq:]
-            pool.k[li].index_copy_(1, batch.slots, k.transpose(0, 1))
-            pool.v[li].index_copy_(1, batch.slots, v.transpose(0, 1))
+            pool.k[li].index_copy_(0, batch.slots, k)
+            pool.v[li].index_copy_(0, batch.slots, v)
             a = self.kernel(q, pool.k[li], pool.v[li], attn, self.scale)
             x = x + F.linear(a.reshape(n, hq * w.head_dim), *lw.o)
             h = lw.post_norm(x)

@@ -30,14 +30,15 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
     dense holds exactly the keys each query may see, in order, for a dense SDPA oracle."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    pool = PagePool(1, 64, page_size, HKV, D, dtype, torch.device("cpu"))
+    pool = PagePool(1, 64, page_size, HKV, D, dtype, torch.device("cpu"),  # k, v: [1, 64 * S, Hkv, D]
+                    zero=kernel.reads_whole_pool)
     pool.reserve(pool.free_pages)
     # churn: open and close sequences so live pages are scattered and reused
     for _ in range(3):
         junk = pool.open()
         pool.grow(junk, rnd.randint(1, 3 * page_size))
         pool.sync()
-        pool.k[0].view(HKV, -1, D)[:, pool.slots(junk, 0, junk.length)] = 9.0  # stale keys of a dead owner
+        pool.k[0][pool.slots(junk, 0, junk.length)] = 9.0  # stale keys of a dead owner
         pool.close(junk)
         pool.reserve(pool.free_pages)
     seqs = []
@@ -48,8 +49,8 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
         keys = torch.randn(HKV, length, D, generator=gen).to(dtype)
         vals = torch.randn(HKV, length, D, generator=gen).to(dtype)
         slots = pool.slots(s, 0, length)
-        pool.k[0][:, slots] = keys
-        pool.v[0][:, slots] = vals
+        pool.k[0][slots] = keys.transpose(0, 1)
+        pool.v[0][slots] = vals.transpose(0, 1)
         seqs.append((s, keys, vals))
     prefix, b1, b2, other = seqs
     rows = []  # (seq_a, lim_a, seq_b, lim_b)
@@ -170,7 +171,7 @@ def test_pool_reservations_pages_and_fresh_owners():
     pool.sync()
     assert set(b.pages) == set(old) and b.id != a.id  # the same pages, a new owner id
     assert pool.owner[b.pages].tolist() == [b.id] * 3
-    assert (pool.k[:, :, torch.tensor(pool.slots(b, 0, 12))] == 0).all()  # handed out zeroed
+    assert (pool.k[:, pool.slots(b, 0, 12)] == 0).all()  # handed out zeroed
     pool.close(b)
     pool.sync()
     assert (pool.owner[1:] == FREE_SEQ).all()
