@@ -187,7 +187,7 @@ def single_chain_fast(model, eng: CaptionEngine, sample: Sample, control: Decode
     n = prog.length + k
     meta = AttnMeta.build([BlockPlan(range(lo, min(n, lo + eng.q_block)), prefix.pages)
                            for lo in range(0, n, eng.q_block)], [prefix.id] * n, lims, [FREE_SEQ] * n, [0] * n,
-                          q_block=eng.q_block, pool=pool, kernel=eng.kernel)
+                          q_block=eng.q_block, pool=pool, kernel=eng.kernel, group=eng.weights.heads // eng.weights.kv_heads)
     dev = eng.device
     _, states = runner.forward(ForwardBatch(torch.cat(embeds).to(eng.weights.dtype), torch.cat(positions, 1).to(dev),
                                             pool.slots(prefix, 0, n).to(dev), meta, prog.capture))
@@ -205,7 +205,7 @@ def single_chain_fast(model, eng: CaptionEngine, sample: Sample, control: Decode
             pool.grow(chain, steps + 1)
             pool.sync()
             meta = AttnMeta.build([BlockPlan([0], prefix.pages + chain.pages)], [prefix.id], [n], [chain.id], [steps + 1],
-                                  q_block=eng.q_block, pool=pool, kernel=eng.kernel)
+                                  q_block=eng.q_block, pool=pool, kernel=eng.kernel, group=eng.weights.heads // eng.weights.kv_heads)
             batch = ForwardBatch(x.to(eng.weights.dtype), torch.full((3, 1), start + steps, device=dev),
                                  pool.slots(chain, steps, steps + 1).to(dev), meta)
             h, _ = runner.forward(batch)

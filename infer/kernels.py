@@ -2,7 +2,7 @@
 
     kernel = choose_kernel("auto", dtype, device)               # "sdpa" on CPU, "flex" on CUDA
     meta = AttnMeta.build(plan, pool, kernel, scratch)          # once per step, shared by the layers
-    o = kernel(q, pool.k[layer], pool.v[layer], meta, scale)    # q [N, Hq, D], kv [keys, Hkv, D] -> o [N, Hq, D]
+    o = kernel(q, pool, layer, meta, scale)                     # q [N, Hq, D] -> o [N, Hq * D]
 
 What a step asks of attention. The N tokens of a step (prefill chunks, planning rows, branch
 rows of many videos) each see at most two sequences of the pool (infer/paged.py): query t
@@ -56,15 +56,15 @@ class Contract:
     q_block_multiple: int = 1
     max_head_dim: int = 256
 
-    def check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: "AttnMeta") -> None:
-        """Raise ValueError naming the broken rule (shapes, dtypes, alignment)."""
-        if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape:
-            raise ValueError(f"attention wants q [N, Hq, D], k = v [keys, Hkv, D]; got q {tuple(q.shape)}, "
-                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-        if not (q.dtype == k.dtype == v.dtype) or q.dtype not in self.dtypes:
-            raise ValueError(f"attention dtypes q {q.dtype}, k {k.dtype}, v {v.dtype}: need one of {self.dtypes}")
+    def check(self, q: torch.Tensor, kv: torch.Tensor, meta: "AttnMeta") -> None:
+        """Raise ValueError naming the broken rule (shapes, dtypes, alignment). kv: one layer of the pool."""
+        if q.ndim != 3 or kv.ndim != 4 or kv.shape[1] != 2:
+            raise ValueError(f"attention wants q [N, Hq, D] and a pool layer [keys, 2, Hkv, D]; got q {tuple(q.shape)}, "
+                             f"kv {tuple(kv.shape)}")
+        if q.dtype != kv.dtype or q.dtype not in self.dtypes:
+            raise ValueError(f"attention dtypes q {q.dtype}, kv {kv.dtype}: need one of {self.dtypes}")
         n, hq, d = q.shape
-        keys, hkv, dk = k.shape
+        keys, _, hkv, dk = kv.shape
         if d != dk or d > self.max_head_dim or hq % hkv:
             raise ValueError(f"attention head dims: q {hq}x{d}, kv {hkv}x{dk} (Hq % Hkv == 0, D <= {self.max_head_dim})")
         if meta.page_size % self.page_multiple or keys % meta.page_size:
@@ -89,11 +89,14 @@ class AttnMeta:
     """A step's attention metadata (module doc); device tensors, built once per step.
 
     tokens: N; q_block: BM; page_size: S;
-    q_gather [Qb*BM]: step token of each padded query slot (N = a zero padding query);
+    q_gather [Qb*BM]: step token of each padded query slot (N = padding); q_gather_clamped: the same
+    with padding pointing at token 0 (a query whose output nobody reads);
     q_out [N]: padded slot of each step token;
-    pages [Qb, B] long, npages [Qb] int32: the pages each block may see (padded with page 0);
+    pages [Qb, B] long, npages [Qb] int32: the pages each block may see (padded with page 0); pages_flat:
+    pages as [Qb*B];
     seq_a, lim_a, seq_b, lim_b [Qb*BM]: per padded query slot, the two (sequence, limit) pairs;
-    visible [Qb, BM, B*S] bool: the mask over the gathered keys (reference / sdpa kernels);
+    visible [Qb, 1, BM*g, B*S] bool: the mask over the gathered keys, rows as the kernels lay out the
+    queries (query, head in its KV group) (reference / sdpa kernels);
     block_mask: the FlexAttention BlockMask (flex kernel only).
     """
 
@@ -101,8 +104,10 @@ class AttnMeta:
     q_block: int
     page_size: int
     q_gather: torch.Tensor
+    q_gather_clamped: torch.Tensor
     q_out: torch.Tensor
     pages: torch.Tensor
+    pages_flat: torch.Tensor
     npages: torch.Tensor
     seq_a: torch.Tensor
     lim_a: torch.Tensor
@@ -117,7 +122,7 @@ class AttnMeta:
 
     @staticmethod
     def build(blocks: Sequence[BlockPlan], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
-              lim_b: Sequence[int], *, q_block: int, pool, kernel: "Kernel") -> "AttnMeta":
+              lim_b: Sequence[int], *, q_block: int, pool, kernel: "Kernel", group: int = 1) -> "AttnMeta":
         """Host description of a step -> AttnMeta on the pool's device (one copy per tensor).
 
         seq_*/lim_* are per step token (N of them); a token with no second sequence has
@@ -149,18 +154,22 @@ class AttnMeta:
         pad = lambda vals, fill: torch.cat([torch.as_tensor(list(vals), dtype=torch.long),  # noqa: E731
                                             torch.tensor([fill])])[gather]
         dev = pool.device
-        meta = AttnMeta(tokens=n, q_block=q_block, page_size=S, q_gather=gather.to(dev), q_out=out.to(dev),
-                        pages=page_t.to(dev), npages=npages.to(dev), seq_a=pad(seq_a, SCRATCH_SEQ).to(dev),
+        page_t = page_t.to(dev)
+        meta = AttnMeta(tokens=n, q_block=q_block, page_size=S, q_gather=gather.to(dev),
+                        q_gather_clamped=torch.where(gather < n, gather, 0).to(dev), q_out=out.to(dev),
+                        pages=page_t, pages_flat=page_t.flatten(), npages=npages.to(dev),
+                        seq_a=pad(seq_a, SCRATCH_SEQ).to(dev),
                         lim_a=pad(lim_a, 1).to(dev), seq_b=pad(seq_b, -1).to(dev), lim_b=pad(lim_b, 0).to(dev))
         if kernel.name == "flex":
             meta.block_mask = flex_block_mask(meta, pool)
         else:
-            meta.visible = gathered_visibility(meta, pool)
+            meta.visible = gathered_visibility(meta, pool).repeat_interleave(group, dim=1)[:, None]
         return meta
 
 
 def gathered_visibility(meta: AttnMeta, pool) -> torch.Tensor:
-    """[Qb, BM, B*S] bool: which gathered key each padded query sees (module doc's rule)."""
+    """[Qb, BM, B*S] bool: which gathered key each padded query sees (module doc's rule); a padding
+    query sees the block's first key (its output is dropped; no row is all -inf)."""
     S = meta.page_size
     owner = pool.owner[meta.pages]  # [Qb, B]
     first = pool.start[meta.pages]  # [Qb, B]
@@ -172,7 +181,9 @@ def gathered_visibility(meta: AttnMeta, pool) -> torch.Tensor:
     sa, la = meta.seq_a.view(shape), meta.lim_a.view(shape)
     sb, lb = meta.seq_b.view(shape), meta.lim_b.view(shape)
     ks, ki = kseq[:, None], kidx[:, None]
-    return ((ks == sa) & (ki < la)) | ((ks == sb) & (ki < lb))
+    vis = ((ks == sa) & (ki < la)) | ((ks == sb) & (ki < lb))
+    vis[..., 0] |= (meta.q_gather == meta.tokens).view(meta.blocks, meta.q_block)
+    return vis
 
 
 def flex_block_mask(meta: AttnMeta, pool):
@@ -198,16 +209,16 @@ def flex_block_mask(meta: AttnMeta, pool):
 
 
 def _padded_queries(q: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """q [N, Hq, D] -> [Qb*BM, Hq, D] in block order (padding slots zero)."""
-    return torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.q_gather]
+    """q [N, Hq, D] -> [Qb*BM, Hq, D] in block order (padding slots repeat a real query; their
+    outputs are never read)."""
+    return q[meta.q_gather_clamped]
 
 
-def _gather(k: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """pool layer [P*S, Hkv, D] -> the blocks' pages [Qb, Hkv, B*S, D] (one gather of whole pages)."""
-    keys, hkv, d = k.shape
-    S = meta.page_size
-    g = k.view(keys // S, S * hkv * d)[meta.pages.flatten()]  # [Qb*B, S*Hkv*D]: contiguous pages
-    return g.view(meta.blocks, -1, hkv, d).transpose(1, 2)
+def _gather(pool, layer: int, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' pages of one layer -> k, v [Qb, Hkv, B*S, D] (one gather of whole pages, K and V at once)."""
+    _, _, hkv, d = pool.layer[layer].shape
+    g = pool.layer_pages[layer][meta.pages_flat]  # [Qb*B, S*2*Hkv*D]
+    return g.view(meta.blocks, -1, 2, hkv, d).permute(2, 0, 3, 1, 4).unbind(0)
 
 
 def _blocked(q: torch.Tensor, meta: AttnMeta, hkv: int) -> torch.Tensor:
@@ -217,16 +228,11 @@ def _blocked(q: torch.Tensor, meta: AttnMeta, hkv: int) -> torch.Tensor:
     return qp.permute(0, 2, 1, 3, 4).flatten(2, 3)
 
 
-def _unblocked(o: torch.Tensor, meta: AttnMeta, hq: int) -> torch.Tensor:
-    """[Qb, Hkv, BM*g, D] -> [N, Hq, D] in step order."""
+def _unblocked(o: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    """[Qb, Hkv, BM*g, D] -> [N, Hq*D] in step order (the o_proj input)."""
     qb, hkv, _, d = o.shape
-    o = o.view(qb, hkv, meta.q_block, hq // hkv, d).permute(0, 2, 1, 3, 4).reshape(qb * meta.q_block, hq, d)
+    o = o.view(qb, hkv, meta.q_block, -1, d).permute(0, 2, 1, 3, 4).reshape(qb * meta.q_block, -1)
     return o[meta.q_out]
-
-
-def _group_mask(meta: AttnMeta, g: int) -> torch.Tensor:
-    """visible [Qb, BM, T] -> [Qb, 1, BM*g, T] (the g query heads of a KV head share a row's mask)."""
-    return meta.visible.repeat_interleave(g, dim=1)[:, None]
 
 
 class Kernel:
@@ -243,11 +249,11 @@ class Kernel:
     def __init__(self, reason: str, contract: Contract):
         self.reason, self.contract = reason, contract
 
-    def __call__(self, q, k, v, meta: AttnMeta, scale: float) -> torch.Tensor:
-        self.contract.check(q, k, v, meta)
-        return self.attend(q, k, v, meta, scale)
+    def __call__(self, q, pool, layer: int, meta: AttnMeta, scale: float) -> torch.Tensor:
+        self.contract.check(q, pool.layer[layer], meta)
+        return self.attend(q, pool, layer, meta, scale)
 
-    def attend(self, q, k, v, meta: AttnMeta, scale: float) -> torch.Tensor:
+    def attend(self, q, pool, layer: int, meta: AttnMeta, scale: float) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -256,13 +262,13 @@ class ReferenceKernel(Kernel):
 
     name = "reference"
 
-    def attend(self, q, k, v, meta, scale):
-        hq, hkv = q.shape[1], k.shape[1]
-        qb = _blocked(q, meta, hkv).float()
-        s = torch.matmul(qb, _gather(k, meta).float().transpose(-1, -2)) * scale
-        s = s.masked_fill(~_group_mask(meta, hq // hkv), float("-inf"))
-        o = torch.matmul(torch.softmax(s, dim=-1), _gather(v, meta).float())
-        return _unblocked(o, meta, hq).to(q.dtype)
+    def attend(self, q, pool, layer, meta, scale):
+        k, v = _gather(pool, layer, meta)
+        qb = _blocked(q, meta, k.shape[1]).float()
+        s = torch.matmul(qb, k.float().transpose(-1, -2)) * scale
+        s = s.masked_fill(~meta.visible, float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), v.float())
+        return _unblocked(o, meta).to(q.dtype)
 
 
 class SdpaKernel(Kernel):
@@ -270,11 +276,10 @@ class SdpaKernel(Kernel):
 
     name = "sdpa"
 
-    def attend(self, q, k, v, meta, scale):
-        hq, hkv = q.shape[1], k.shape[1]
-        o = F.scaled_dot_product_attention(_blocked(q, meta, hkv), _gather(k, meta), _gather(v, meta),
-                                           attn_mask=_group_mask(meta, hq // hkv), scale=scale)
-        return _unblocked(o, meta, hq)
+    def attend(self, q, pool, layer, meta, scale):
+        k, v = _gather(pool, layer, meta)
+        o = F.scaled_dot_product_attention(_blocked(q, meta, k.shape[1]), k, v, attn_mask=meta.visible, scale=scale)
+        return _unblocked(o, meta)
 
 
 @functools.cache
@@ -294,14 +299,15 @@ class FlexKernel(Kernel):
         self.compiled = compiled
         self.reads_whole_pool = not compiled  # eager flex materialises the scores over every key
 
-    def attend(self, q, k, v, meta, scale):
+    def attend(self, q, pool, layer, meta, scale):
         from torch.nn.attention.flex_attention import flex_attention
 
         fn = _compiled_flex() if self.compiled else flex_attention
+        kv = pool.layer[layer]
         qf = _padded_queries(q, meta).transpose(0, 1)[None]  # [1, Hq, Qb*BM, D]
-        kf, vf = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, P*S, D] views
-        o = fn(qf, kf, vf, block_mask=meta.block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        return o[0].transpose(0, 1)[meta.q_out]
+        kf, vf = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]  # [1, Hkv, P*S, D] views
+        o = fn(qf, kf, vf, block_mask=meta.block_mask, scale=scale, enable_gqa=q.shape[1] != kv.shape[2])
+        return o[0].transpose(0, 1)[meta.q_out].flatten(1)
 
 
 FLEX_CONTRACT = Contract(dtypes=_DTYPES, page_multiple=16, q_block_multiple=16, max_head_dim=256)

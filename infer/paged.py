@@ -6,9 +6,10 @@
     slots = pool.slots(seq, 290, 300)       # flat slot index of keys 290..299 (where the step writes)
     pool.close(seq)                         # its pages go back to the free list (no copy)
 
-Layout. `k` and `v` are one tensor each for all layers, [layers, pages * page_size, Hkv, D]:
-page p holds flat slots [p*S, (p+1)*S), a contiguous run (gathering a page is one memcpy;
-a fused kernel takes a layer as the [1, Hkv, keys, D] view it wants). A sequence's keys live in the pages of its block
+Layout. Keys and values are one tensor for all layers, `kv` [layers, pages * page_size, 2,
+Hkv, D]: page p holds flat slots [p*S, (p+1)*S), keys and values side by side, one contiguous
+run (gathering a page is one memcpy for both; a fused kernel takes a layer's keys as the
+[1, Hkv, keys, D] view it wants). A sequence's keys live in the pages of its block
 table in order (key i at page table[i // S], offset i % S). Page 0 is the scratch page:
 padding rows of a step write there and see only its first key, so no real page is ever
 touched by padding.
@@ -71,14 +72,13 @@ class PagePool:
             raise ValueError(f"a KV pool needs at least 2 pages of >= 1 key (got {pages} of {page_size})")
         self.layers, self.pages, self.page_size = layers, pages, page_size
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
-        shape = (layers, pages * page_size, kv_heads, head_dim)
+        shape = (layers, pages * page_size, 2, kv_heads, head_dim)
         # empty, not zeros: pages are zeroed when handed out (`sync`); untouched pages cost no RAM on CPU.
         # zero=True for kernels that read pages no block lists (eager FlexAttention reads the whole pool).
-        make = torch.zeros if zero else torch.empty
-        self.k = make(shape, dtype=dtype, device=device)
-        self.v = make(shape, dtype=dtype, device=device)
-        self.k[:, :page_size].zero_()
-        self.v[:, :page_size].zero_()
+        self.kv = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+        self.kv[:, :page_size].zero_()
+        self.layer = list(self.kv.unbind(0))  # per layer [P*S, 2, Hkv, D] views, taken once
+        self.layer_pages = [t.view(pages, -1) for t in self.layer]  # per layer [P, S*2*Hkv*D]: a row per page
         self.owner = torch.full((pages,), FREE_SEQ, dtype=torch.long, device=device)
         self.start = torch.zeros(pages, dtype=torch.long, device=device)
         self.owner[0] = SCRATCH_SEQ
@@ -179,8 +179,7 @@ class PagePool:
         # can hold anything. Zero what was just handed out (one fill per step, all layers at once).
         taken = idx[own >= 0]
         if taken.numel():
-            for buf in (self.k, self.v):
-                buf.view(self.layers, self.pages, -1).index_fill_(1, taken, 0)
+            self.kv.view(self.layers, self.pages, -1).index_fill_(1, taken, 0)
 
     def describe(self) -> dict[str, float]:
         return {"pages": self.pages, "page_size": self.page_size, "bytes_per_page": self.bytes_per_page,

@@ -217,7 +217,7 @@ class Scheduler:
         self.pool.sync()
         capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
         attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=max(self.q_block, self.prefill_block), pool=self.pool,
-                              kernel=self.runner.kernel)
+                              kernel=self.runner.kernel, group=self.runner.w.heads // self.runner.w.kv_heads)
         batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
                              slots=torch.cat(slots).to(self.device), attn=attn, capture=capture)
         return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks)

@@ -12,8 +12,8 @@ differ only in their metadata, never in the code they run, so one step reads top
     x = embeds
     for each decoder layer:
         h = input_norm(x); q, k, v = linear(h); q, k = rotate(q, k; cos, sin)
-        pool.k[layer][slots], pool.v[layer][slots] = k, v       # the tokens' own KV, paged
-        o = kernel(q, pool.k[layer], pool.v[layer], attn, scale) # infer/kernels.py
+        pool.kv[layer][slots] = (k, v)                          # the tokens' own KV, paged
+        o = kernel(q, pool, layer, attn, scale)                 # infer/kernels.py
         x = x + o_proj(o); x = x + mlp(post_norm(x))
     hidden = norm(x)
 
@@ -82,11 +82,15 @@ class ModelRunner:
         return F.linear(hidden, self.w.head, self.w.head_bias)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [3, N] -> cos, sin [N, 1, D] by the backbone's own rotary module (elementwise in
-        the position, so batch-invariant)."""
+        """positions [3, N] -> cos, signed sin [N, 1, D] by the backbone's own rotary module (elementwise
+        in the position, so batch-invariant). HF rotates x * cos + rotate_half(x) * sin with
+        rotate_half(x) = (-x2, x1); (x2, x1) is x.roll(D/2) and the sign moves into sin: (-s1, s2),
+        the same products bit for bit, two ops fewer per layer."""
         probe = torch.zeros(1, dtype=dtype, device=positions.device)
         pos = positions[:, None] if self.w.mrope else positions[:1]
         cos, sin = self.w.rope(probe, pos)
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         return cos[0, :, None], sin[0, :, None]
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -94,6 +98,7 @@ class ModelRunner:
         w, pool, attn = self.w, self.pool, batch.attn
         n = batch.embeds.shape[0]
         cos, sin = self.rope(batch.positions, batch.embeds.dtype)
+        half = w.head_dim // 2
         x = batch.embeds
         states: dict[int, torch.Tensor] = {}
         hq, hkv = w.heads, w.kv_heads
@@ -105,14 +110,14 @@ class ModelRunner:
             k = F.linear(h, *lw.k).view(n, hkv, w.head_dim)
             v = F.linear(h, *lw.v).view(n, hkv, w.head_dim)
             qk = torch.cat([q, k], dim=1)
-            qk = qk * cos + w.rotate_half(qk) * sin
-            q, k = qk[:, :hq], qk[:, hq:]
-            pool.k[li].index_copy_(0, batch.slots, k)
-            pool.v[li].index_copy_(0, batch.slots, v)
-            a = self.kernel(q, pool.k[li], pool.v[li], attn, self.scale)
-            x = x + F.linear(a.reshape(n, hq * w.head_dim), *lw.o)
+            qk = qk * cos + qk.roll(half, dims=-1) * sin
+            q = qk[:, :hq]
+            pool.layer[li].index_copy_(0, batch.slots, torch.stack([qk[:, hq:], v], dim=1))
+            a = self.kernel(q, pool, li, attn, self.scale)  # [N, Hq * D]
+            x = torch.addmm(x, a, lw.o_t) if lw.o_t is not None else x + F.linear(a, *lw.o)
             h = lw.post_norm(x)
-            x = x + F.linear(lw.act(F.linear(h, *lw.gate)) * F.linear(h, *lw.up), *lw.down)
+            m = lw.act(F.linear(h, *lw.gate)) * F.linear(h, *lw.up)
+            x = torch.addmm(x, m, lw.down_t) if lw.down_t is not None else x + F.linear(m, *lw.down)
         hidden = w.norm(x)
         if len(w.layers) in batch.capture:
             states[len(w.layers)] = hidden

@@ -17,6 +17,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 def effective_linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -55,15 +56,33 @@ def _folded_tables(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
     return embed, head, getattr(base.get_output_embeddings(), "bias", None)
 
 
+def fused_norm(module: torch.nn.Module):
+    """An HF RMSNorm module as one torch.nn.functional.rms_norm call (same arithmetic: the fp32
+    normalisation, the cast back, then the weight), or the module itself if it is another norm."""
+    w, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if w is None or eps is None or not type(module).__name__.endswith("RMSNorm") or w.ndim != 1:
+        return module
+    shape = (w.shape[0],)
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and w.dtype == torch.float32:
+            return F.rms_norm(x, shape, w, eps)
+        return w * F.rms_norm(x.float(), shape, None, eps).to(x.dtype)
+
+    return norm
+
+
 _SNAPSHOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (parameter key, StepWeights)
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer as the step uses it: HF norm / activation modules + linear weights."""
+    """One decoder layer as the step uses it: its norms (HF's RMSNorm as one fused call), the HF
+    activation module, the linear weights; o_t / down_t: o_proj / down_proj weights transposed
+    (views) for the residual GEMMs (x + a @ W^T as one addmm), None when the layer has a bias."""
 
-    input_norm: torch.nn.Module
-    post_norm: torch.nn.Module
+    input_norm: object
+    post_norm: object
     act: torch.nn.Module
     q: tuple[torch.Tensor, torch.Tensor | None]
     k: tuple[torch.Tensor, torch.Tensor | None]
@@ -72,6 +91,12 @@ class LayerWeights:
     gate: tuple[torch.Tensor, torch.Tensor | None]
     up: tuple[torch.Tensor, torch.Tensor | None]
     down: tuple[torch.Tensor, torch.Tensor | None]
+    o_t: torch.Tensor | None = None
+    down_t: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.o_t = self.o[0].t() if self.o[1] is None else None
+        self.down_t = self.down[0].t() if self.down[1] is None else None
 
 
 class StepWeights:
@@ -97,11 +122,12 @@ class StepWeights:
         for layer in dec.layers:
             at, mlp = layer.self_attn, layer.mlp
             self.layers.append(LayerWeights(
-                input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm, act=mlp.act_fn,
+                input_norm=fused_norm(layer.input_layernorm), post_norm=fused_norm(layer.post_attention_layernorm),
+                act=mlp.act_fn,
                 q=effective_linear(at.q_proj), k=effective_linear(at.k_proj), v=effective_linear(at.v_proj),
                 o=effective_linear(at.o_proj), gate=effective_linear(mlp.gate_proj), up=effective_linear(mlp.up_proj),
                 down=effective_linear(mlp.down_proj)))
-        self.norm = dec.norm
+        self.norm = fused_norm(dec.norm)
         self.rope = dec.rotary_emb
         self.mrope = getattr(self.rope, "mrope_section", None) is not None  # Qwen2.5-VL: 3-axis position ids
         self.rotate_half = importlib.import_module(type(dec).__module__).rotate_half

@@ -30,7 +30,7 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
     dense holds exactly the keys each query may see, in order, for a dense SDPA oracle."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    pool = PagePool(1, 64, page_size, HKV, D, dtype, torch.device("cpu"),  # k, v: [1, 64 * S, Hkv, D]
+    pool = PagePool(1, 64, page_size, HKV, D, dtype, torch.device("cpu"),  # kv: [1, 64 * S, 2, Hkv, D]
                     zero=kernel.reads_whole_pool)
     pool.reserve(pool.free_pages)
     # churn: open and close sequences so live pages are scattered and reused
@@ -38,7 +38,7 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
         junk = pool.open()
         pool.grow(junk, rnd.randint(1, 3 * page_size))
         pool.sync()
-        pool.k[0][pool.slots(junk, 0, junk.length)] = 9.0  # stale keys of a dead owner
+        pool.layer[0][pool.slots(junk, 0, junk.length)] = 9.0  # stale keys of a dead owner
         pool.close(junk)
         pool.reserve(pool.free_pages)
     seqs = []
@@ -49,8 +49,8 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
         keys = torch.randn(HKV, length, D, generator=gen).to(dtype)
         vals = torch.randn(HKV, length, D, generator=gen).to(dtype)
         slots = pool.slots(s, 0, length)
-        pool.k[0][slots] = keys.transpose(0, 1)
-        pool.v[0][slots] = vals.transpose(0, 1)
+        pool.layer[0][slots, 0] = keys.transpose(0, 1)
+        pool.layer[0][slots, 1] = vals.transpose(0, 1)
         seqs.append((s, keys, vals))
     prefix, b1, b2, other = seqs
     rows = []  # (seq_a, lim_a, seq_b, lim_b)
@@ -69,7 +69,7 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
         start += len(group)
     meta = AttnMeta.build(blocks, [a[0].id for a, *_ in rows], [la for _, la, _, _ in rows],
                           [b[0].id if b is not None else FREE_SEQ for _, _, b, _ in rows],
-                          [lb for *_, lb in rows], q_block=q_block, pool=pool, kernel=kernel)
+                          [lb for *_, lb in rows], q_block=q_block, pool=pool, kernel=kernel, group=G)
     dense = []
     for a, la, b, lb in rows:
         ks, vs = [a[1][:, :la]], [a[2][:, :la]]
@@ -98,8 +98,8 @@ def test_kernel_equals_dense_sdpa_on_random_paged_layouts(name, seed, page_size,
         pytest.skip("flex takes pages and query blocks of multiples of 16")
     pool, q, meta, dense = _layout(seed, page_size, q_block, kernel)
     scale = D ** -0.5
-    got = kernel(q, pool.k[0], pool.v[0], meta, scale)
-    torch.testing.assert_close(got.double(), _oracle(q, dense, scale), atol=1e-5, rtol=0)
+    got = kernel(q, pool, 0, meta, scale)
+    torch.testing.assert_close(got.double(), _oracle(q, dense, scale).flatten(1), atol=1e-5, rtol=0)
 
 
 def test_bf16_kernels_stay_within_one_rounding_of_fp64():
@@ -107,9 +107,9 @@ def test_bf16_kernels_stay_within_one_rounding_of_fp64():
     for name in ("reference", "sdpa"):
         kernel = choose_kernel(name, torch.bfloat16, torch.device("cpu"))
         pool, q, meta, dense = _layout(5, 4, 3, kernel, dtype=torch.bfloat16)
-        got = kernel(q, pool.k[0], pool.v[0], meta, D ** -0.5)
+        got = kernel(q, pool, 0, meta, D ** -0.5)
         assert got.dtype == torch.bfloat16
-        err = float((got.double() - _oracle(q, dense, D ** -0.5)).abs().max())
+        err = float((got.double() - _oracle(q, dense, D ** -0.5).flatten(1)).abs().max())
         assert err < 2e-2, (name, err)
 
 
@@ -118,18 +118,18 @@ def test_contract_checks_fire():
     assert kernel.contract == FLEX_CONTRACT
     pool, q, meta, _ = _layout(0, 4, 2, kernel)
     with pytest.raises(ValueError, match="page size 4 must be a multiple of 16"):
-        kernel(q, pool.k[0], pool.v[0], meta, 1.0)
+        kernel(q, pool, 0, meta, 1.0)
     plain = choose_kernel("sdpa", torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="dtypes"):
-        plain(q.double(), pool.k[0], pool.v[0], meta, 1.0)
+        plain(q.double(), pool, 0, meta, 1.0)
     with pytest.raises(ValueError, match="head dims"):
-        plain(q[:, :5], pool.k[0], pool.v[0], meta, 1.0)
+        plain(q[:, :5], pool, 0, meta, 1.0)
     with pytest.raises(ValueError, match="queries for a step"):
-        plain(q[:3], pool.k[0], pool.v[0], meta, 1.0)
+        plain(q[:3], pool, 0, meta, 1.0)
     pool16, q16, meta16, _ = _layout(1, 16, 6, plain)
     flex = choose_kernel("flex", torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="query block 6 must be a multiple of 16"):
-        flex(q16, pool16.k[0], pool16.v[0], meta16, 1.0)
+        flex(q16, pool16, 0, meta16, 1.0)
 
 
 def test_kernel_choice_is_explicit():
@@ -171,7 +171,7 @@ def test_pool_reservations_pages_and_fresh_owners():
     pool.sync()
     assert set(b.pages) == set(old) and b.id != a.id  # the same pages, a new owner id
     assert pool.owner[b.pages].tolist() == [b.id] * 3
-    assert (pool.k[:, pool.slots(b, 0, 12)] == 0).all()  # handed out zeroed
+    assert (pool.kv[:, pool.slots(b, 0, 12)] == 0).all()  # handed out zeroed
     pool.close(b)
     pool.sync()
     assert (pool.owner[1:] == FREE_SEQ).all()
