@@ -22,7 +22,7 @@ crashed actor pool raises out of `run_caption` as before.
 Work is committed in chunks (`parts/<chunk>.parquet`, written last): a re-run
 skips videos already captioned with the same model and config, and a run killed
 midway and restarted ends with every video exactly once. `captions.jsonl` and
-`captions.parquet` are the consolidation of all parts.
+`captions.parquet` are the consolidation of all parts, for the videos listed this run.
 """
 
 from __future__ import annotations
@@ -271,11 +271,14 @@ def _write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
     storage.write_bytes(path, buf.getvalue())
 
 
-def consolidate(out: str) -> list[dict[str, Any]]:
-    """Latest row per video across committed parts -> captions.parquet + captions.jsonl."""
+def consolidate(out: str, keep: set[str] | None = None) -> list[dict[str, Any]]:
+    """Latest row per video across committed parts -> captions.parquet + captions.jsonl.
+    `keep`: the ids listed this run; rows of videos no longer listed (deleted from the archive,
+    removed from the test split) are left out."""
     latest: dict[str, dict[str, Any]] = {}
     for row in _read_parts(out):
-        latest[row["video_id"]] = row
+        if keep is None or row["video_id"] in keep:
+            latest[row["video_id"]] = row
     rows = sorted(latest.values(), key=lambda r: r["video_id"])
     _write_parquet(storage.join(out, "captions.parquet"), rows)
     lines = []
@@ -368,7 +371,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
         dt = time.perf_counter() - t0
         print(f"[caption] chunk {ci + 1}/{len(chunks)}: {ok} done, {len(result) - ok} failed, "
               f"{60.0 * len(result) / dt:.1f} videos/min", flush=True)
-    rows = consolidate(out)
+    rows = consolidate(out, keep={v["video_id"] for v in items})
     total_ok = sum(r["status"] == "ok" for r in rows)
     seconds = time.perf_counter() - t_start
     print(f"[caption] {total_ok} captioned, {len(rows) - total_ok} failed; results in "
