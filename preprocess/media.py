@@ -52,25 +52,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from pipeline.config import FeaturesConfig
+from preprocess.media_errors import MediaError
 from preprocess.timing import Timing, read_timing, video_duration
 
 CHUNK_BYTES = 8 * 1024 * 1024
 _MP4_EXTENSIONS = {".mp4", ".m4v", ".mov", ".m4a", ".3gp"}
 METADATA_ERRORS = "replace"  # how PyAV decodes non-UTF-8 metadata tags (its default "strict" raises)
-
-
-class MediaError(ValueError):
-    """A video cannot be used; `kind` names the failure class, the message explains it."""
-
-    KINDS = ("missing", "empty", "too_large", "not_media", "truncated", "no_video", "undecodable", "annotation",
-             "bad_timing")
-
-    def __init__(self, reason: str, kind: str = "undecodable"):
-        if kind not in self.KINDS:
-            raise ValueError(f"unknown MediaError kind {kind!r}")
-        super().__init__(reason)
-        self.reason = reason
-        self.kind = kind
 
 
 @dataclass

@@ -38,6 +38,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from preprocess.media_errors import MediaError
+
 SLACK_S = 0.05  # rounding of time bases, audio priming: differences below this mean nothing
 _DECLARING_FORMATS = ("mov", "mp4", "matroska", "webm", "avi")
 _TAG_DURATION = re.compile(r"^(\d+):(\d{2}):(\d{2}(?:\.\d+)?)$")
@@ -134,8 +136,6 @@ def video_duration(t: Timing, avg_fps: float, uri: str) -> float | None:
 
     Raises MediaError (bad_timing / truncated) saying what disagrees.
     """
-    from preprocess.media import MediaError
-
     span = f"{t.frames} frames from 0 to {t.last_start:.3f} s"
     if t.demux_error:
         raise MediaError(f"truncated or corrupt container: the demuxer failed after {span} ({t.demux_error}): {uri}", "truncated")
