@@ -1,6 +1,6 @@
 """The paper's ablation, reproduced on data this repo generates: every variant, same budget, one table.
 
-    .venv/bin/python bench/ablation.py                 # the full table (about 40 min on 2 cores)
+    .venv/bin/python bench/ablation.py                 # the full table (64 min measured on a loaded 2-core box, about 30 idle: README)
     .venv/bin/python bench/ablation.py --smoke         # a tiny budget, every variant (CI: tests/test_ablation.py)
 
 Variants (the rows of the paper's ChronusAV ablation; `model.*` settings on the embedded

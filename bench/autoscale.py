@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import requests
@@ -139,14 +139,18 @@ class ReplicaSampler(threading.Thread):
         return self.samples[-1][1] if self.samples else -1
 
 
-def closed_loop(url: str, video: str, clients: int, seconds: float, t0: float, timeout: float) -> list[Request]:
-    """`clients` threads, each sending its next request when the last one is answered, for `seconds`."""
-    out: list[Request] = []
+def closed_loop(url: str, video: str, clients: int, seconds: float, t0: float, timeout: float,
+                until: Callable[[], bool] | None = None, out: list[Request] | None = None) -> list[Request]:
+    """`clients` threads, each sending its next request when the last one is answered, for `seconds`
+    at most; with `until`, each stops sending once `until()` holds (checked before every request).
+    Answered requests are appended to `out` (a fresh list unless given) as they come, so a caller
+    on another thread can wait on them; returns that list."""
+    out = [] if out is None else out
     lock = threading.Lock()
     stop_at = time.monotonic() + seconds
 
     def client() -> None:
-        while time.monotonic() < stop_at:
+        while time.monotonic() < stop_at and not (until is not None and until()):
             sent = time.monotonic()
             status, attempts, lost, dropped = caption_with_retry(url, video, timeout, deadline=sent + timeout)
             with lock:
@@ -186,6 +190,17 @@ def wait_replicas(sampler: ReplicaSampler, want: int, timeout: float) -> bool:
             return True
         time.sleep(sampler.interval)
     return False
+
+
+def held_at(sampler: ReplicaSampler, want: int, hold_s: float) -> bool:
+    """True once the sampler's running-replica count has been `want` for the last `hold_s` seconds
+    (the new replica is up and has had time to take requests)."""
+    samples = list(sampler.samples)
+    if not samples or samples[-1][1] != want:
+        return False
+    since = next((t for t, n in reversed(samples) if n != want), None)
+    first_at = next(t for t, n in samples if n == want) if since is None else since
+    return samples[-1][0] - first_at >= hold_s
 
 
 def first_time(samples: list[tuple[float, int]], after: float, pred) -> float | None:
@@ -246,15 +261,20 @@ def summarize(load: list[Request], bursts: list[Request], samples: list[tuple[fl
 
 def run_phases(url: str, video: str, app: str, deployment: str, serve_cfg: dict[str, Any], clients: int, load_s: float,
                burst_n: int, idle_s: float = 2.0, cooldown_max_s: float = 60.0, interval: float = 0.5,
-               timeout: float = 120.0) -> dict[str, Any]:
-    """The four phases against a running app; returns the report (numbers, timeline, requests)."""
+               timeout: float = 120.0, hold_max_s: float | None = None) -> dict[str, Any]:
+    """The four phases against a running app; returns the report (numbers, timeline, requests).
+
+    The load lasts `load_s`; with `hold_max_s` it instead lasts until the controller has scaled
+    to `max_replicas` and held there for `hold_max_s` (running), with `load_s` only as the
+    deadline: what a test on a box of unknown speed waits on, instead of a fixed window."""
     t0 = time.monotonic()
     sampler = ReplicaSampler(app, deployment, t0, interval)
     sampler.start()
+    until = None if hold_max_s is None else (lambda: held_at(sampler, serve_cfg["max_replicas"], hold_max_s))
     try:
         time.sleep(idle_s)
         phases = {"load_start": time.monotonic() - t0}
-        load = closed_loop(url, video, clients, load_s, t0, timeout)
+        load = closed_loop(url, video, clients, load_s, t0, timeout, until=until)
         phases["load_end"] = time.monotonic() - t0
         wait_replicas(sampler, serve_cfg["min_replicas"], cooldown_max_s)
         phases["burst_start"] = time.monotonic() - t0

@@ -11,12 +11,18 @@ Ray Data lists the videos, decodes and encodes them in a CPU actor pool
 actors run only the release's front end and the engine actor encodes with its own
 model, see `engine_input`), and writes one row per video (id, uri,
 duration, events, timings, model id, config hash) as JSONL and Parquet, plus an
-error row with its reason for every video that failed.
+error row with its reason (`error`) and kind (`error_kind`) for every video that failed.
+
+Exit status (`main`, and `pipeline/run.py`'s caption stage through `judge`): 0 when every
+failure is such a per-video row and they are at most `infer.max_failed_fraction` of the
+videos (default 5%: one corrupt upload does not fail an archive run); 1 when more failed,
+or when the engine raised on every video it was given (a broken model, not bad files); a
+crashed actor pool raises out of `run_caption` as before.
 
 Work is committed in chunks (`parts/<chunk>.parquet`, written last): a re-run
 skips videos already captioned with the same model and config, and a run killed
 midway and restarted ends with every video exactly once. `captions.jsonl` and
-`captions.parquet` are the consolidation of all parts.
+`captions.parquet` are the consolidation of all parts, for the videos listed this run.
 """
 
 from __future__ import annotations
@@ -61,7 +67,9 @@ RESULT_COLUMNS: dict[str, pa.DataType] = {
     "capped": pa.string(),  # JSON list of bool, per event: caption cut at infer.max_branch_tokens
     "segments_kept": pa.int64(),  # segments the model saw (fewer than segments_total: shortened to fit)
     "segments_total": pa.int64(),
+    "error_kind": pa.string(),  # "" | input (bad media / annotation) | refused (by the engine) | engine (raised on it)
 }
+ERROR_KINDS = ("input", "refused", "engine")
 SAMPLE_COLUMNS = [KEY, *FIELDS]
 RELEASE_INPUTS = "release_inputs"  # online release encoders: the front end's output (ReleaseInputs.to_bytes)
 
@@ -78,9 +86,11 @@ class _Annotation:
 
 
 def caption_config_hash(cfg: Config) -> str:
-    """What makes a caption row reusable: the feature, model and decoding settings."""
+    """What makes a caption row reusable: the feature, model and decoding settings (not the
+    failure threshold, which only judges the rows)."""
+    infer = {k: v for k, v in dataclasses.asdict(cfg.infer).items() if k != "max_failed_fraction"}
     return section_hash({"features": dataclasses.asdict(cfg.features), "model": dataclasses.asdict(cfg.model),
-                         "infer": dataclasses.asdict(cfg.infer)})
+                         "infer": infer})
 
 
 # ----------------------------------------------------------------------------- listing
@@ -201,7 +211,8 @@ class CaptionVideos:
         rows = [{"video_id": str(batch["video_id"][i]), "uri": str(batch["uri"][i]), "chunk": str(batch["chunk"][i]),
                  "status": str(batch["status"][i]), "error": str(batch["error"][i]), "duration": None,
                  "events": "[]", "timings": "{}", "model_id": self.model_id, "config_hash": self.config_hash,
-                 "capped": "[]", "segments_kept": 0, "segments_total": 0}
+                 "capped": "[]", "segments_kept": 0, "segments_total": 0,
+                 "error_kind": "input" if str(batch["status"][i]) != "ok" else ""}
                 for i in range(n)]
         todo = []
         for i, row in enumerate(rows):
@@ -211,7 +222,7 @@ class CaptionVideos:
                 todo.append((i, engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch},
                                              row["video_id"])))
             except Exception as e:
-                row.update(status="error", error=f"{type(e).__name__}: {e}")
+                row.update(status="error", error=f"{type(e).__name__}: {e}", error_kind="input")
         if todo:
             try:
                 results = self.engine.caption([s for _, s in todo])
@@ -224,10 +235,10 @@ class CaptionVideos:
                         results.append(e)
             for (i, sample), res in zip(todo, results):
                 if isinstance(res, Exception):
-                    rows[i].update(status="error", error=f"{type(res).__name__}: {res}")
+                    rows[i].update(status="error", error=f"{type(res).__name__}: {res}", error_kind="engine")
                     continue
                 if getattr(res, "error", None):  # the engine refused this video (does not fit the model)
-                    rows[i].update(status="error", error=f"engine: {res.error}")
+                    rows[i].update(status="error", error=f"engine: {res.error}", error_kind="refused")
                     continue
                 rows[i].update(duration=float(res.duration),
                                events=json.dumps([{"start": e.start, "end": e.end, "caption": e.caption}
@@ -260,11 +271,14 @@ def _write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
     storage.write_bytes(path, buf.getvalue())
 
 
-def consolidate(out: str) -> list[dict[str, Any]]:
-    """Latest row per video across committed parts -> captions.parquet + captions.jsonl."""
+def consolidate(out: str, keep: set[str] | None = None) -> list[dict[str, Any]]:
+    """Latest row per video across committed parts -> captions.parquet + captions.jsonl.
+    `keep`: the ids listed this run; rows of videos no longer listed (deleted from the archive,
+    removed from the test split) are left out."""
     latest: dict[str, dict[str, Any]] = {}
     for row in _read_parts(out):
-        latest[row["video_id"]] = row
+        if keep is None or row["video_id"] in keep:
+            latest[row["video_id"]] = row
     rows = sorted(latest.values(), key=lambda r: r["video_id"])
     _write_parquet(storage.join(out, "captions.parquet"), rows)
     lines = []
@@ -286,9 +300,39 @@ def read_results(out: str) -> list[dict[str, Any]]:
     return rows
 
 
+def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed_fraction: float,
+          out: str) -> dict[str, Any]:
+    """Whether a captioning job succeeded, from its consolidated `rows` (one per video) and the
+    rows `this_run` wrote -> {"failed", "failed_fraction", "errors_in" (where the reasons are,
+    when any failed), "failure" (why the job failed; absent when it did not)}.
+
+    Every failed video is a row with its reason; they fail the job only past
+    `max_failed_fraction` of the videos, or when the engine raised on every video this run gave
+    it (then the engine is what is broken, whatever the share)."""
+    if not 0.0 <= max_failed_fraction <= 1.0:
+        raise ValueError(f"infer.max_failed_fraction must be in [0, 1], got {max_failed_fraction}")
+    failed = [r for r in rows if r["status"] != "ok"]
+    fraction = len(failed) / len(rows) if rows else 0.0
+    verdict: dict[str, Any] = {"failed": len(failed), "failed_fraction": round(fraction, 4)}
+    if failed:
+        verdict["errors_in"] = f"{storage.join(out, 'captions.jsonl')} (status=error rows: error, error_kind)"
+    given = [r for r in this_run if r["status"] == "ok" or r.get("error_kind") in ("refused", "engine")]
+    raised = sum(r.get("error_kind") == "engine" for r in given)
+    if given and raised == len(given):
+        verdict["failure"] = (f"the engine raised on all {raised} videos it was given this run (a broken model or "
+                              f"engine, not bad files); the errors are in {verdict['errors_in']}")
+    elif fraction > max_failed_fraction:
+        verdict["failure"] = (f"{len(failed)} of {len(rows)} videos failed ({100 * fraction:.1f}%), more than "
+                              f"infer.max_failed_fraction={max_failed_fraction:g}; the reasons are in "
+                              f"{verdict['errors_in']}")
+    return verdict
+
+
 def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
                 chunk_videos: int = 64, max_chunks: int | None = None) -> dict[str, Any]:
-    """Caption every listed video not yet captioned with this model+config. Returns a summary."""
+    """Caption every listed video not yet captioned with this model+config. Returns a summary,
+    with `judge`'s verdict in it (`failure` is set when the job failed)."""
+    judge([], [], cfg.infer.max_failed_fraction, out)  # a threshold out of range fails before any work
     t_start = time.perf_counter()
     items = list_videos(videos, cfg.data.video_extensions) if isinstance(videos, str) else list(videos)
     from infer.loading import load_model
@@ -302,6 +346,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     env = {"env_vars": storage.forwarded_env()}
     chunks = [todo[i:i + chunk_videos] for i in range(0, len(todo), chunk_videos)]
     n_ok = n_err = 0
+    this_run: list[dict[str, Any]] = []
     for ci, rows in enumerate(chunks):
         if max_chunks is not None and ci >= max_chunks:
             break
@@ -320,17 +365,21 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))
         result = ds.take_all()
         _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), result)  # the commit
+        this_run.extend({"status": r["status"], "error_kind": r.get("error_kind")} for r in result)
         ok = sum(r["status"] == "ok" for r in result)
         n_ok, n_err = n_ok + ok, n_err + len(result) - ok
         dt = time.perf_counter() - t0
         print(f"[caption] chunk {ci + 1}/{len(chunks)}: {ok} done, {len(result) - ok} failed, "
               f"{60.0 * len(result) / dt:.1f} videos/min", flush=True)
-    rows = consolidate(out)
+    rows = consolidate(out, keep={v["video_id"] for v in items})
     total_ok = sum(r["status"] == "ok" for r in rows)
     seconds = time.perf_counter() - t_start
     print(f"[caption] {total_ok} captioned, {len(rows) - total_ok} failed; results in "
           f"{storage.join(out, 'captions.jsonl')} and captions.parquet", flush=True)
-    return {"captioned": total_ok, "failed": len(rows) - total_ok, "this_run_ok": n_ok, "this_run_failed": n_err,
+    verdict = judge(rows, this_run, cfg.infer.max_failed_fraction, out)
+    if "failure" in verdict:
+        print(f"[caption] the job failed: {verdict['failure']}", flush=True)
+    return {"captioned": total_ok, **verdict, "this_run_ok": n_ok, "this_run_failed": n_err,
             "model_id": model_id, "out": out, "videos_per_min": 60.0 * (n_ok + n_err) / seconds if seconds else 0.0}
 
 
@@ -352,7 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(cfg)  # the cluster section (address, num_cpus), as `pipeline/run.py` starts Ray
     summary = run_caption(cfg, videos, args.model, args.out, args.chunk_videos)
     print(json.dumps(summary, indent=2))
-    return 1 if summary["failed"] else 0
+    if "failure" in summary:
+        print(f"error: {summary['failure']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -219,6 +219,11 @@ class InferConfig:
     # torch intra-op threads when decoding on the CPU (0 = torch's default). On small shared
     # boxes an oversubscribed OpenMP team stalls the K-row steps (measured 4x slower on 2 cores).
     cpu_threads: int = 0
+    # offline captioning (infer.batch, the caption stage) still succeeds when at most this share
+    # of the videos failed with a recorded per-video error (bad media or annotation, a video the
+    # engine refuses or fails on alone); more, or the engine failing on every video, fails the job.
+    # Not part of the caption rows' hash: changing it re-judges the same rows.
+    max_failed_fraction: float = 0.05
 
 
 @dataclass

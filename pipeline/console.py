@@ -17,6 +17,11 @@ and 2 are a pipe read by one thread, which
 
 On a terminal the bar is redrawn in place; into a file or pipe it is written as a line at
 each quarter of the stage and at its end, so a piped `make run` stays a few dozen lines.
+
+The reader thread must never stop reading: were it to die, the pipe would fill and the
+driver block on its next write. An error while parsing or drawing switches the console to
+passing the output through as it comes (to the terminal and, while it can be written, the
+log), says so once, and changes nothing else: the run goes on and exits as it would have.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from pipeline import storage
 
@@ -125,9 +132,12 @@ def log_dir(run_dir: str) -> str:
 class QuietConsole:
     """Redirects fds 1/2 into a log file and draws the stage bars on the terminal (see above)."""
 
-    def __init__(self, run_dir: str, max_steps: int):
+    def __init__(self, run_dir: str, max_steps: int,
+                 parser: Callable[[StageProgress, str, int], bool] = parse_progress):
         self.log_path = str(Path(log_dir(run_dir)) / time.strftime("run-%Y%m%d-%H%M%S.log"))
         self.max_steps = max_steps
+        self.parser = parser
+        self.passthrough = False  # set for good when parsing or drawing failed (see the docstring)
         self.stage: StageProgress | None = None
         self._lock = threading.Lock()
         self._errors = 0
@@ -157,18 +167,51 @@ class QuietConsole:
                 return
             if not chunk:
                 return
-            self._log.write(chunk)
+            if self.passthrough:
+                self._pass(chunk)
+                continue
             pending += chunk
             *lines, pending = re.split(rb"[\r\n]", pending)
-            for raw in lines:
-                if raw:
-                    self._observe(raw.decode("utf-8", errors="replace"))
+            shown = 0
+            try:
+                self._log.write(chunk)
+                for raw in lines:
+                    if raw:
+                        self._observe(raw.decode("utf-8", errors="replace"))
+                    shown += 1
+            except Exception:
+                self._fall_back(b"".join(raw + b"\n" for raw in lines[shown:]) + pending)
+                pending = b""
+
+    def _fall_back(self, unseen: bytes) -> None:
+        """Parsing or drawing failed: from now on pass the output through; `unseen` (the lines not
+        shown yet, the one that failed first) goes out that way too."""
+        self.passthrough = True
+        note = (f"(console: the progress display failed, passing the output through from here; "
+                f"its error: {traceback.format_exc().strip().splitlines()[-1]})\n").encode()
+        self._pass(note, log=True)
+        self._pass(unseen, log=False)  # already in the log
+
+    def _pass(self, data: bytes, log: bool = True) -> None:
+        """Passthrough: `data` to the log and the terminal, each as far as it can be written."""
+        with self._lock:
+            for sink, wanted in ((self._log, log), (self.out, True)):
+                if not wanted:
+                    continue
+                try:
+                    if sink is self.out:
+                        sink.flush()  # what was written as text goes first
+                        sink = sink.buffer
+                    sink.write(data)
+                    sink.flush()
+                except Exception:  # a sink that cannot take it; reading goes on regardless
+                    pass
 
     def _observe(self, line: str) -> None:
         with self._lock:
             if _ERROR.search(_WORKER_PREFIX.sub("", line)):
                 self._error_line(line)
-            elif self.stage is not None and parse_progress(self.stage, line, self.max_steps):
+            elif self.stage is not None and self.parser(self.stage, line, self.max_steps):
                 self._draw()
 
     def _error_line(self, line: str) -> None:
@@ -191,6 +234,8 @@ class QuietConsole:
 
     def _draw(self, final: bool = False) -> None:
         stage = self.stage
+        if self.passthrough:  # no more bars: the output itself is on the terminal
+            return
         if self.tty:
             now = time.monotonic()
             if final or now - self._last_draw >= 0.2:

@@ -160,6 +160,8 @@ def stage_caption(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     from infer.speedup import measure_speedup
 
     summary = run_caption(cfg, _test_videos(paths), paths.model, paths.captions)
+    if "failure" in summary:  # per-video errors within infer.max_failed_fraction are not one
+        raise SystemExit(f"caption: {summary['failure']}")
     model, _, resolved = load_model(cfg, paths.model)
     samples = _test_samples(paths, limit=3)
     if samples and hasattr(model, "step_tables"):  # the release model has no single-chain decoder to race

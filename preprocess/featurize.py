@@ -19,37 +19,14 @@ With the `release` encoders the release's own front end and towers run instead
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from pipeline.config import Config, section_hash
-from pipeline.schema import Event, Sample, validate
+from pipeline.schema import Sample, validate
 from preprocess.encoders import get_audio_encoder, get_visual_encoder
-from preprocess.media import MediaError, decode_video
+from preprocess.events import align_events  # noqa: F401  (also imported from here)
+from preprocess.media import decode_video
 from preprocess.release_encoders import ReleaseFeaturizer, uses_release
-
-
-def align_events(events: Sequence[Event], media_duration: float, tolerance: float, video_id: str,
-                 annotated_duration: float | None = None) -> list[Event]:
-    """Clip events to [0, media_duration]; raise MediaError for any beyond the tolerance."""
-    out = []
-    for i, e in enumerate(events):
-        if max(e.start, e.end) > media_duration + tolerance:
-            note = f" (annotated duration {annotated_duration:.3f}s)" if annotated_duration is not None else ""
-            raise MediaError(
-                f"{video_id}: annotation points beyond the video: event {i} [{e.start:.3f}, {e.end:.3f}]s, "
-                f"media duration {media_duration:.3f}s{note}, tolerance {tolerance:.3f}s",
-                "annotation",
-            )
-        start, end = max(0.0, float(e.start)), min(float(e.end), media_duration)
-        if end <= start:
-            raise MediaError(
-                f"{video_id}: event {i} [{e.start:.3f}, {e.end:.3f}]s is empty once clipped to the media "
-                f"duration {media_duration:.3f}s",
-                "annotation",
-            )
-        out.append(Event(start=start, end=end, caption=e.caption, visual_caption=e.visual_caption,
-                         audio_caption=e.audio_caption))
-    return out
 
 
 class Featurizer:

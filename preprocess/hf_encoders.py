@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import FeaturesConfig
-from preprocess.encoders import AudioEncoder, VisualEncoder, register_audio, register_visual
+from preprocess.encoder_base import AudioEncoder, VisualEncoder, register_audio, register_visual
 
 _VISION_TYPES = {
     "siglip": "SiglipVisionModel",

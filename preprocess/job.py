@@ -100,15 +100,19 @@ def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str,
     """Rows to featurize and error rows known before any decoding.
 
     done_ok: {video id: annotation hash} of the videos already ok; one is redone when its
-    annotation hash changed. Returns (rows to featurize, error rows, ids skipped as done)."""
+    annotation hash changed. Returns (rows to featurize, error rows, ids skipped as done,
+    every video id the annotations name)."""
     videos = _resolve_videos(video_root, cfg.data.video_extensions)
     feature_hash = section_hash(cfg.features)
     todo: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
+    named: set[str] = set()
     skipped: list[str] = []
     for split, (path, fmt) in sorted(annotations.items()):
         anns, bad = read_annotations(path, fmt, split)
+        named.update(err.video_id for err in bad)
+        named.update(ann.video_id for ann in anns)
         for err in bad:
             errors.append(mf.empty_row(video_id=err.video_id, split=split, source=fmt, status="error",
                                        error=f"annotation: {err.reason}", feature_hash=feature_hash, seconds=0.0))
@@ -133,7 +137,7 @@ def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str,
             todo.append({"video_id": ann.video_id, "uri": uri, "split": split, "source": fmt,
                          "duration": float(ann.duration), "clipped_events": int(ann.clipped),
                          "annotation_hash": ann_hash, "events": json.dumps(events, ensure_ascii=False)})
-    return todo, errors, skipped
+    return todo, errors, skipped, named
 
 
 def _pyarrow_fs(path: str):
@@ -197,9 +201,14 @@ def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_r
     if removed:
         print(f"[preprocess] removed {len(removed)} uncommitted chunk(s) of an interrupted run: {removed}", flush=True)
     done_ok = mf.done_videos(parts, feature_hash)
-    todo, early_errors, skipped = _plan(cfg, annotations, video_root, done_ok)
+    todo, early_errors, skipped, named = _plan(cfg, annotations, video_root, done_ok)
     print(f"[preprocess] {len(todo)} videos to process, {len(skipped)} already done, "
           f"{len(early_errors)} failed before decoding", flush=True)
+    dropped = mf.removed_videos(parts, named)
+    if dropped:
+        shown = ", ".join(dropped[:5]) + (f" and {len(dropped) - 5} more" if len(dropped) > 5 else "")
+        print(f"[preprocess] dropped {len(dropped)} videos no longer in the annotations from the manifest: {shown}",
+              flush=True)
 
     chunks = [todo[i:i + chunk_videos] for i in range(0, len(todo), chunk_videos)]
     if early_errors:
@@ -214,14 +223,14 @@ def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_r
         n_ok = sum(r["status"] == "ok" for r in result)
         print(f"[preprocess] chunk {i + 1}/{len(chunks)}: {n_ok} ok, {len(result) - n_ok} failed", flush=True)
 
-    rows = mf.consolidate(out_dir)
+    rows = mf.consolidate(out_dir, keep=named)
     storage.write_json(storage.join(out_dir, "config.json"), cfg.to_dict())
     n_ok = sum(r["status"] == "ok" for r in rows)
     n_err = len(rows) - n_ok
     print(f"[preprocess] {n_ok} ok, {n_err} failed; shards under {mf.shards_dir(out_dir)}, "
           f"manifest {mf.manifest_path(out_dir)}", flush=True)
     splits = {s: sum(1 for r in rows if r["status"] == "ok" and r["split"] == s) for s in sorted({r["split"] for r in rows})}
-    return {"ok": n_ok, "failed": n_err, "splits": splits, "manifest": mf.manifest_path(out_dir),
+    return {"ok": n_ok, "failed": n_err, "dropped": len(dropped), "splits": splits, "manifest": mf.manifest_path(out_dir),
             "seconds": time.perf_counter() - t0}
 
 

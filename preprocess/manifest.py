@@ -12,6 +12,8 @@ Re-runs. A video is done when its latest ok row has the same feature hash *and* 
 times or splits redo it. A redone video leaves its old sample in an older chunk's shard
 (same key, maybe another split's tar), so readers never take whole tars: they take the
 manifest's current (shard, key) per video (`current_keys`, `train.data.read_shard_records`).
+A video no longer in the annotations loses its row at the next run's consolidation
+(`consolidate(keep=...)`): its old sample stays in its tar, but no reader takes it.
 
 Pure python + pyarrow (no ray).
 """
@@ -112,11 +114,14 @@ def remove_uncommitted(out_dir: str, committed: set[str]) -> list[str]:
     return removed
 
 
-def consolidate(out_dir: str) -> list[dict[str, Any]]:
-    """Merge the parts (later chunks win per video), write manifest.parquet, return rows."""
+def consolidate(out_dir: str, keep: set[str] | None = None) -> list[dict[str, Any]]:
+    """Merge the parts (later chunks win per video), write manifest.parquet, return rows.
+    `keep`: the video ids of the current annotations; the rows of any other video are left out."""
     latest: dict[str, dict[str, Any]] = {}
     for rows in committed_parts(out_dir).values():
         for row in rows:
+            if keep is not None and row["video_id"] not in keep:
+                continue  # removed from the annotations
             prev = latest.get(row["video_id"])
             if prev is not None and prev["status"] == "ok" and row["error"] == DUPLICATE_ID_ERROR:
                 continue  # an ok sample is never replaced by a later record repeating its id
@@ -152,6 +157,11 @@ def iter_shard(shard_path: str):
     yield from groups.values()
 
 
+def removed_videos(parts: dict[str, list[dict[str, Any]]], keep: set[str]) -> list[str]:
+    """Sorted ids that have rows in `parts` but are not in `keep` (the current annotations)."""
+    return sorted({row["video_id"] for rows in parts.values() for row in rows} - keep)
+
+
 def done_videos(parts: dict[str, list[dict[str, Any]]], feature_hash: str) -> dict[str, str]:
     """{video id: annotation hash} of the videos whose latest row (in commit order) is ok with
     `feature_hash`; the rows of other records repeating an id do not count."""
@@ -181,4 +191,4 @@ def ok_shards(rows: list[dict[str, Any]], split: str | None = None) -> list[str]
 
 __all__ = ["COLUMNS", "DUPLICATE_ID_ERROR", "KEY", "annotation_hash", "consolidate", "committed_parts", "current_keys",
            "done_videos", "empty_row", "iter_shard", "manifest_path", "ok_shards",
-           "read_table", "remove_uncommitted", "shard_keys", "shards_dir", "write_table"]
+           "read_table", "remove_uncommitted", "removed_videos", "shard_keys", "shards_dir", "write_table"]

@@ -29,10 +29,11 @@ Container metadata (title, comment tags) is read with undecodable bytes replaced
 cameras and old muxers write Latin-1 / GBK tags, and PyAV's strict UTF-8 default
 would reject an otherwise valid file for a tag we never use.
 
-Timeline. duration = the video stream's declared length (stream / track / container
-duration) once checked against the demuxed frame times, else the end of the last video
-frame (its pts + frame duration) relative to the first frame; see preprocess/timing.py
-(variable frame rates, truncated Matroska/WebM/AVI, timing that cannot be trusted).
+Timeline. duration = what a player shows, from the first video frame: the container's
+stated end when the frames start before it, else the video stream's own stated end, else
+the end of the last video frame (its pts + frame duration), checked against the demuxed
+frame times; see preprocess/timing.py (variable frame rates, edit lists, truncated
+containers, timing that cannot be trusted).
 Frames are sampled by `frame_schedule` (see there for the exact count and segment rules).
 Every problem with a file raises `MediaError`
 whose `kind` is one of MediaError.KINDS and whose message says what is wrong.
@@ -51,25 +52,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from pipeline.config import FeaturesConfig
+from preprocess.media_errors import MediaError
 from preprocess.timing import Timing, read_timing, video_duration
 
 CHUNK_BYTES = 8 * 1024 * 1024
 _MP4_EXTENSIONS = {".mp4", ".m4v", ".mov", ".m4a", ".3gp"}
 METADATA_ERRORS = "replace"  # how PyAV decodes non-UTF-8 metadata tags (its default "strict" raises)
-
-
-class MediaError(ValueError):
-    """A video cannot be used; `kind` names the failure class, the message explains it."""
-
-    KINDS = ("missing", "empty", "too_large", "not_media", "truncated", "no_video", "undecodable", "annotation",
-             "bad_timing")
-
-    def __init__(self, reason: str, kind: str = "undecodable"):
-        if kind not in self.KINDS:
-            raise ValueError(f"unknown MediaError kind {kind!r}")
-        super().__init__(reason)
-        self.reason = reason
-        self.kind = kind
 
 
 @dataclass
@@ -280,9 +268,9 @@ def _read_frames(path: str, uri: str, cfg: FeaturesConfig,
                  timing: Timing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float, int]:
     """decord: -> (frames uint8 [N,H,W,3], frame_times [N], segment_times [T,2], duration, fps, num_source_frames).
 
-    The duration is the container's declared video length once `timing.video_duration` has
-    checked it against the frames (VFR files: decord's guess for the last frame is off),
-    else decord's end of the last frame.
+    The duration is `timing.video_duration`'s (what a player shows, checked against the
+    frames; VFR files: decord's guess for the last frame is off), else decord's end of the
+    last frame.
     """
     import decord
 

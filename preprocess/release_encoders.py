@@ -35,7 +35,8 @@ import torch
 
 from pipeline.config import Config, FeaturesConfig, section_hash
 from pipeline.schema import COUNT_DTYPE, FEATURE_DTYPE, Sample, validate
-from preprocess.encoders import AudioEncoder, VisualEncoder, register_audio, register_visual
+from preprocess.encoder_base import AudioEncoder, VisualEncoder, register_audio, register_visual
+from preprocess.events import align_events
 from preprocess.media import DecodedVideo
 from preprocess.release_frontend import FrontendConfig, ReleaseInputs, read_release_inputs, whisper_extractor
 
@@ -167,8 +168,6 @@ class ReleaseFeaturizer:
                                    self.extractor)
 
     def __call__(self, uri: str, annotation: Any):
-        from preprocess.featurize import align_events
-
         inputs = self.inputs(uri)
         if self.online:
             return inputs_video(inputs, annotation.video_id)

@@ -1,4 +1,4 @@
-"""A video's length from its container, checked against the frames it really holds.
+"""A video's length as a player shows it, from its container, checked against the frames it holds.
 
 decord ends the last frame at its pts plus the packet duration, or plus one frame of the
 *average* frame rate when the packet carries none. For a variable-frame-rate file (a phone
@@ -8,24 +8,26 @@ silently shorter `ok` video. Here one demux pass (packets only, nothing decoded)
 
   - the frames' presentation times (first, last, the longest gap between two frames)
     and the last packet's own duration: the *decoded span*;
-  - the video stream's *declared* length: the stream duration (mp4 `mdhd`/edit list,
-    AVI `strh`), else Matroska/WebM's per-track DURATION tag, else the container's
-    duration when video is its only stream;
-  - the container's duration, for the formats whose header states it (mp4/mov, Matroska,
-    WebM, AVI; for others ffmpeg estimates it from the bit rate, which proves nothing),
+  - the container's stated end, for the formats whose header states it (mp4/mov, Matroska,
+    WebM, AVI; for others ffmpeg estimates it from the bit rate, which proves nothing);
+  - the video stream's own stated end: the stream duration (mp4 `mdhd`/edit list, AVI
+    `strh`), else Matroska/WebM's per-track DURATION tag, counted from the stream's start
+    time (edit-list offsets applied);
 
-and `video_duration` checks them against each other:
+all on the video timeline (0 = the first video frame), and `video_duration` decides:
 
-  - the declared length is used when the decoded span reaches it to within one frame
-    interval (the longest gap between consecutive frames, at least one average frame,
-    plus `SLACK_S`): the last frame of a VFR file lasts until the declared end;
-  - a declared length that ends before the last frame starts, a container that ends
-    before it, or frame times that do not increase: the timing cannot be trusted
-    (MediaError kind "bad_timing");
-  - decoded frames (or, with other streams, all packets) stopping more than that
-    before the declared end, or the demuxer failing part way: the file was cut
-    (kind "truncated");
-  - with nothing declared the caller keeps the decoded span (decord's).
+  - the length is the container's stated end when its video frames start before it: a
+    player shows the last frame until then. ffmpeg's VFR mp4s state a video stream
+    duration that ends before (B-frames) or exactly where (-bf 0) their last frame starts,
+    and Matroska/WebM track tags end one average frame after it; neither is what plays;
+  - without a container end (or with the last frame starting right at it), the stream's own
+    end when its frames start before that, else the decoded end (decord's, as before);
+  - `bad_timing` only where the file contradicts itself: video frames that start after
+    the container's end, or frame times that do not increase (repeat after reordering);
+  - `truncated` where the packets (of any stream) stop short of the container's end by
+    more than one frame interval (the longest gap between consecutive frames, at least one
+    average frame, plus `SLACK_S`), where the video frames stop that short of a stream's
+    stated end with no container end to go by, or where the demuxer fails part way.
 
 A truncation that loses less than one frame interval is not detectable this way.
 """
@@ -35,6 +37,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+
+from preprocess.media_errors import MediaError
 
 SLACK_S = 0.05  # rounding of time bases, audio priming: differences below this mean nothing
 _DECLARING_FORMATS = ("mov", "mp4", "matroska", "webm", "avi")
@@ -51,7 +55,7 @@ class Timing:
     max_gap: float  # longest gap between consecutive frame starts (0 for one frame)
     frames: int
     increasing: bool  # frame start times strictly increase
-    declared: float | None  # the video stream's stated length
+    declared: float | None  # the video stream's stated end, relative to `first`
     declared_by: str  # where `declared` comes from
     container_end: float | None  # container's stated end, relative to `first`
     streams_end: float  # end of the last packet of any stream, relative to `first`
@@ -97,18 +101,19 @@ def read_timing(container) -> Timing | None:
     order = sorted(pts)
     first, last = order[0], order[-1]
     gaps = [b - a for a, b in zip(order, order[1:])]
-    declared, declared_by = None, ""
+    length, declared_by = None, ""
     if video.duration and video.time_base:
-        declared, declared_by = float(video.duration * video.time_base), "stream duration"
+        length, declared_by = float(video.duration * video.time_base), "stream duration"
     elif (tag := _tag_seconds(video.metadata.get("DURATION"))) is not None:
-        declared, declared_by = tag - (first - float((video.start_time or 0) * video.time_base)), "track DURATION tag"
+        length, declared_by = tag, "track DURATION tag"
+    # both count from the stream's start time (an mp4 edit list's offset, a B-frame delay)
+    stream_start = float((video.start_time or 0) * video.time_base) if video.time_base else 0.0
+    declared = None if length is None else stream_start + length - first
     container_end = None
     if container.duration and any(name in _DECLARING_FORMATS for name in container.format.name.split(",")):
         start = (container.start_time or 0) / 1e6
         container_end = start + container.duration / 1e6 - first
     other = len(container.streams) > 1
-    if declared is None and container_end is not None and not other:
-        declared, declared_by = container_end, "container duration"
     return Timing(
         first=first,
         last_start=last - first,
@@ -126,30 +131,30 @@ def read_timing(container) -> Timing | None:
 
 
 def video_duration(t: Timing, avg_fps: float, uri: str) -> float | None:
-    """The video's declared length in seconds once checked, None when nothing declares one.
+    """The video's length in seconds as a player shows it (see the module docstring), None when
+    neither the container nor the stream states an end the frames are within.
 
     Raises MediaError (bad_timing / truncated) saying what disagrees.
     """
-    from preprocess.media import MediaError
-
     span = f"{t.frames} frames from 0 to {t.last_start:.3f} s"
     if t.demux_error:
         raise MediaError(f"truncated or corrupt container: the demuxer failed after {span} ({t.demux_error}): {uri}", "truncated")
     if not t.increasing:
         raise MediaError(f"untrustworthy timing: frame timestamps repeat ({span}): {uri}", "bad_timing")
     interval = max(t.max_gap, 1.0 / avg_fps if avg_fps > 0 else 0.0) + SLACK_S
-    if t.container_end is not None and t.container_end < t.last_start - SLACK_S:
-        raise MediaError(f"untrustworthy timing: the container says it ends at {t.container_end:.3f} s, "
-                         f"before its last video frame starts ({span}): {uri}", "bad_timing")
-    if t.container_end is not None and t.container_end - max(t.streams_end, t.decoded_end) > interval:
-        raise MediaError(f"truncated: the container declares {t.container_end:.3f} s but its packets end at "
-                         f"{max(t.streams_end, t.decoded_end):.3f} s ({span}): {uri}", "truncated")
-    if t.declared is None:
-        return None
-    if t.declared <= t.last_start:
-        raise MediaError(f"untrustworthy timing: the {t.declared_by} says {t.declared:.3f} s, which ends before the "
-                         f"last video frame starts ({span}): {uri}", "bad_timing")
-    if t.declared - t.decoded_end > interval:
-        raise MediaError(f"truncated: the {t.declared_by} declares {t.declared:.3f} s but the video frames stop at "
-                         f"{t.decoded_end:.3f} s ({span}): {uri}", "truncated")
-    return t.declared
+    if t.container_end is not None:
+        if t.last_start > t.container_end + SLACK_S:
+            raise MediaError(f"untrustworthy timing: the container says it ends at {t.container_end:.3f} s, "
+                             f"before its last video frame starts ({span}): {uri}", "bad_timing")
+        packets_end = max(t.streams_end, t.decoded_end)
+        if t.container_end - packets_end > interval:
+            raise MediaError(f"truncated: the container declares {t.container_end:.3f} s but its packets end at "
+                             f"{packets_end:.3f} s ({span}): {uri}", "truncated")
+        if t.container_end > t.last_start:
+            return t.container_end  # the last frame is shown until the container's end
+    if t.declared is not None and t.declared > t.last_start:
+        if t.container_end is None and t.declared - t.decoded_end > interval:
+            raise MediaError(f"truncated: the {t.declared_by} declares {t.declared:.3f} s but the video frames stop "
+                             f"at {t.decoded_end:.3f} s ({span}): {uri}", "truncated")
+        return t.declared
+    return t.decoded_end if t.last_duration > 0 else None

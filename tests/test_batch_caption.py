@@ -18,12 +18,15 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PRESET = ROOT / "cluster/configs/default.yaml"
+SMALL = ["data.synthetic.num_videos=4", "data.synthetic.min_duration=8", "data.synthetic.max_duration=10",
+         "data.synthetic.max_events=3", "features.min_frames=16", "features.max_frames=32",
+         "infer.max_events=4", "infer.max_branch_tokens=6", "infer.videos_per_call=2",
+         "cluster.preprocess_actors=1", "cluster.caption_actors=1"]
+
+
 def small_cfg(*extra):
-    return load_config(ROOT / "cluster/configs/default.yaml", [
-        "data.synthetic.num_videos=4", "data.synthetic.min_duration=8", "data.synthetic.max_duration=10",
-        "data.synthetic.max_events=3", "features.min_frames=16", "features.max_frames=32",
-        "infer.max_events=4", "infer.max_branch_tokens=6", "infer.videos_per_call=2",
-        "cluster.preprocess_actors=1", "cluster.caption_actors=1", *extra])
+    return load_config(PRESET, [*SMALL, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,7 @@ def test_cli_starts_ray_as_the_cluster_section_says(tmp_path, monkeypatch):
     assert [v["video_id"] for v in captioned[0]] == ["a"]
 
 
-def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_path):
+def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_path, capsys):
     cfg, info, vids = archive
     out = str(tmp_path / "captions")
     first = run_caption(cfg, str(vids), "", out, chunk_videos=3, max_chunks=1)  # "killed" after one chunk
@@ -110,6 +113,9 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
         assert status[bad]["status"] == "error" and status[bad]["error"], bad
     assert status["silent film"]["status"] == "ok"
     assert summary["failed"] == 3 and summary["captioned"] == len(info.videos) + 1
+    # 3 of 8 is more than the default infer.max_failed_fraction (0.05): the job failed, saying why and where
+    assert "3 of 8 videos failed" in summary["failure"] and "captions.jsonl" in summary["errors_in"]
+    assert {status[bad]["error_kind"] for bad in ("empty", "corrupt", "notes")} == {"input"}
     for r in rows:
         if r["status"] == "ok":
             assert r["events"] and r["model_id"] and r["config_hash"]
@@ -121,6 +127,18 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
     # Re-running does nothing new.
     again = run_caption(cfg, str(vids), "", out, chunk_videos=3)
     assert again["this_run_ok"] == 0 and again["captioned"] == summary["captioned"]
+
+    # The CLI's exit status: 0 when the recorded per-video errors are within infer.max_failed_fraction
+    # (the bad files are retried, fail again, and are judged with the rows already there), else 1.
+    from infer.batch import main
+
+    args = ["--videos", str(vids), "--out", out, "--config", str(PRESET), "--chunk-videos", "3"]
+    for item in SMALL:
+        args += ["--set", item]
+    assert main([*args, "--set", "infer.max_failed_fraction=0.5"]) == 0
+    assert main([*args, "--set", "infer.max_failed_fraction=0.25"]) == 1
+    assert "3 of 8 videos failed (37.5%), more than infer.max_failed_fraction=0.25" in capsys.readouterr().err
+    assert [r["video_id"] for r in read_results(out)] == ids  # still each video once
 
     # The same video gives the same events as the engine called directly.
     from infer.engine import CaptionEngine
@@ -134,3 +152,31 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
     direct = CaptionEngine(model, resolved.infer).caption([sample])[0]
     assert [(round(e.start, 4), round(e.end, 4), e.caption) for e in direct.events] == \
         [(round(e["start"], 4), round(e["end"], 4), e["caption"]) for e in status[vid]["events"]]
+
+
+def _rows(*kinds: str) -> list[dict]:
+    return [{"status": "ok" if k == "ok" else "error", "error_kind": "" if k == "ok" else k} for k in kinds]
+
+
+def test_judge_fails_a_job_only_past_the_threshold_or_when_the_engine_is_broken(tmp_path):
+    from infer.batch import judge
+
+    out = str(tmp_path)
+    one_bad = _rows(*["ok"] * 39, "input")  # one corrupt upload in 40
+    verdict = judge(one_bad, one_bad, 0.05, out)
+    assert "failure" not in verdict and verdict["failed"] == 1 and verdict["failed_fraction"] == 0.025
+    assert verdict["errors_in"].startswith(str(tmp_path / "captions.jsonl"))
+    assert "failure" in judge(one_bad, one_bad, 0.02, out)  # 2.5% > 2%
+    assert "errors_in" not in judge(_rows("ok", "ok"), [], 0.0, out)  # nothing failed, nothing to point at
+
+    # the engine raising on one video alone is a per-video error; on every video it got, a broken engine
+    one_raised = _rows(*["ok"] * 39, "engine")
+    assert "failure" not in judge(one_raised, one_raised, 0.05, out)
+    broken = _rows("input", "engine", "engine", "engine")
+    assert "engine raised on all 3 videos" in judge(broken, broken, 1.0, out)["failure"]
+    refused = _rows("refused", "refused")  # the engine worked: it refused videos that do not fit the model
+    assert "failure" not in judge(refused, refused, 1.0, out)
+    # rows of an earlier run count in the share, but not towards "broken" (this run's engine captioned)
+    assert "failure" not in judge(_rows("engine", "ok", "ok", "ok"), _rows("ok"), 0.25, out)
+    with pytest.raises(ValueError, match="max_failed_fraction"):
+        judge([], [], 1.5, out)

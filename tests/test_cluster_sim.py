@@ -249,17 +249,24 @@ def serve_app(sim, corpus):
 
 
 def test_serve_autoscales_up_and_down_and_refuses_over_the_queue(sim, serve_app):
+    """The load lasts until the controller has scaled to max_replicas and the new replica has run for
+    a few seconds (bounded by a deadline scaled to the box), the cool-down until it is back at
+    min_replicas: what is checked is what the controller decided and that it waited at least its
+    configured delays, never that a slow box kept up with a fixed window."""
     cfg, url, deployment, video = serve_app()
     s = cfg.serve
     report = autoscale.run_phases(url, video, "padcap", deployment, autoscale.serve_numbers(cfg), clients=4,
-                                  load_s=14.0, burst_n=16, cooldown_max_s=45.0)
+                                  load_s=sc.scaled(120.0), hold_max_s=3.0, burst_n=16,
+                                  cooldown_max_s=sc.scaled(90.0))
+    print("[autoscale]", {k: v for k, v in report.items() if k not in ("timeline", "requests")})
     assert sim.kinds_of(sc.actor_nodes("ServeReplica")) == {"gpu"}
-    assert report["replicas_at_load_start"] == s.min_replicas and report["peak_replicas"] == s.max_replicas
+    assert report["replicas_at_load_start"] == s.min_replicas and report["peak_replicas"] == s.max_replicas, report
     decided, down = report["upscale_decided_after_load_start_s"], report["back_to_min_after_load_end_s"]
-    slack = s.look_back_period_s + s.metrics_interval_s + 6.0
-    assert decided is not None and s.upscale_delay_s * 0.9 <= decided <= s.upscale_delay_s + slack, report
+    # the controller scaled only after the load had lasted upscale_delay_s, and back down only
+    # after downscale_delay_s without it (a slow box can only make both later)
+    assert decided is not None and decided >= s.upscale_delay_s * 0.9, report
     assert report["max_replicas_after_load_start_s"] is not None
-    assert down is not None and s.downscale_delay_s * 0.9 <= down <= s.downscale_delay_s + slack, report
+    assert down is not None and down >= s.downscale_delay_s * 0.9, report
     load, burst = report["load"], report["burst"]
     assert load["requests"] > 0 and load["completed_200"] == load["requests"]  # every accepted request completed
     assert load["failed"] == load["lost"] == 0
@@ -276,17 +283,29 @@ def test_serve_keeps_every_accepted_request_when_a_gpu_node_is_lost(sim, serve_a
             set(sc.actor_nodes("ServeReplica", alive_only=True))), 60, "two replicas")
         assert sim.kinds_of(replica_nodes) == {"gpu"}
         t0 = time.monotonic()
-        results: list = []
-        loader = threading.Thread(target=lambda: results.extend(
-            autoscale.closed_loop(url, video, clients=4, seconds=16.0, t0=t0, timeout=120.0)))
+        results: list = []  # answered requests, appended as they come
+        done = threading.Event()
+        loader = threading.Thread(target=autoscale.closed_loop, args=(url, video, 4, sc.scaled(240.0), t0, 120.0),
+                                  kwargs={"until": done.is_set, "out": results})
         loader.start()
-        time.sleep(4.0)
-        victim = sorted(replica_nodes)[0]
-        sim.remove(sim.node(victim))
-        t_removed = time.monotonic() - t0
-        time.sleep(4.0)
-        sim.add("gpu")  # the replacement node: the lost replica is started again there
-        loader.join()
+
+        def answered_since(t: float, n: int) -> bool:
+            return sum(r.t_sent > t and r.status == 200 for r in list(results)) >= n
+
+        try:
+            sc.wait_for(lambda: answered_since(0.0, 4), sc.scaled(60), "4 requests served before the loss")
+            victim = sorted(replica_nodes)[0]
+            sim.remove(sim.node(victim))
+            t_removed = time.monotonic() - t0
+            sc.wait_for(lambda: answered_since(t_removed, 2), sc.scaled(90), "the surviving replica serving")
+            sim.add("gpu")  # the replacement node: the lost replica is started again there
+            now = sc.wait_for(lambda: (lambda n: n if len(n) == 2 and victim not in n else None)(
+                set(sc.actor_nodes("ServeReplica", alive_only=True))), sc.scaled(90), "two replicas again")
+            t_back = time.monotonic() - t0
+            sc.wait_for(lambda: answered_since(t_back, 4), sc.scaled(90), "4 requests served after the restart")
+        finally:
+            done.set()
+            loader.join()
         statuses = [r.status for r in results]
         after = [r for r in results if r.t_sent > t_removed]
         assert after and all(r.status == 200 for r in after[-4:])  # serving again at the end
@@ -297,9 +316,7 @@ def test_serve_keeps_every_accepted_request_when_a_gpu_node_is_lost(sim, serve_a
         print(f"[node loss under load] {len(results)} requests, {sum(r.lost_replica_retries for r in results)} "
               f"retried after Ray Serve's 500, {sum(r.dropped_retries for r in results)} after a dropped connection, "
               f"{sum(r.attempts - 1 for r in results)} retries in all")
-        now = sc.wait_for(lambda: (lambda n: n if len(n) == 2 else None)(
-            set(sc.actor_nodes("ServeReplica", alive_only=True))), 90, "two replicas again")
-        assert victim not in now and sim.kinds_of(now) == {"gpu"}  # the lost one restarted on the new node
+        assert sim.kinds_of(now) == {"gpu"}  # the lost one restarted on the new node
     finally:
         extra = sim.nodes["gpu"][1:]
         for node in extra:  # back to one "GPU" node

@@ -62,3 +62,43 @@ def test_quiet_console_keeps_the_terminal_short_and_the_log_whole(tmp_path):
     assert not any("Reporting training result" in line for line in lines)
     log = next((tmp_path / "run" / "logs").glob("run-*.log")).read_text()
     assert log.count("Reporting training result") == 101 and "a worker failed here" in log
+
+
+def test_a_failing_parser_falls_back_to_passing_the_output_through(tmp_path):
+    """The reader thread's parser raises mid-stage: the driver neither hangs on a full pipe (it then
+    writes far more than a pipe holds) nor changes its exit status, and every line after the
+    failure reaches the terminal as it came."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from pipeline.console import QuietConsole, parse_progress
+
+        def parser(stage, line, max_steps):
+            if "boom" in line:
+                raise ValueError("a parser bug")
+            return parse_progress(stage, line, max_steps)
+
+        console = QuietConsole({str(tmp_path / "run")!r}, max_steps=100, parser=parser)
+        console.stage_start("train")
+        print("[train] step 30  total 0.5000  lr 1e-3  1s", flush=True)
+        print("boom: a line the parser cannot take", flush=True)
+        for i in range(20000):  # ~1 MB: blocks the driver unless the pipe is still drained
+            print(f"after the failure {{i:05d}} " + "x" * 40, flush=True)
+        console.stage_end()
+        console.print("stage  time  result")
+        console.close()
+        print("after close", flush=True)
+        sys.exit(3)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr  # the script's own exit status
+    lines = out.stdout.splitlines()
+    note = next(i for i, line in enumerate(lines) if "passing the output through" in line)
+    assert "ValueError: a parser bug" in lines[note]
+    assert lines[note + 1] == "boom: a line the parser cannot take"  # the failing line is shown, then the rest
+    passed = [line for line in lines if line.startswith("after the failure")]
+    assert len(passed) == 20000 and passed[-1].startswith("after the failure 19999")
+    assert any("30/100 steps" in line for line in lines[:note])  # bars until the failure
+    assert lines[-2:] == ["stage  time  result", "after close"]
+    log = next((tmp_path / "run" / "logs").glob("run-*.log")).read_text()
+    assert log.count("after the failure") == 20000 and "passing the output through" in log

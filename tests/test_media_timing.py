@@ -1,15 +1,25 @@
 """preprocess.timing through decode_video: VFR lengths, truncated Matroska/WebM/AVI, untrustworthy timing.
 
-The files are written here with PyAV (tests/support/mp4.write_timed): 30 fps for 2 s, then
-2 fps, the last frame lasting 0.5 s, so every container declares 4.0 s and decord's
-own guess for the last frame (one average-rate frame) would end at 3.533 s.
+Two sets of files. Written here with PyAV (tests/support/mp4.write_timed): 30 fps for 2 s,
+then 2 fps, the last frame lasting 0.5 s, so every container declares 4.0 s and decord's
+own guess for the last frame (one average-rate frame) would end at 3.533 s. Written by the
+ffmpeg CLI as archives are (`ffmpeg_files`; skipped where there is no ffmpeg binary,
+`.ci/run` installs it): the same 30-then-2 fps video with 4 s of audio, in mp4 with and
+without B-frames, remuxed to Matroska, encoded to WebM, delayed 0.5 s by an mp4 edit
+list, and cut short; each must last what a player shows, with an event in its 2 fps tail.
 """
 
 from __future__ import annotations
 
+import shutil
+import struct
+import subprocess
+
 import pytest
 
 from pipeline.config import FeaturesConfig
+from pipeline.schema import Event
+from preprocess.featurize import align_events
 from preprocess.media import MediaError, decode_video
 from tests.support.mp4 import write_timed
 
@@ -54,7 +64,73 @@ def test_whole_files_decode_and_cut_ones_are_truncated_rows(timed, ext):
     assert err.value.kind == "truncated" and "truncated" in str(err.value) and timed[f"cut.{ext}"] in str(err.value)
 
 
-def test_declared_length_before_the_last_frame_is_untrustworthy(timed):
+def test_a_track_tag_that_ends_early_gives_way_to_the_container_end(timed):
+    """The Matroska track tag says 1 s, the segment 4 s and the frames run to 3.5 s: a player
+    plays 4 s, so that is the length (the tag is not what plays; it is no contradiction)."""
+    assert decode_video(timed["lying.mkv"], FeaturesConfig()).duration == pytest.approx(4.0, abs=1e-3)
+
+
+def test_frames_after_the_container_end_are_untrustworthy(timed, tmp_path):
+    """The segment's Duration (float64 ms) patched to 1 s while the frames run to 3.5 s."""
+    data = open(timed["vfr.mkv"], "rb").read()
+    stated = b"\x44\x89\x88" + struct.pack(">d", 4000.0)
+    assert data.count(stated) == 1
+    path = tmp_path / "ends-early.mkv"
+    path.write_bytes(data.replace(stated, b"\x44\x89\x88" + struct.pack(">d", 1000.0)))
     with pytest.raises(MediaError) as err:
-        decode_video(timed["lying.mkv"], FeaturesConfig())
-    assert err.value.kind == "bad_timing" and "track DURATION tag says 1.000 s" in str(err.value)
+        decode_video(str(path), FeaturesConfig())
+    assert err.value.kind == "bad_timing" and "the container says it ends at 1.000 s" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- files from the ffmpeg CLI
+
+FFMPEG = shutil.which("ffmpeg")
+# the issue's command: 2 s of testsrc at 30 fps, then 2 s at 2 fps (frames at 2.0 ... 3.5), 4 s of audio
+VFR_INPUTS = ["-f", "lavfi", "-i", "testsrc=rate=30:duration=2", "-f", "lavfi", "-i", "testsrc=rate=2:duration=2",
+              "-f", "lavfi", "-i", "sine=duration=4", "-filter_complex", "[0:v][1:v]concat=n=2:v=1:a=0[v]",
+              "-map", "[v]", "-map", "2:a", "-fps_mode", "vfr"]
+TAIL_EVENT = Event(3.6, 3.9, "in the 2 fps tail: the last frame (3.5 s) is on screen")
+# what a player shows, on the video timeline (0 = first video frame)
+FFMPEG_LENGTHS = {"vfr.mp4": 4.0, "vfr-bf0.mp4": 4.0, "vfr.mkv": 4.0, "vfr.webm": 4.0,
+                  "offset.mp4": 4.055 - 0.5}  # the edit list delays the video 0.5 s; the container ends at 4.055
+
+
+def _ffmpeg(*args: str) -> None:
+    subprocess.run([FFMPEG, "-nostdin", "-loglevel", "error", "-y", *args], check=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ffmpeg_files(tmp_path_factory):
+    if FFMPEG is None:
+        pytest.skip("no ffmpeg binary (apt-get install ffmpeg; .ci/run installs it)")
+    d = tmp_path_factory.mktemp("ffmpeg")
+    _ffmpeg(*VFR_INPUTS, "-c:v", "libx264", "-c:a", "aac", str(d / "vfr.mp4"))
+    _ffmpeg(*VFR_INPUTS, "-c:v", "libx264", "-bf", "0", "-c:a", "aac", str(d / "vfr-bf0.mp4"))
+    _ffmpeg("-i", str(d / "vfr.mp4"), "-c", "copy", str(d / "vfr.mkv"))
+    _ffmpeg(*VFR_INPUTS, "-c:v", "libvpx-vp9", "-deadline", "realtime", "-cpu-used", "8", "-c:a", "libopus",
+            str(d / "vfr.webm"))
+    _ffmpeg("-itsoffset", "0.5", "-i", str(d / "vfr-bf0.mp4"), "-i", str(d / "vfr-bf0.mp4"),
+            "-map", "0:v", "-map", "1:a", "-c", "copy", str(d / "offset.mp4"))
+    _ffmpeg(*VFR_INPUTS, "-c:v", "libx264", "-c:a", "aac", "-movflags", "+faststart", str(d / "whole.mp4"))
+    for name, src in (("cut.mp4", "whole.mp4"), ("cut.mkv", "vfr.mkv")):
+        data = (d / src).read_bytes()
+        (d / name).write_bytes(data[: len(data) * 6 // 10])
+    return d
+
+
+@pytest.mark.parametrize("name", sorted(FFMPEG_LENGTHS))
+def test_ffmpeg_written_vfr_files_last_what_a_player_shows(ffmpeg_files, name):
+    d = decode_video(str(ffmpeg_files / name), FeaturesConfig())
+    print(f"[ffmpeg] {name}: duration {d.duration:.3f} s")
+    assert d.duration == pytest.approx(FFMPEG_LENGTHS[name], abs=0.03)  # WebM: Opus pre-skip moves its end
+    assert float(d.segment_times[-1, 1]) == pytest.approx(d.duration)
+    tail = TAIL_EVENT if name != "offset.mp4" else Event(3.1, 3.4, TAIL_EVENT.caption)  # its frames start at 0.5
+    [kept] = align_events([tail], d.duration, tolerance=0.0, video_id=name)  # inside, nothing clipped
+    assert (kept.start, kept.end) == (tail.start, tail.end)
+
+
+@pytest.mark.parametrize("name", ["cut.mp4", "cut.mkv"])
+def test_ffmpeg_written_files_cut_short_are_truncated_rows(ffmpeg_files, name):
+    with pytest.raises(MediaError) as err:
+        decode_video(str(ffmpeg_files / name), FeaturesConfig())
+    assert err.value.kind == "truncated", err.value

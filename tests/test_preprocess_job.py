@@ -220,3 +220,49 @@ def test_edited_annotations_redo_the_video_and_readers_take_only_the_new_sample(
     ds = read_train_dataset(mf.current_keys(rows, "train"), cfg)
     train_keys = [r["__key__"] for r in ds.take_all()]
     assert train_keys == sorted(by_id[v]["key"] for v in anns["train"])  # once each, sorted, `moved` gone
+
+
+def test_videos_removed_from_the_annotations_leave_the_manifest_and_every_reader(ray_local, corpus, tmp_path, capsys):
+    """A re-run after deleting a train and a test video from the annotations drops their rows
+    (and says how many); training, held-out/evaluation and captioning readers no longer see
+    them. Put back, they return without being featurized again (their samples are still there)."""
+    from pipeline.run import RunPaths, _test_samples, _test_videos
+    from train.data import read_samples as read_current
+    from train.trainer import read_train_dataset
+
+    cfg, info = corpus
+    anns = {s: json.loads(Path(p).read_text()) for s, p in info.longvale.items()}
+    files = {s: tmp_path / f"{s}.json" for s in anns}
+    spec = {s: (str(f), "longvale") for s, f in files.items()}
+
+    def write(a):
+        for s in a:
+            files[s].write_text(json.dumps(a[s]))
+
+    paths = RunPaths(str(tmp_path / "run"))
+    out = paths.shards  # where pipeline/run.py's readers look
+    write(anns)
+    run_preprocess(cfg, spec, info.video_dir, out, chunk_videos=5)
+    gone_train, gone_test = sorted(anns["train"])[0], sorted(anns["test"])[0]
+    assert gone_test in {v["video_id"] for v in _test_videos(paths)}
+    write({s: {v: a for v, a in anns[s].items() if v not in (gone_train, gone_test)} for s in anns})
+    capsys.readouterr()
+    summary = run_preprocess(cfg, spec, info.video_dir, out, chunk_videos=5)
+    log = capsys.readouterr().out
+    assert summary["dropped"] == 2 and "dropped 2 videos no longer in the annotations" in log, log
+    assert gone_train in log and gone_test in log and "0 videos to process, 3 already done" in log
+    rows = mf.read_table(mf.manifest_path(out))
+    kept = {r["video_id"] for r in rows}
+    assert kept == (set(anns["train"]) | set(anns["test"])) - {gone_train, gone_test} and summary["ok"] == 3
+    for split in ("train", "test"):  # what training's validation, held-out evaluation and the caption stage read
+        assert {s.video_id for s in read_current(mf.current_keys(rows, split))} == {v for v in kept if v in anns[split]}
+    ds = read_train_dataset(mf.current_keys(rows, "train"), cfg)
+    train_keys = {r["__key__"] for r in ds.take_all()}
+    assert train_keys == {r["key"] for r in rows if r["split"] == "train"} and len(train_keys) == len(anns["train"]) - 1
+    assert gone_test not in {v["video_id"] for v in _test_videos(paths)}
+    assert gone_test not in {s.video_id for s in _test_samples(paths, limit=10)}
+
+    write(anns)  # put back: nothing to featurize, the rows return
+    capsys.readouterr()
+    again = run_preprocess(cfg, spec, info.video_dir, out, chunk_videos=5)
+    assert again["dropped"] == 0 and again["ok"] == 5 and "0 videos to process, 5 already done" in capsys.readouterr().out

@@ -203,3 +203,18 @@ def test_no_test_split_stops_the_run_before_preprocess_and_train(monkeypatch, tm
     assert calls == []
     run(cfg, ["synth", "preprocess", "train"])  # no caption / evaluate: no test split needed
     assert calls == ["synth", "preprocess", "train"]
+
+
+def test_caption_stage_fails_the_run_only_when_captioning_judged_the_job_failed(monkeypatch, tmp_path):
+    """The caption stage passes infer.batch's verdict on: per-video errors within
+    infer.max_failed_fraction are rows, more (or a broken engine) stop the run with the reason."""
+    import pytest
+
+    from infer import batch
+    from pipeline import run as run_mod
+
+    monkeypatch.setattr(run_mod, "_test_videos", lambda paths: [])
+    failure = "3 of 8 videos failed (37.5%), more than infer.max_failed_fraction=0.05; the reasons are in X"
+    monkeypatch.setattr(batch, "run_caption", lambda *a, **kw: {"captioned": 5, "failed": 3, "failure": failure})
+    with pytest.raises(SystemExit, match=r"caption: 3 of 8 videos failed .* the reasons are in X"):
+        run_mod.stage_caption(Config(), run_mod.RunPaths(str(tmp_path)))

@@ -81,6 +81,23 @@ def _group_tar(fileobj, url: str) -> Iterator[dict[str, Any]]:
         yield current
 
 
+def read_keyed_records(path: str, keys: Collection[str]) -> dict[str, dict[str, Any]]:
+    """{key: raw record} of only `keys` in one tar (local or s3://): its headers are read, the
+    other members' data is seeked over, so each sample's bytes are read once by whoever wants it."""
+    fs, inner = storage.filesystem(path)
+    wanted = set(keys)
+    out: dict[str, dict[str, Any]] = {}
+    with fs.open(inner, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        for member in tar:
+            name = member.name.rsplit("/", 1)[-1]
+            if not member.isreg() or "." not in name:
+                continue
+            key, suffix = name.split(".", 1)
+            if key in wanted:
+                out.setdefault(key, {KEY: key, "__url__": path})[suffix] = tar.extractfile(member).read()
+    return out
+
+
 def read_shard_records(paths: Sequence[str], stats: DataStats | None = None,
                        keys: Mapping[str, Collection[str]] | None = None) -> Iterator[dict[str, Any]]:
     """Raw records of WebDataset tars (local paths or s3:// URIs), in file order.

@@ -3,12 +3,11 @@
     summary = run_train(cfg, shards_dir="runs/default/preprocess", out_dir="runs/default/train")
     python -m train.trainer --shards runs/default/preprocess --out runs/default/train [--set k=v ...]
 
-Data: the ok shards of `train.train_split` from the preprocess manifest are read by
-`ray.data.read_webdataset(decoder=None)` (raw bytes per field; local paths or s3://
-through a pyarrow PyFileSystem over our fsspec one, AWS_* forwarded to the read tasks),
-keeping only the manifest's current (shard, key) per video (a redone video's older
-sample stays in its old tar), sorted by key and cut into blocks of a fixed row count,
-materialised once, and split across workers (`get_dataset_shard("train")`, locality off)
+Data: the manifest's current (shard, key) per video of `train.train_split` (a redone
+video's older sample stays in its old tar) are sorted by key and cut into blocks of a fixed
+row count on the driver (`block_plan`); Ray Data read tasks fetch each block's records
+(raw bytes per field; local paths or s3://, AWS_* forwarded to the read tasks), which are
+materialised once, in that order, and split across workers (`get_dataset_shard("train")`, locality off)
 so every run on the same manifest gives each worker the same rows in the same order,
 however Ray Data happened to write the shards; each worker shuffles its stream with a
 seeded buffer per epoch and decodes/collates it with train/data.py. Held-out samples
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import ray
 import ray.train
 import torch
@@ -56,11 +56,11 @@ if str(ROOT) not in sys.path:
 from pipeline import storage  # noqa: E402
 from pipeline.cluster import init_ray, train_resources  # noqa: E402
 from pipeline.config import Config, load_config, section_hash  # noqa: E402
-from pipeline.schema import KEY  # noqa: E402
+from pipeline.schema import FIELDS, KEY  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
 from preprocess.encoders import encoder_versions  # noqa: E402
 from train import checkpoint as ckpt  # noqa: E402
-from train.data import read_samples, shuffle_buffer  # noqa: E402
+from train.data import read_keyed_records, read_samples, shuffle_buffer  # noqa: E402
 from train.evaluate import caption_parser  # noqa: E402
 from train.deepspeed_config import check_zero_stage  # noqa: E402
 from train.loop import resolve_backend, train_loop  # noqa: E402
@@ -223,26 +223,42 @@ def clear_finished_run(ray_dir: str, name: str) -> bool:
 ROWS_PER_BLOCK = 32  # training blocks hold this many rows (the last fewer): a layout fixed by the data alone
 
 
-def _current_only(batch: dict[str, Any], wanted: frozenset) -> dict[str, Any]:
-    """Ray Data batch filter: the rows whose (path, key) the manifest names, without the path."""
-    keep = np.array([f"{p}\0{k}" in wanted for p, k in zip(batch["path"], batch[KEY])], dtype=bool)
-    return {name: values[keep] for name, values in batch.items() if name != "path"}
+def block_plan(keys: dict[str, list[str]]) -> list[str]:
+    """The training blocks, fixed by the manifest's current keys alone: every (shard, key) sorted by
+    key and cut every ROWS_PER_BLOCK rows; each block as a JSON list of [shard, key]."""
+    pairs = sorted((k, p) for p, ks in keys.items() for k in ks)
+    return [json.dumps([[p, k] for k, p in pairs[i:i + ROWS_PER_BLOCK]]) for i in range(0, len(pairs), ROWS_PER_BLOCK)]
+
+
+def _read_blocks(batch: pa.Table) -> pa.Table:
+    """Ray Data: block plans -> their records (raw bytes per field), in the plan's order."""
+    rows: list[dict[str, Any]] = []
+    for plan in batch.column("plan").to_pylist():
+        pairs = json.loads(plan)
+        by_shard: dict[str, list[str]] = {}
+        for path, key in pairs:
+            by_shard.setdefault(path, []).append(key)
+        found = {(path, key): rec for path, ks in by_shard.items() for key, rec in read_keyed_records(path, ks).items()}
+        rows.extend(found[(path, key)] for path, key in pairs if (path, key) in found)
+    columns = {KEY: pa.array([r[KEY] for r in rows], pa.string())}
+    columns.update({f: pa.array([r.get(f) for r in rows], pa.binary()) for f in FIELDS})
+    return pa.table(columns)
 
 
 def read_train_dataset(keys: dict[str, list[str]], cfg: Config):
     """Ray Data: raw WebDataset records (bytes per field) of the manifest's current keys per
-    shard (`preprocess.manifest.current_keys`), sorted by key in fixed-size blocks, materialised."""
-    paths = list(keys)
-    fs, _ = _pyarrow_fs(paths[0])
-    inner = {p: _pyarrow_fs(p)[1] for p in paths}
-    wanted = frozenset(f"{inner[p]}\0{k}" for p in paths for k in keys[p])
-    ds = ray.data.read_webdataset(list(inner.values()), filesystem=fs, decoder=None, num_cpus=0.25, include_paths=True,
-                                  runtime_env={"env_vars": storage.forwarded_env()})
-    ds = ds.map_batches(_current_only, fn_args=(wanted,), batch_format="numpy", num_cpus=0.25)
-    # Ray's sort picks range boundaries from random samples, so its blocks differ from run to
-    # run; the split across workers goes by blocks: re-cut the sorted rows into fixed blocks.
-    ds = ds.sort(KEY).materialize()
-    ds = ds.repartition(max(1, -(-ds.count() // ROWS_PER_BLOCK)), shuffle=False).materialize()
+    shard (`preprocess.manifest.current_keys`), sorted by key in fixed-size blocks, materialised.
+
+    One pass: the blocks are planned on the driver from the keys (`block_plan`), and each read
+    task reads just its block's records from the tars (seeking over the rest), so the data is
+    read once and materialised once, already in order (no sort, no repartition: those held
+    the whole set in the object store twice)."""
+    plan = block_plan(keys)
+    ds = ray.data.from_items([{"plan": p} for p in plan], override_num_blocks=max(1, len(plan)))
+    ds = ds.map_batches(_read_blocks, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
+                        runtime_env={"env_vars": storage.forwarded_env()})
+    ds.context.execution_options.preserve_order = True  # blocks in plan order, whatever finishes first
+    ds = ds.materialize()
     ds.context.enable_progress_bars = False  # no bar per epoch from the workers' split coordinator
     return ds
 

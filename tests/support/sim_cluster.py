@@ -114,6 +114,21 @@ def actor_nodes(name: str, alive_only: bool = False) -> list[str]:
     return [a.node_id for a in actors(name, alive_only) if a.node_id]
 
 
+def box_scale() -> float:
+    """How much longer than on an idle box things may take here: `PADCAP_TEST_TIME_SCALE` when set,
+    else the 1-minute load average per core (at least 1, at most 4). Deadlines (never the
+    expected outcome) are multiplied by it, so a loaded box waits longer instead of failing."""
+    env = os.environ.get("PADCAP_TEST_TIME_SCALE")
+    if env:
+        return max(1.0, float(env))
+    return min(4.0, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
+def scaled(seconds: float) -> float:
+    """`seconds` (a deadline measured on an idle box) times `box_scale()`."""
+    return seconds * box_scale()
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
     """Poll `predicate` until it returns something truthy (returned), or fail naming `what`."""
     deadline = time.monotonic() + timeout

@@ -1,0 +1,36 @@
+"""Annotated events against a video's media length: clipped a little, refused when far off.
+
+`align_events` is used by both featurizers (`preprocess/featurize.py`, the release's in
+`preprocess/release_encoders.py`); it lives here so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from pipeline.schema import Event
+from preprocess.media_errors import MediaError
+
+
+def align_events(events: Sequence[Event], media_duration: float, tolerance: float, video_id: str,
+                 annotated_duration: float | None = None) -> list[Event]:
+    """Clip events to [0, media_duration]; raise MediaError for any beyond the tolerance."""
+    out = []
+    for i, e in enumerate(events):
+        if max(e.start, e.end) > media_duration + tolerance:
+            note = f" (annotated duration {annotated_duration:.3f}s)" if annotated_duration is not None else ""
+            raise MediaError(
+                f"{video_id}: annotation points beyond the video: event {i} [{e.start:.3f}, {e.end:.3f}]s, "
+                f"media duration {media_duration:.3f}s{note}, tolerance {tolerance:.3f}s",
+                "annotation",
+            )
+        start, end = max(0.0, float(e.start)), min(float(e.end), media_duration)
+        if end <= start:
+            raise MediaError(
+                f"{video_id}: event {i} [{e.start:.3f}, {e.end:.3f}]s is empty once clipped to the media "
+                f"duration {media_duration:.3f}s",
+                "annotation",
+            )
+        out.append(Event(start=start, end=end, caption=e.caption, visual_caption=e.visual_caption,
+                         audio_caption=e.audio_caption))
+    return out
