@@ -168,10 +168,17 @@ class CaptionEngine:
                            segments_total=int(res.timings.get("segments_total", 0)))
 
     def describe(self) -> dict[str, Any]:
-        """The decoding settings, the kernel chosen and the KV pool (for logs, /v1/model, benchmarks)."""
-        return {**asdict(self.cfg), "resolved_device": str(self.device), "resolved_dtype": str(self.weights.dtype),
+        """The decoding settings, the kernel chosen and the KV pool with what fits in it (for logs,
+        /v1/model, the offline rows, benchmarks): the same admission rule as `python -m infer.plan`."""
+        from infer.plan import videos_that_fit
+
+        pool, c = self.pool, self.cfg
+        fit = {str(p): videos_that_fit(pool.pages, p, c.max_events, c.max_branch_tokens, pool.page_size)
+               for p in (2000, 10000, 32000)}
+        return {**asdict(c), "resolved_device": str(self.device), "resolved_dtype": str(self.weights.dtype),
                 "kernel": self.kernel.name, "kernel_reason": self.kernel.reason, "resolved_step_tokens": self.step_tokens,
-                "resolved_q_block": self.q_block, **{f"kv_{k}": v for k, v in self.pool.describe().items()}}
+                "resolved_q_block": self.q_block, **{f"kv_{k}": v for k, v in pool.describe().items()},
+                "kv_bytes_per_token": pool.bytes_per_page // pool.page_size, "videos_in_flight_at_prefix": fit}
 
     # ------------------------------------------------------------------ the loop
 

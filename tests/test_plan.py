@@ -1,0 +1,71 @@
+"""The memory plan (infer/plan.py) against what the engine really admits, and its command line.
+
+Run: .venv/bin/python -m pytest tests/test_plan.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from infer.engine import CaptionEngine
+from infer.paged import page_bytes
+from infer.plan import Shape, main, plan, videos_that_fit, worst_pages
+from infer.sampling import DecodeControl
+from pipeline.config import InferConfig
+from tests.support.padcap import decoding_model, sample
+
+FIXTURE = Path(__file__).parent / "data" / "release_golden" / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return decoding_model()
+
+
+@pytest.mark.parametrize("fit", [1, 3])
+def test_the_plan_is_the_engines_admission_rule(model, fit):
+    """A pool sized for `fit` worst cases of one prefix length: the engine keeps exactly that many
+    videos in flight, and describe() (what /v1/model shows) says so."""
+    videos = [sample(num_segments=9, seed=i, video_id=f"p{i}") for i in range(fit + 2)]
+    prefix = len(model.make_example(videos[0], with_targets=False).layout)
+    base = InferConfig(device="cpu", max_events=4, max_branch_tokens=8, page_size=4, max_batch_videos=16)
+    w = CaptionEngine(model, base).weights
+    per_page = page_bytes(w.num_layers, w.kv_heads, w.head_dim, 4, w.dtype)
+    pages = fit * worst_pages(prefix, 4, 8, 4) + 1  # + the scratch page
+    cfg = dataclasses.replace(base, kv_memory_gb=pages * per_page / 1e9)
+    eng = CaptionEngine(model, cfg)
+    assert eng.pool.pages == pages and videos_that_fit(pages, prefix, 4, 8, 4) == fit
+    ctl = DecodeControl(num_events=4, lengths=[8])
+    res = eng.caption(videos, controls=[ctl] * len(videos))
+    assert all(r.error is None for r in res)
+    assert max(r.videos for r in eng.stats["step_log"]) == fit
+    assert eng.describe()["kv_pages"] == pages
+
+
+def test_plan_figures_add_up():
+    shape = Shape(layers=36, hidden=2048, heads=16, kv_heads=2, head_dim=128, intermediate=11008, vocab=151936)
+    p = plan(shape, int(9.4e9), 24.0, [10000], max_events=30, max_branch_tokens=321)
+    assert p.kv_bytes_per_token == 2 * 36 * 2 * 128 * 2  # 36 KiB: keys and values, every layer, bf16
+    assert p.weights_gb + p.working_gb + p.kv_pool_gb <= 24.0
+    assert p.videos_in_flight["10000"] == (p.pages - 1) // worst_pages(10000, 30, 321, 16)
+    bigger = plan(shape, int(9.4e9), 80.0, [10000])
+    assert bigger.videos_in_flight["10000"] > p.videos_in_flight["10000"]
+    nothing = plan(shape, int(9.4e9), 8.0, [10000])  # the weights alone do not leave room
+    assert nothing.pages == 0 and nothing.videos_in_flight["10000"] == 0
+
+
+def test_command_line_on_a_checkpoint_and_a_shape(capsys):
+    out = main(["--model", str(FIXTURE), "--device-memory-gb", "2", "--prefix-tokens", "500,1000", "--dtype", "float32",
+                "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(out))
+    cfg = json.loads((FIXTURE / "config.json").read_text())
+    assert out["shape"]["layers"] == cfg["num_hidden_layers"] and out["shape"]["kv_heads"] == cfg["num_key_value_heads"]
+    assert out["plans"][0]["weights_gb"] > 0
+    table = main(["--shape", "release-3b", "--device-memory-gb", "24", "80", "--prefix-tokens", "10000"])
+    text = capsys.readouterr().out
+    assert "videos@10000" in text and len(table["plans"]) == 2
