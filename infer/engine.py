@@ -282,6 +282,18 @@ class CaptionEngine:
                 v.chunks = {}
                 v.times["prefilled"] = time.perf_counter()
                 self._decide(v, hidden[first + hi - lo - 1], states[v.prog.ground_layer][first + hi - lo - 1])
+        for v, job in plan.jobs:
+            if job.hidden is None:
+                continue  # more layers to go
+            for i in v.prog.capture:
+                v.chunks[i].append(job.states[i])
+            v.job = None
+            v.cursor = job.span[1]
+            if v.cursor == v.prog.length:
+                v.prog.prefilled({i: torch.cat(c) for i, c in v.chunks.items()})
+                v.chunks = {}
+                v.times["prefilled"] = time.perf_counter()
+                self._decide(v, job.hidden[-1], job.states[v.prog.ground_layer][-1])
         for v, row in plan.plan:
             self._decide(v, hidden[row], states[v.prog.ground_layer][row])
         if plan.n_branch:
@@ -353,9 +365,10 @@ class CaptionEngine:
         st["step_ms"] += ms
         st["mode_ms"][mode.value] += ms
         if len(st["step_log"]) < 100_000:
-            videos = {id(v) for v, *_ in plan.branch + plan.plan + plan.prefill}
+            videos = {id(v) for v, *_ in plan.branch + plan.plan + plan.prefill + plan.jobs}
             st["step_log"].append(StepRecord(plan.tokens, plan.n_branch, len(plan.plan),
-                                             sum(h - lo for _, _, lo, h in plan.prefill), len(videos), ms))
+                                             sum(h - lo for _, _, lo, h in plan.prefill), len(videos), ms,
+                                             plan.layer_tokens))
 
     def _drop_cancelled(self, videos: list[VideoState]) -> None:
         for v in [v for v in videos if v.request.cancelled()]:
@@ -418,6 +431,7 @@ class StepRecord(NamedTuple):
     prefill_tokens: int
     videos: int
     ms: float
+    layer_tokens: int = 0  # tokens of layered bidirectional blocks that moved one layer
 
 
 def is_release_model(model) -> bool:

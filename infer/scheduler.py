@@ -8,8 +8,10 @@
 A video moves through three phases, each a kind of row in the shared step:
 
   PREFILL  chunks of its prefix, at most what is left of the step's token budget, cut only
-           where the prefix mask allows (`legal_cuts`: never inside a bidirectional block; a
-           block that is larger than the budget goes whole, in a step of its own prefill);
+           where the prefix mask allows (`legal_cuts`: never inside a bidirectional block). A
+           bidirectional block larger than a whole step is prefilled one layer per step
+           instead (`LayerJob`: all its tokens through layer l at step l, exact, about B / L
+           tokens of work a step);
   PLAN     one row per step: the serial <G> it decided on at the previous row; the row's
            final state and grounding-layer state come back from the same forward;
   BRANCH   its K caption branches, one row each (the anchor at step 0, then the last token).
@@ -31,7 +33,7 @@ import torch
 
 from infer.kernels import AttnMeta, BlockPlan
 from infer.paged import FREE_SEQ, PagePool, Seq, pages_for
-from infer.step import ForwardBatch, ModelRunner
+from infer.step import ForwardBatch, LayerJob, ModelRunner
 
 
 class Phase(enum.Enum):
@@ -60,6 +62,7 @@ class VideoState:
         self.cap = cap  # tokens per branch
         self.phase = Phase.PREFILL
         self.feed_g = False  # a serial <G> goes into the next step
+        self.job: LayerJob | None = None  # a bidirectional block being prefilled one layer per step
         self.chunks: dict[int, list[torch.Tensor]] = {i: [] for i in prog.capture}
         self.branches: list[Branch] = []  # active ones, in event order
         self.finished: list[Branch] = []
@@ -80,7 +83,8 @@ class StepPlan:
     """One step: its ForwardBatch and the layout of its rows.
 
     branch: (video, first row, rows) for the branch rows, which come first ([0, n_branch));
-    plan: (video, row) of each planning row; prefill: (video, first row, lo, hi) of each chunk.
+    plan: (video, row) of each planning row; prefill: (video, first row, lo, hi) of each chunk;
+    jobs: (video, LayerJob) of each layered block moving one layer in this step.
     """
 
     batch: ForwardBatch
@@ -88,10 +92,17 @@ class StepPlan:
     branch: list[tuple[VideoState, int, int]]
     plan: list[tuple[VideoState, int]]
     prefill: list[tuple[VideoState, int, int, int]]
+    jobs: list[tuple[VideoState, LayerJob]] = field(default_factory=list)
+    scratch: bool = False  # the main batch is one scratch token (a step of layered blocks only)
 
     @property
     def tokens(self) -> int:
-        return int(self.batch.embeds.shape[0])
+        return 0 if self.scratch else int(self.batch.embeds.shape[0])
+
+    @property
+    def layer_tokens(self) -> int:
+        """Tokens of layered blocks that moved one layer in this step."""
+        return sum(job.tokens for _, job in self.jobs)
 
 
 class Scheduler:
@@ -183,17 +194,28 @@ class Scheduler:
             blocks += self._blocks(n, 1, pref.pages)
             plan_rows.append((v, n))
             n += 1
-        # 3. prefill chunks up to the budget
-        prefilled_any = False
+        # 3. prefill: every layered block moves one layer, then chunks (and new layered blocks) up to the budget
+        layers = len(self.runner.w.layers)
+        jobs = [(v, v.job) for v in videos if v.phase is Phase.PREFILL and v.job is not None]
+        cost = sum(-(-job.tokens // layers) for _, job in jobs)  # a block costs about B / layers tokens a step
+        prefilled_any = bool(jobs)
         for v in videos:
-            if v.phase is not Phase.PREFILL:
+            if v.phase is not Phase.PREFILL or v.job is not None:
                 continue
-            room = self.step_tokens - n
+            room = self.step_tokens - n - cost
             cut = _largest_cut(v.prog.cuts, v.cursor, v.cursor + room)
             if cut is None:
+                nxt = _smallest_cut(v.prog.cuts, v.cursor)
+                per_layer = -(-(nxt - v.cursor) // layers)
+                if nxt - v.cursor > self.step_tokens and (per_layer <= room or not prefilled_any):
+                    v.job = self._layer_job(v, v.cursor, nxt)  # a block no step can hold: one layer per step
+                    jobs.append((v, v.job))
+                    cost += per_layer
+                    prefilled_any = True
+                    continue
                 if prefilled_any:
                     continue  # its smallest chunk does not fit beside the others: a later step
-                cut = _smallest_cut(v.prog.cuts, v.cursor)  # a whole bidirectional block, over the budget
+                cut = nxt  # a whole bidirectional block, over the budget (alone, it still fits a step)
             lo, hi = v.cursor, cut
             pref = v.prefix
             self._grow(v, pref, hi)
@@ -205,13 +227,12 @@ class Scheduler:
             lim_a += lims
             seq_b += [FREE_SEQ] * (hi - lo)
             lim_b += [0] * (hi - lo)
-            for blk in self._blocks(n, hi - lo, [], size=self.prefill_block):
-                last = max(lims[t - n] for t in blk.tokens)
-                blk.pages = pref.pages[: pages_for(last, S)]
-                blocks.append(blk)
+            blocks += self._chunk_blocks(n, pref, lims)
             chunks.append((v, n, lo, hi))
             n += hi - lo
             prefilled_any = True
+        if n == 0 and jobs:  # only layered blocks in this step: a dummy-free empty main batch is not allowed
+            return self._jobs_only(jobs)
         if n == 0:
             return None
         self.pool.sync()
@@ -219,8 +240,48 @@ class Scheduler:
         attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=max(self.q_block, self.prefill_block), pool=self.pool,
                               kernel=self.runner.kernel, group=self.runner.w.heads // self.runner.w.kv_heads)
         batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
-                             slots=torch.cat(slots).to(self.device), attn=attn, capture=capture)
-        return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks)
+                             slots=torch.cat(slots).to(self.device), attn=attn, capture=capture,
+                             jobs=tuple(job for _, job in jobs))
+        return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks, jobs)
+
+    def _chunk_blocks(self, first: int, pref: Seq, lims: list[int]) -> list[BlockPlan]:
+        """Query blocks of a prefill chunk at step tokens [first, first + len(lims)): each sees the prefix
+        pages up to the furthest limit among its tokens."""
+        out = self._blocks(first, len(lims), [], size=self.prefill_block)
+        for blk in out:
+            last = max(lims[t - first] for t in blk.tokens)
+            blk.pages = pref.pages[: pages_for(last, self.pool.page_size)]
+        return out
+
+    def _layer_job(self, v: VideoState, lo: int, hi: int) -> LayerJob:
+        """Prefix tokens [lo, hi) of v (a bidirectional block) as a LayerJob: pages now, metadata once."""
+        pref, prog, w = v.prefix, v.prog, self.runner.w
+        self._grow(v, pref, hi)
+        self.pool.sync()  # the job's metadata reads the pages' owners
+        lims = prog.limits[lo:hi].tolist()
+        n = hi - lo
+        attn = AttnMeta.build(self._chunk_blocks(0, pref, lims), [pref.id] * n, lims, [FREE_SEQ] * n, [0] * n,
+                              q_block=self.prefill_block, pool=self.pool, kernel=self.runner.kernel,
+                              group=w.heads // w.kv_heads)
+        cos, sin = self.runner.rope(prog.positions[:, lo:hi].to(self.device), w.dtype)
+        return LayerJob(x=prog.embeds[lo:hi].to(w.dtype), cos=cos, sin=sin,
+                        slots=self.pool.slots(pref, lo, hi).to(self.device), attn=attn, capture=prog.capture,
+                        states={}, span=(lo, hi))
+
+    def _jobs_only(self, jobs) -> StepPlan:
+        """A step whose only work is layered blocks: the main batch is one scratch token (its KV goes to
+        the scratch page, it sees only the scratch page's first key; nothing reads its output)."""
+        from infer.paged import SCRATCH_SEQ
+
+        self.pool.sync()
+        w = self.runner.w
+        attn = AttnMeta.build([BlockPlan([0], [0])], [SCRATCH_SEQ], [1], [FREE_SEQ], [0], q_block=1, pool=self.pool,
+                              kernel=self.runner.kernel, group=w.heads // w.kv_heads)
+        batch = ForwardBatch(embeds=torch.zeros(1, w.hidden, dtype=w.dtype, device=self.device),
+                             positions=torch.zeros(3, 1, dtype=torch.long, device=self.device),
+                             slots=torch.zeros(1, dtype=torch.long, device=self.device), attn=attn,
+                             jobs=tuple(job for _, job in jobs))
+        return StepPlan(batch, 0, [], [], [], jobs, scratch=True)
 
 
 def _largest_cut(cuts: list[int], lo: int, hi: int) -> int | None:

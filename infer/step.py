@@ -50,13 +50,40 @@ class Mode(enum.Enum):
 
 
 @dataclass
+class LayerJob:
+    """A bidirectional block of one video's prefix, prefilled one layer per step (exact: every token
+    of the block needs the whole block's keys at each layer, so it moves through the layers together).
+
+    x [B, d]: the block's input to layer `layer`; cos, sin [B, 1, D]; slots [B]; attn: its metadata
+    (the same pages at every layer, built once); capture: hidden-state indices to keep (HF's
+    numbering); states: what was kept; hidden: the final-norm states once the last layer is done.
+    """
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    attn: AttnMeta
+    capture: tuple[int, ...]
+    layer: int = 0
+    states: dict[int, torch.Tensor] | None = None
+    hidden: torch.Tensor | None = None
+    span: tuple[int, int] = (0, 0)  # the block's prefix positions [lo, hi)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass
 class ForwardBatch:
     """One step's inputs and metadata (module doc); device tensors of N tokens.
 
     embeds [N, d] input embeddings; positions [3, N] long (M-RoPE axes; text tokens carry one
     id on all three, which is 1D RoPE); slots [N] long: flat pool slot of each token's KV;
     attn: the kernels' metadata; capture: hidden-state indices to return (HF's numbering:
-    i < layers is the input of layer i, `layers` the final-norm output).
+    i < layers is the input of layer i, `layers` the final-norm output); jobs: layered blocks
+    that advance by one layer in this step (`LayerJob`).
     """
 
     embeds: torch.Tensor
@@ -64,6 +91,7 @@ class ForwardBatch:
     slots: torch.Tensor
     attn: AttnMeta
     capture: tuple[int, ...] = ()
+    jobs: tuple[LayerJob, ...] = ()
 
 
 class ModelRunner:
@@ -94,31 +122,48 @@ class ModelRunner:
         return cos[0, :, None], sin[0, :, None]
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """-> final-norm hidden [N, d] and the captured hidden states {index: [N, d]}."""
-        w, pool, attn = self.w, self.pool, batch.attn
-        n = batch.embeds.shape[0]
+        """-> final-norm hidden [N, d] and the captured hidden states {index: [N, d]}; each job in
+        the batch moves through one more layer (its states kept as it passes the capture layers)."""
+        w = self.w
         cos, sin = self.rope(batch.positions, batch.embeds.dtype)
-        half = w.head_dim // 2
         x = batch.embeds
         states: dict[int, torch.Tensor] = {}
-        hq, hkv = w.heads, w.kv_heads
+        at = {}
+        for job in batch.jobs:
+            at.setdefault(job.layer, []).append(job)
         for li, lw in enumerate(w.layers):
             if li in batch.capture:
                 states[li] = x
-            h = lw.input_norm(x)
-            q = F.linear(h, *lw.q).view(n, hq, w.head_dim)
-            k = F.linear(h, *lw.k).view(n, hkv, w.head_dim)
-            v = F.linear(h, *lw.v).view(n, hkv, w.head_dim)
-            qk = torch.cat([q, k], dim=1)
-            qk = qk * cos + qk.roll(half, dims=-1) * sin
-            q = qk[:, :hq]
-            pool.layer[li].index_copy_(0, batch.slots, torch.stack([qk[:, hq:], v], dim=1))
-            a = self.kernel(q, pool, li, attn, self.scale)  # [N, Hq * D]
-            x = torch.addmm(x, a, lw.o_t) if lw.o_t is not None else x + F.linear(a, *lw.o)
-            h = lw.post_norm(x)
-            m = lw.act(F.linear(h, *lw.gate)) * F.linear(h, *lw.up)
-            x = torch.addmm(x, m, lw.down_t) if lw.down_t is not None else x + F.linear(m, *lw.down)
+            x = self._layer(lw, li, x, cos, sin, batch.slots, batch.attn)
+            for job in at.get(li, ()):
+                if li in job.capture:
+                    job.states[li] = job.x
+                job.x = self._layer(lw, li, job.x, job.cos, job.sin, job.slots, job.attn)
+                job.layer += 1
+                if job.layer == len(w.layers):
+                    job.hidden = w.norm(job.x)
+                    if job.layer in job.capture:
+                        job.states[job.layer] = job.hidden
         hidden = w.norm(x)
         if len(w.layers) in batch.capture:
             states[len(w.layers)] = hidden
         return hidden, states
+
+    def _layer(self, lw, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+               attn: AttnMeta) -> torch.Tensor:
+        """One decoder layer over tokens x [N, d] (module doc)."""
+        w = self.w
+        n = x.shape[0]
+        hq, hkv = w.heads, w.kv_heads
+        h = lw.input_norm(x)
+        q = F.linear(h, *lw.q).view(n, hq, w.head_dim)
+        k = F.linear(h, *lw.k).view(n, hkv, w.head_dim)
+        v = F.linear(h, *lw.v).view(n, hkv, w.head_dim)
+        qk = torch.cat([q, k], dim=1)
+        qk = qk * cos + qk.roll(w.head_dim // 2, dims=-1) * sin
+        self.pool.layer[li].index_copy_(0, slots, torch.stack([qk[:, hq:], v], dim=1))
+        a = self.kernel(qk[:, :hq], self.pool, li, attn, self.scale)  # [N, Hq * D]
+        x = torch.addmm(x, a, lw.o_t) if lw.o_t is not None else x + F.linear(a, *lw.o)
+        h = lw.post_norm(x)
+        m = lw.act(F.linear(h, *lw.gate)) * F.linear(h, *lw.up)
+        return torch.addmm(x, m, lw.down_t) if lw.down_t is not None else x + F.linear(m, *lw.down)

@@ -89,8 +89,9 @@ def test_k5_very_unequal_lengths(model, video):
 @pytest.mark.parametrize("over", [dict(step_tokens=7, page_size=4, q_block=3), dict(page_size=1, q_block=1),
                                   dict(kernel="reference")])
 def test_chunked_prefill_and_small_pages_equal_references(model, video, over):
-    """Prefill in chunks under a tiny token budget (cut only where the AV block allows), pages of
-    1-4 keys, odd query blocks and the reference kernel: still the references' decode."""
+    """Prefill in chunks under a tiny token budget (cut only where the AV block allows; the block
+    itself one layer per step), pages of 1-4 keys, odd query blocks and the reference kernel:
+    still the references' decode."""
     ctl = DecodeControl(num_events=3, lengths=[4, 9, 2], trace=True)
     got = check_against_references(model, video, ctl, cfg=dataclasses.replace(CPU, **over))
     assert got.num_events == 3

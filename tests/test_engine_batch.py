@@ -100,8 +100,9 @@ def test_all_videos_in_one_batch_equal_each_alone(model, videos, controls, alone
 
 @pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4], [3, 4, 0, 5, 2, 1]])
 def test_chunked_prefill_and_planning_ride_with_decoding_in_any_order(model, videos, controls, alone, order):
-    """A budget of 24 tokens per step: newcomers' prefill arrives in chunks and their planning
-    rows one per step, in the same forwards as the branch rows of videos already decoding."""
+    """A budget of 24 tokens per step: newcomers' prefill arrives in chunks (their bidirectional
+    AV blocks, 20-56 tokens, one layer per step) and their planning rows one per step, in the same
+    forwards as the branch rows of videos already decoding."""
     cfg = dataclasses.replace(CPU, step_tokens=24, max_batch_rows=8, max_batch_videos=3)
     got, admitted, log, eng = decode_all(model, cfg, videos, controls, order)
     for a, b in zip(got, alone):
@@ -109,6 +110,7 @@ def test_chunked_prefill_and_planning_ride_with_decoding_in_any_order(model, vid
     assert max(r.branch_rows for r in log) <= 8 and max(r.videos for r in log) <= 3
     assert any(step > 0 for _, step in admitted)  # some videos joined a running batch
     assert any(r.branch_rows and r.prefill_tokens for r in log)  # prefill beside decoding
+    assert any(r.branch_rows and r.layer_tokens for r in log)  # AV blocks over the budget: a layer per step
     assert any(r.branch_rows and r.plan_rows for r in log)  # planning beside decoding
     assert all(r.prefill_tokens == 0 or r.tokens <= 24 or r.prefill_tokens == r.tokens - r.branch_rows - r.plan_rows
                for r in log)

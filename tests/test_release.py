@@ -180,8 +180,8 @@ def test_engine_reproduces_the_fixture_and_marks_the_capped_branch(model):
 @pytest.mark.parametrize("step_tokens", [512, 8])
 def test_engine_batch_equals_the_release_loop_on_random_models(step_tokens):
     """The release model through the token-budget scheduler: with a budget of 8 tokens the prompt
-    is prefilled in chunks around its bidirectional AV block (kept whole), beside other videos'
-    planning and branch rows; every video decodes as the release's own loop does."""
+    is prefilled in chunks around its bidirectional AV block (which moves one layer per step),
+    beside other videos' planning and branch rows; every video decodes as the release's own loop does."""
     seen = set()
     for seed in (2, 3):  # seed 2: branches run to the cap; seed 3: they end after one token
         model = perturbed(seed, eos_gain=0.75)
@@ -192,6 +192,7 @@ def test_engine_batch_equals_the_release_loop_on_random_models(step_tokens):
         if step_tokens == 8:
             log = batched.stats["step_log"]
             assert any(r.prefill_tokens and (r.branch_rows or r.plan_rows) for r in log)
+            assert any(r.layer_tokens for r in log)  # the AV block, over the budget, one layer per step
         alone = engine_for(model)
         for video, res in zip(videos, results):
             ref = release_reference(model, video, model.max_events, model.max_branch_tokens)
