@@ -9,9 +9,10 @@ A video moves through three phases, each a kind of row in the shared step:
 
   PREFILL  chunks of its prefix, at most what is left of the step's token budget, cut only
            where the prefix mask allows (`legal_cuts`: never inside a bidirectional block). A
-           bidirectional block larger than a whole step is prefilled one layer per step
-           instead (`LayerJob`: all its tokens through layer l at step l, exact, about B / L
-           tokens of work a step);
+           bidirectional block larger than a whole step is prefilled layer by layer instead
+           (`LayerJob`: at each layer the keys and values of the whole block, then the rest
+           of the layer for as many of its tokens as the budget leaves: exact, and within
+           the budget);
   PLAN     one row per step: the serial <G> it decided on at the previous row; the row's
            final state and grounding-layer state come back from the same forward;
   BRANCH   its K caption branches, one row each (the anchor at step 0, then the last token).
@@ -84,7 +85,7 @@ class StepPlan:
 
     branch: (video, first row, rows) for the branch rows, which come first ([0, n_branch));
     plan: (video, row) of each planning row; prefill: (video, first row, lo, hi) of each chunk;
-    jobs: (video, LayerJob) of each layered block moving one layer in this step.
+    jobs: (video, LayerJob) of each layered block with a part in this step.
     """
 
     batch: ForwardBatch
@@ -101,8 +102,8 @@ class StepPlan:
 
     @property
     def layer_tokens(self) -> int:
-        """Tokens of layered blocks that moved one layer in this step."""
-        return sum(job.tokens for _, job in self.jobs)
+        """Queries of layered blocks that went through one layer in this step."""
+        return sum(job.part[1] - job.part[0] for _, job in self.jobs)
 
 
 class Scheduler:
@@ -194,23 +195,26 @@ class Scheduler:
             blocks += self._blocks(n, 1, pref.pages)
             plan_rows.append((v, n))
             n += 1
-        # 3. prefill: every layered block moves one layer, then chunks (and new layered blocks) up to the budget
-        layers = len(self.runner.w.layers)
-        jobs = [(v, v.job) for v in videos if v.phase is Phase.PREFILL and v.job is not None]
-        cost = sum(-(-job.tokens // layers) for _, job in jobs)  # a block costs about B / layers tokens a step
-        prefilled_any = bool(jobs)
+        # 3. prefill: layered blocks and chunks, up to the budget (a block in progress gets at least one block
+        #    of queries a step, so it always moves)
+        jobs: list[tuple[VideoState, LayerJob]] = []
+        prefilled_any = False
         for v in videos:
-            if v.phase is not Phase.PREFILL or v.job is not None:
+            if v.phase is not Phase.PREFILL:
                 continue
-            room = self.step_tokens - n - cost
+            room = self.step_tokens - n - sum(j.part[1] - j.part[0] for _, j in jobs)
+            if v.job is not None:
+                self._job_part(v.job, room)
+                jobs.append((v, v.job))
+                prefilled_any = True
+                continue
             cut = _largest_cut(v.prog.cuts, v.cursor, v.cursor + room)
             if cut is None:
                 nxt = _smallest_cut(v.prog.cuts, v.cursor)
-                per_layer = -(-(nxt - v.cursor) // layers)
-                if nxt - v.cursor > self.step_tokens and (per_layer <= room or not prefilled_any):
-                    v.job = self._layer_job(v, v.cursor, nxt)  # a block no step can hold: one layer per step
+                if nxt - v.cursor > self.step_tokens and (room >= self.prefill_block or not prefilled_any):
+                    v.job = self._layer_job(v, v.cursor, nxt)  # a block no step can hold: by layer and by part
+                    self._job_part(v.job, room)
                     jobs.append((v, v.job))
-                    cost += per_layer
                     prefilled_any = True
                     continue
                 if prefilled_any:
@@ -254,19 +258,26 @@ class Scheduler:
         return out
 
     def _layer_job(self, v: VideoState, lo: int, hi: int) -> LayerJob:
-        """Prefix tokens [lo, hi) of v (a bidirectional block) as a LayerJob: pages now, metadata once."""
+        """Prefix tokens [lo, hi) of v (a bidirectional block) as a LayerJob: its pages now."""
         pref, prog, w = v.prefix, v.prog, self.runner.w
         self._grow(v, pref, hi)
-        self.pool.sync()  # the job's metadata reads the pages' owners
-        lims = prog.limits[lo:hi].tolist()
-        n = hi - lo
-        attn = AttnMeta.build(self._chunk_blocks(0, pref, lims), [pref.id] * n, lims, [FREE_SEQ] * n, [0] * n,
-                              q_block=self.prefill_block, pool=self.pool, kernel=self.runner.kernel,
-                              group=w.heads // w.kv_heads)
         cos, sin = self.runner.rope(prog.positions[:, lo:hi].to(self.device), w.dtype)
         return LayerJob(x=prog.embeds[lo:hi].to(w.dtype), cos=cos, sin=sin,
-                        slots=self.pool.slots(pref, lo, hi).to(self.device), attn=attn, capture=prog.capture,
-                        states={}, span=(lo, hi))
+                        slots=self.pool.slots(pref, lo, hi).to(self.device), capture=prog.capture, span=(lo, hi),
+                        seq=pref, limits=prog.limits[lo:hi])
+
+    def _job_part(self, job: LayerJob, room: int) -> None:
+        """The job's queries for this step: the next `room` of its layer (at least one query block), and
+        their attention metadata."""
+        a = 0 if job.part[1] >= job.tokens else job.part[1]
+        b = min(job.tokens, a + max(self.prefill_block, room))
+        job.part = (a, b)
+        lims = job.limits[a:b].tolist()
+        self.pool.sync()  # the metadata reads the pages' owners
+        w = self.runner.w
+        job.attn = AttnMeta.build(self._chunk_blocks(0, job.seq, lims), [job.seq.id] * (b - a), lims,
+                                  [FREE_SEQ] * (b - a), [0] * (b - a), q_block=self.prefill_block, pool=self.pool,
+                                  kernel=self.runner.kernel, group=w.heads // w.kv_heads)
 
     def _jobs_only(self, jobs) -> StepPlan:
         """A step whose only work is layered blocks: the main batch is one scratch token (its KV goes to

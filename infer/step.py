@@ -30,7 +30,7 @@ infer/step_weights.py). Pure torch; no ray.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,24 +51,33 @@ class Mode(enum.Enum):
 
 @dataclass
 class LayerJob:
-    """A bidirectional block of one video's prefix, prefilled one layer per step (exact: every token
-    of the block needs the whole block's keys at each layer, so it moves through the layers together).
+    """A bidirectional block of one video's prefix, prefilled layer by layer: exact, since every token
+    of the block needs the whole block's keys at each layer. At the first part of a layer the keys
+    and values of all B tokens are projected and written (a small share of a layer's work with GQA);
+    then each step runs the rest of the layer (queries, attention, MLP) for the next `part` of the
+    block's tokens, as much as the step's budget leaves, so a long block never stalls a step.
 
-    x [B, d]: the block's input to layer `layer`; cos, sin [B, 1, D]; slots [B]; attn: its metadata
-    (the same pages at every layer, built once); capture: hidden-state indices to keep (HF's
-    numbering); states: what was kept; hidden: the final-norm states once the last layer is done.
+    x [B, d]: the block's input to `layer`; out: that layer's output as the parts fill it; cos,
+    sin [B, 1, D]; slots [B]; part: (a, b) this step's tokens, attn: their metadata; seq, limits:
+    the prefix sequence and the tokens' visibility limits; capture / states: hidden-state indices to keep and what was kept;
+    hidden: the final-norm states once the last layer is done; span: the block's prefix positions.
     """
 
     x: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     slots: torch.Tensor
-    attn: AttnMeta
     capture: tuple[int, ...]
+    span: tuple[int, int]
+    seq: object  # the video's prefix sequence (infer/paged.py Seq)
+    limits: torch.Tensor  # [B] visibility limits of the block's tokens
     layer: int = 0
-    states: dict[int, torch.Tensor] | None = None
+    part: tuple[int, int] = (0, 0)
+    attn: AttnMeta | None = None
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden: torch.Tensor | None = None
-    span: tuple[int, int] = (0, 0)  # the block's prefix positions [lo, hi)
+    normed: torch.Tensor | None = None
+    out: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -136,18 +145,43 @@ class ModelRunner:
                 states[li] = x
             x = self._layer(lw, li, x, cos, sin, batch.slots, batch.attn)
             for job in at.get(li, ()):
-                if li in job.capture:
-                    job.states[li] = job.x
-                job.x = self._layer(lw, li, job.x, job.cos, job.sin, job.slots, job.attn)
-                job.layer += 1
-                if job.layer == len(w.layers):
-                    job.hidden = w.norm(job.x)
-                    if job.layer in job.capture:
-                        job.states[job.layer] = job.hidden
+                self._job_part(lw, li, job)
         hidden = w.norm(x)
         if len(w.layers) in batch.capture:
             states[len(w.layers)] = hidden
         return hidden, states
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + x.roll(self.w.head_dim // 2, dims=-1) * sin
+
+    def _job_part(self, lw, li: int, job: LayerJob) -> None:
+        """This step's part of a layered block at layer li (LayerJob doc); the same arithmetic per token
+        as `_layer`."""
+        w = self.w
+        n, (a, b) = job.tokens, job.part
+        if a == 0:  # the layer's first part: keys and values of the whole block
+            if li in job.capture:
+                job.states[li] = job.x
+            job.normed = lw.input_norm(job.x)
+            k = self._rotate(F.linear(job.normed, *lw.k).view(n, w.kv_heads, w.head_dim), job.cos, job.sin)
+            v = F.linear(job.normed, *lw.v).view(n, w.kv_heads, w.head_dim)
+            self.pool.layer[li].index_copy_(0, job.slots, torch.stack([k, v], dim=1))
+            job.out = torch.empty_like(job.x)
+        q = self._rotate(F.linear(job.normed[a:b], *lw.q).view(b - a, w.heads, w.head_dim), job.cos[a:b], job.sin[a:b])
+        att = self.kernel(q, self.pool, li, job.attn, self.scale)
+        x = job.x[a:b]
+        x = torch.addmm(x, att, lw.o_t) if lw.o_t is not None else x + F.linear(att, *lw.o)
+        h = lw.post_norm(x)
+        m = lw.act(F.linear(h, *lw.gate)) * F.linear(h, *lw.up)
+        job.out[a:b] = torch.addmm(x, m, lw.down_t) if lw.down_t is not None else x + F.linear(m, *lw.down)
+        if b < n:
+            return
+        job.x, job.out, job.normed = job.out, None, None
+        job.layer += 1
+        if job.layer == len(w.layers):
+            job.hidden = w.norm(job.x)
+            if job.layer in job.capture:
+                job.states[job.layer] = job.hidden
 
     def _layer(self, lw, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                attn: AttnMeta) -> torch.Tensor:
@@ -159,8 +193,7 @@ class ModelRunner:
         q = F.linear(h, *lw.q).view(n, hq, w.head_dim)
         k = F.linear(h, *lw.k).view(n, hkv, w.head_dim)
         v = F.linear(h, *lw.v).view(n, hkv, w.head_dim)
-        qk = torch.cat([q, k], dim=1)
-        qk = qk * cos + qk.roll(w.head_dim // 2, dims=-1) * sin
+        qk = self._rotate(torch.cat([q, k], dim=1), cos, sin)  # one rotation for q and k
         self.pool.layer[li].index_copy_(0, slots, torch.stack([qk[:, hq:], v], dim=1))
         a = self.kernel(qk[:, :hq], self.pool, li, attn, self.scale)  # [N, Hq * D]
         x = torch.addmm(x, a, lw.o_t) if lw.o_t is not None else x + F.linear(a, *lw.o)
