@@ -16,17 +16,21 @@ by
                      (infer/step.py) with one row over the paged pool, i.e. the honest
                      baseline for the step ratio
 
-Measured side by side in one run and printed as one JSON object:
-  throughput_speedup {N}: branch tokens per second in decode-only steps, N in flight over one
-                     at a time; tokens_equal: every video's tokens identical in every mode
-  end_to_end_speedup {N}: the whole set's wall time, one at a time over N in flight (prefill,
-                     planning and decode included, videos arriving as others finish), with
-                     `time_split` saying where the time goes
+Each mode runs twice: `modes` with each newcomer's prefill in one step of its own (unlimited
+budget), so the steps that only decode are the decode phase of N videos in flight; and
+`arrivals` (one at a time and 16, or every N with --all-arrivals) under the engine's own
+token budget, prefill chunks and planning rows riding with the decoding videos. Measured side
+by side in one run and printed as one JSON object:
+  throughput_speedup {N}: branch tokens per second in decode-only steps (`modes`), N in flight
+                     over one at a time; tokens_equal: every video's tokens identical in every run
+  end_to_end_speedup {N}: the whole set's wall time (`arrivals`), one at a time over N in flight
+                     (prefill, planning and decode included, videos arriving as others finish),
+                     with `time_split_ms` saying where the time goes
   ops_per_layer_step {"1", "16"}: aten ops (as the step's code issues them: torch.profiler,
                      top-level aten events) per decoder layer in one decode-only step
   kv_allocated_over_live: peak KV bytes in allocated pages over peak KV bytes of live keys
-                     (16 in flight)
-  admission_p99_over_median: with videos arriving while 16 are in flight, the 99th
+                     (16 in flight, arrivals)
+  admission_p99_over_median: with videos arriving while 16 are in flight (arrivals), the 99th
                      percentile step time over the median decode-only step
   plus tokens/s, videos/min, ms per step and the memory floor per step per mode, the kernel.
 
@@ -119,9 +123,15 @@ def ops_per_layer(model, cfg: InferConfig, videos, n: int) -> float:
     return round(counted[0] / eng.weights.num_layers, 1)
 
 
-def engine_mode(model, cfg: InferConfig, videos, in_flight: int) -> dict:
-    """The engine with at most `in_flight` videos in flight over all videos (arrivals as others finish)."""
+def engine_mode(model, cfg: InferConfig, videos, in_flight: int, decode_phase: bool = False) -> dict:
+    """The engine with at most `in_flight` videos in flight over all videos (arrivals as others finish).
+
+    decode_phase: each newcomer's prefill in one step of its own (an unlimited token budget), so the
+    steps that only decode are the decode phase of N videos in flight (what throughput_speedup
+    compares); otherwise the engine's own budget interleaves prefill chunks with decoding."""
     ecfg = replace(cfg, max_batch_videos=in_flight, max_batch_rows=max(cfg.max_events, in_flight * cfg.max_events))
+    if decode_phase:
+        ecfg = replace(ecfg, step_tokens=1 << 30)
     eng = CaptionEngine(model, ecfg)
     forward = eng.runner.forward
     peaks = {"allocated": 0, "live": 0}
@@ -140,8 +150,8 @@ def engine_mode(model, cfg: InferConfig, videos, in_flight: int) -> dict:
     n_tok = sum(len(t) for toks in tokens.values() for t in toks)
     st = eng.stats
     log = st["step_log"]
-    decode_only = [r for r in log if r.branch_rows and not r.prefill_tokens and not r.plan_rows]
-    mixed = [r for r in log if r.branch_rows and (r.prefill_tokens or r.plan_rows)]
+    decode_only = [r for r in log if r.branch_rows and not r.prefill_tokens and not r.plan_rows and not r.layer_tokens]
+    mixed = [r for r in log if r.branch_rows and (r.prefill_tokens or r.plan_rows or r.layer_tokens)]
     front = [r for r in log if not r.branch_rows]
     dec_ms = sum(r.ms for r in decode_only)
     return {"wall_ms": round(wall, 1), "steps": st["steps"], "tokens": n_tok,
@@ -239,6 +249,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--events", default="2,16", help="K range")
     ap.add_argument("--lengths", default="8,80", help="caption length range (tokens, eos included)")
     ap.add_argument("--step-tokens", type=int, default=0, help="infer.step_tokens (0 = the engine's default)")
+    ap.add_argument("--all-arrivals", action="store_true", help="the budgeted arrival runs for every N, not only 16")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = 1 on CPU)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -258,9 +269,12 @@ def main(argv=None) -> dict:
 
     with torch.inference_mode():
         CaptionEngine(model, cfg).decode(videos[0][0], replace(videos[0][1], lengths=[2]))  # warm-up
-        modes = {"one_at_a_time": engine_mode(model, cfg, videos, 1)}
+        modes = {"one_at_a_time": engine_mode(model, cfg, videos, 1, decode_phase=True)}
         for n in in_flight:
-            modes[f"in_flight_{n}"] = engine_mode(model, cfg, videos, n)
+            modes[f"in_flight_{n}"] = engine_mode(model, cfg, videos, n, decode_phase=True)
+        arrivals = {"one_at_a_time": engine_mode(model, cfg, videos, 1)}
+        for n in [n for n in in_flight if n == 16 or args.all_arrivals]:
+            arrivals[f"in_flight_{n}"] = engine_mode(model, cfg, videos, n)
         ops = {str(n): ops_per_layer(model, cfg, videos, n) for n in (1, 16) if n <= len(videos)}
         chain = {}
         if args.chain_videos:
@@ -286,29 +300,30 @@ def main(argv=None) -> dict:
     w_bytes, kv_bytes, bandwidth = weight_bytes(model), kv_bytes_per_token(model), measure_bandwidth(device)
     base = modes["one_at_a_time"]
     ref_tokens = base["_tokens"]
-    tokens_equal = all(m["_tokens"] == ref_tokens for m in modes.values())
+    tokens_equal = all(m["_tokens"] == ref_tokens for m in [*modes.values(), *arrivals.values()])
     n_videos = len(videos)
     prefix_mean = statistics.mean(len(model.make_example(s, with_targets=False).layout) for s, _ in videos)
     peaks16, admission = None, None
-    for name, m in modes.items():
+    for name, m in [*modes.items(), *(("arrivals/" + k, v) for k, v in arrivals.items())]:
         m.pop("_tokens")
         log, peaks, pool = m.pop("_log"), m.pop("_peaks"), m.pop("_pool")
         m["videos_per_min"] = round(n_videos / (m["wall_ms"] / 60000.0), 2)
-        videos_per_step = statistics.mean(r.videos for r in log if r.branch_rows and not r.prefill_tokens) \
-            if any(r.branch_rows for r in log) else 1
+        pure = [r for r in log if r.branch_rows and not r.prefill_tokens and not r.plan_rows and not r.layer_tokens]
+        videos_per_step = statistics.mean(r.videos for r in pure) if pure else 1
         m["floor_ms_per_step"] = round((w_bytes + videos_per_step * prefix_mean * kv_bytes) / (bandwidth * 1e9) * 1e3, 3)
         m["kv_peak_allocated_mb"] = round(peaks["allocated"] * kv_bytes / 1e6, 2)
         m["kv_peak_live_mb"] = round(peaks["live"] * kv_bytes / 1e6, 2)
         m["kv_pool_mb"] = round(pool.pages * pool.page_size * kv_bytes / 1e6, 1)
-        if name == "in_flight_16":
+        if name == "arrivals/in_flight_16":
             peaks16 = peaks
-            dec = [r.ms for r in log if r.branch_rows and not r.prefill_tokens and not r.plan_rows]
+            dec = [r.ms for r in pure]
             admission = {"p99_step_ms": round(float(np.percentile([r.ms for r in log], 99)), 3),
                          "median_decode_step_ms": round(statistics.median(dec), 3),
                          "max_step_ms": round(max(r.ms for r in log), 3),
-                         "max_prefill_tokens_in_a_step": max(r.prefill_tokens for r in log)}
+                         "max_prefill_tokens_in_a_step": max(r.prefill_tokens + r.layer_tokens for r in log)}
     speed = {str(n): round(modes[f"in_flight_{n}"]["tokens_per_s"] / base["tokens_per_s"], 3) for n in in_flight}
-    e2e = {str(n): round(base["wall_ms"] / modes[f"in_flight_{n}"]["wall_ms"], 3) for n in in_flight}
+    e2e = {k.removeprefix("in_flight_"): round(arrivals["one_at_a_time"]["wall_ms"] / m["wall_ms"], 3)
+           for k, m in arrivals.items() if k != "one_at_a_time"}
     c = model.hf_config
     probe = CaptionEngine(model, cfg)
     out = {"preset": args.preset, "device": str(device),
@@ -323,7 +338,8 @@ def main(argv=None) -> dict:
            "tokens_equal": tokens_equal, "ops_per_layer_step": ops,
            "kv_allocated_over_live": round(peaks16["allocated"] / max(1, peaks16["live"]), 3) if peaks16 else None,
            "admission_p99_over_median": round(admission["p99_step_ms"] / admission["median_decode_step_ms"], 3)
-           if admission else None, "admission": admission, "modes": modes, **({"single_chain": chain} if chain else {})}
+           if admission else None, "admission": admission, "modes": modes, "arrivals": arrivals,
+           **({"single_chain": chain} if chain else {})}
     if chain:
         out["single_chain_fast_over_single_chain_tokens_per_s"] = round(
             chain["single_chain_fast"]["tokens_per_s"] / chain["single_chain"]["tokens_per_s"], 3)

@@ -95,8 +95,9 @@ class AttnMeta:
     pages [Qb, B] long, npages [Qb] int32: the pages each block may see (padded with page 0); pages_flat:
     pages as [Qb*B];
     seq_a, lim_a, seq_b, lim_b [Qb*BM]: per padded query slot, the two (sequence, limit) pairs;
-    visible [Qb, 1, BM*g, B*S] bool: the mask over the gathered keys, rows as the kernels lay out the
-    queries (query, head in its KV group) (reference / sdpa kernels);
+    visible [Qb, 1, BM*g, B*S]: the mask over the gathered keys as an additive mask in the pool's dtype
+    (0 visible, -inf hidden), rows as the kernels lay out the queries (query, head in its KV group)
+    (reference / sdpa kernels);
     block_mask: the FlexAttention BlockMask (flex kernel only).
     """
 
@@ -163,7 +164,9 @@ class AttnMeta:
         if kernel.name == "flex":
             meta.block_mask = flex_block_mask(meta, pool)
         else:
-            meta.visible = gathered_visibility(meta, pool).repeat_interleave(group, dim=1)[:, None]
+            vis = gathered_visibility(meta, pool).repeat_interleave(group, dim=1)[:, None]
+            # as an additive mask in the model's dtype, once per step (a bool mask is converted in every call)
+            meta.visible = torch.zeros(vis.shape, dtype=pool.dtype, device=dev).masked_fill_(~vis, float("-inf"))
         return meta
 
 
@@ -265,8 +268,7 @@ class ReferenceKernel(Kernel):
     def attend(self, q, pool, layer, meta, scale):
         k, v = _gather(pool, layer, meta)
         qb = _blocked(q, meta, k.shape[1]).float()
-        s = torch.matmul(qb, k.float().transpose(-1, -2)) * scale
-        s = s.masked_fill(~meta.visible, float("-inf"))
+        s = torch.matmul(qb, k.float().transpose(-1, -2)) * scale + meta.visible
         o = torch.matmul(torch.softmax(s, dim=-1), v.float())
         return _unblocked(o, meta).to(q.dtype)
 
