@@ -88,3 +88,31 @@ def test_timestep_interval_of_seconds():
     assert timestep_interval(0.5, 3.0, 2.0, 4) == (0, 1)
     assert timestep_interval(4.0, 8.0, 2.0, 4) == (2, 3)
     assert timestep_interval(7.9, 30.0, 2.0, 4) == (3, 3)
+
+
+def test_activation_checkpointing_gives_the_same_outputs_and_gradients():
+    video = random_video(5, timesteps=4)
+    results = []
+    for checkpointed in (False, True):
+        t = tuner()
+        with torch.no_grad():  # LoRA B starts at zero: make the adapters matter
+            for n, p in t.trainable_parameters().items():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+        if checkpointed:
+            t.enable_activation_checkpointing()
+            assert t.activation_checkpointing
+            assert all(b.gradient_checkpointing for b in t.model.visual.blocks)
+            assert all(layer.gradient_checkpointing for layer in t.model.audio.whisper.layers)
+        t.train()
+        out = t.forward_train(collate_release([t.make_example(TrainVideo(video, EVENTS))]))
+        compute_losses(out, t.cfg).total.backward()
+        grads = {n: p.grad.clone() for n, p in t.trainable_parameters().items() if p.grad is not None}
+        assert set(grads) == set(t.trainable_parameters())
+        results.append((out, grads))
+    (ref, ref_grads), (ck, ck_grads) = results
+    for key in ("text_logits", "branch_logits"):
+        assert torch.allclose(ck[key], ref[key], atol=1e-5), key
+    assert torch.allclose(ck["grounding_logits"][0], ref["grounding_logits"][0], atol=1e-5)
+    for n, g in ref_grads.items():
+        assert torch.allclose(ck_grads[n], g, atol=1e-5, rtol=1e-4), n

@@ -139,6 +139,19 @@ class ReleaseFinetune(nn.Module):
         base = self.model.lm_logits(hidden)
         return base.index_copy(-1, self.row_ids.to(hidden.device), hidden @ self.rows.to(hidden.dtype).T)
 
+    def enable_activation_checkpointing(self) -> None:
+        """Checkpoint every layer of the LLM, the vision tower and Whisper (non-reentrant). The towers
+        are frozen and run without gradients when training, so there it saves nothing; with the LLM
+        checkpointed, stage 2 reruns the prompt instead of reading its cache (HF drops caches then)."""
+        kwargs = {"use_reentrant": False}
+        self.model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        if self.model.audio is not None:
+            self.model.audio.whisper.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return any(getattr(layer, "gradient_checkpointing", False) for layer in self.model.decoder.layers)
+
     run_config_file = RUN_CONFIG  # the run's config beside the release's own config.json (train/checkpoint.py)
 
     def collate(self, examples: list[ReleaseExample]) -> ReleaseBatch:
@@ -187,9 +200,10 @@ class ReleaseFinetune(nn.Module):
         m = self.model
         dev, dtype = m.device, m.dtype
         lay, pos, delta, emb, mask = self._prompt(ex)
-        cache = DynamicCache(config=m.hf_config)
+        rerun = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        cache = None if rerun else DynamicCache(config=m.hf_config)
         out = m.decoder(inputs_embeds=emb[None], attention_mask=mask, position_ids=pos[:, None].to(dev), cache=cache,
-                        use_cache=True, output_hidden_states=True)
+                        use_cache=not rerun, output_hidden_states=True)
         hs = out.hidden_states
         h_ground, h_agg = hs[-2][0], hs[m.aggregation_layer][0]
         L, k = lay.length, len(ex.steps)
@@ -243,11 +257,20 @@ class ReleaseFinetune(nn.Module):
         same = (own[:, None] == own[None, :]) & (st[None, :] <= st[:, None])
         allowed[k:, L + k:] = same
         mask2 = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
-        out2 = m.decoder(inputs_embeds=x2, attention_mask=mask2, position_ids=p2.expand(3, 1, -1), cache=cache,
-                         use_cache=True, output_hidden_states=True)
-        h2 = out2.last_hidden_state[0]
+        if rerun:  # HF drops caches under activation checkpointing: stage 2 reruns with the prompt in front
+            top = torch.cat([mask[0, 0], mask.new_full((L, n2), torch.finfo(dtype).min)], 1)
+            out2 = m.decoder(inputs_embeds=torch.cat([emb[None], x2], 1),
+                             attention_mask=torch.cat([top, mask2[0, 0]])[None, None],
+                             position_ids=torch.cat([pos.to(dev), p2.expand(3, -1)], 1)[:, None], use_cache=False,
+                             output_hidden_states=True)
+            skip = L
+        else:
+            out2 = m.decoder(inputs_embeds=x2, attention_mask=mask2, position_ids=p2.expand(3, 1, -1), cache=cache,
+                             use_cache=True, output_hidden_states=True)
+            skip = 0
+        h2 = out2.last_hidden_state[0, skip:]
         text_hidden += list(h2[:k])
-        event_rows += list(out2.hidden_states[-2][0, : k - 1])
+        event_rows += list(out2.hidden_states[-2][0, skip: skip + k - 1])
         segs = m.segment_vectors(h_ground, lay)
         evi = m.evi_head(torch.stack(event_rows))
         times = torch.tensor([[t * ex.video.seconds_per_step, (t + 1) * ex.video.seconds_per_step]
