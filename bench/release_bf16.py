@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.output import command, emit  # noqa: E402
 from infer.engine import CaptionEngine  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 from tests.support.release import fixture_video, perturbed, random_video  # noqa: E402
@@ -78,11 +78,8 @@ def main(argv=None) -> dict:
               "first_differing_token": {"count": len(first_diff),
                                         "median": sorted(first_diff)[len(first_diff) // 2] if first_diff else None},
               "seconds": round(time.perf_counter() - t0, 1),
-              "command": "python bench/release_bf16.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return result
+              "command": command("release_bf16.py", argv)}
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

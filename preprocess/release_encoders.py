@@ -73,7 +73,7 @@ def release_model(path: str | Path, device: torch.device):
     with _LOCK:
         if key not in _MODELS:
             dtype = "bfloat16" if device.type == "cuda" else "float32"
-            model = ReleaseCaptioner.from_release(key[0], ReleaseSettings(dtype=dtype)).to(device).eval()
+            model = ReleaseCaptioner.from_release(key[0], ReleaseSettings(dtype=dtype), device=device).eval()
             for p in model.parameters():
                 p.requires_grad_(False)
             _MODELS[key] = model

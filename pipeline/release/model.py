@@ -13,7 +13,9 @@ Parts (RELEASE.md 1.2), mapped by key prefix onto HF 5.24 classes and our own mo
   ignored on purpose: `score_head.*` (unused by the release with use_score_head false) and
   the Q-Former's `position_ids` buffer; `lm_head.weight` is tied (absent from the file).
 Every other tensor, missing one or wrong shape is an error that names it
-(pipeline/release/checkpoint.py). Token ids come from config.json and must agree with
+(pipeline/release/checkpoint.py). `from_release` builds the modules with their parameters on
+the meta device (no random init) and assigns the file's memory-mapped tensors, cast to the
+settings' dtype where the file's differs, on the requested device. Token ids come from config.json and must agree with
 the tokenizer saved beside it.
 
 The model exposes what the decoding engine uses of a PadCaptioner (decoder, ids,
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
@@ -140,16 +143,21 @@ class ReleaseCaptioner(nn.Module):
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def from_release(cls, path: str | Path, settings: ReleaseSettings | None = None) -> "ReleaseCaptioner":
-        """Load a release directory (config.json, weights, tokenizer), strictly (module doc)."""
+    def from_release(cls, path: str | Path, settings: ReleaseSettings | None = None,
+                     device: str | torch.device | None = None) -> "ReleaseCaptioner":
+        """Load a release directory (config.json, weights, tokenizer), strictly (module doc), in the
+        settings' dtype and on `device` (default CPU): the modules are built with their parameters on
+        the meta device and the file's tensors (memory-mapped) become the parameters, cast only when
+        the file's dtype differs, so host memory peaks near the checkpoint's size."""
         path = Path(path)
         if not is_release_dir(path):
             raise ReleaseError(f"{path} is not a PadCaptioner release directory (config.json of model_type "
                                "qwen2_5_vl with evi_token_id)")
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = cls(hf_config, tokenizer, settings)
-        model.load_release_state(read_state_dict(path))
+        with init_empty_weights(include_buffers=False):  # parameters on the meta device: no random init
+            model = cls(hf_config, tokenizer, settings)
+        model.load_release_state(read_state_dict(path), device=device)
         model.source = str(path.resolve())
         return model
 
@@ -159,18 +167,25 @@ class ReleaseCaptioner(nn.Module):
                 ("audio.audio_proj.", "audio.audio_proj."), ("audio.", "audio.whisper."),
                 ("frm_head.", "frm_head."), ("evi_head.", "evi_head.")]
 
-    def load_release_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load release-named tensors strictly (a missing, unexpected or misshapen one raises)."""
+    def load_release_state(self, state: dict[str, torch.Tensor], device: str | torch.device | None = None) -> None:
+        """Load release-named tensors strictly (a missing, unexpected or misshapen one raises). They are
+        assigned as the parameters (cast to the model's dtype, moved to `device` when given), so a model
+        built on the meta device is filled without a second copy."""
         targets = self.state_dict()
         ignore = [k for k in state if k.startswith("score_head.") or k.endswith(IGNORED_SUFFIXES)]
         optional = ["hf.lm_head.weight"] if self.tied else []
         mapped = map_state_dict(state, self.release_rules(), targets, ignore=ignore, optional=optional)
-        dtype = self.dtype
-        with torch.no_grad():
-            for k, v in mapped.items():
-                targets[k].copy_(v.to(dtype) if v.is_floating_point() else v)
+        dev = torch.device(device) if device is not None else (None if self.device.type == "meta" else self.device)
+        cast = {k: v.to(device=dev or v.device, dtype=targets[k].dtype if v.is_floating_point() else v.dtype)
+                for k, v in mapped.items()}
+        self.load_state_dict(cast, strict=False, assign=True)
         if self.tied:
             self.hf.tie_weights()
+        if dev is not None:
+            self.to(dev)  # the buffers computed at construction (rotary frequencies)
+        left = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        if left:
+            raise ReleaseError(f"{len(left)} tensor(s) the checkpoint did not fill: {left[:4]}")
 
     def release_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's tensors under the release's key names (what the release saves; tied head left out)."""
