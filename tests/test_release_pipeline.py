@@ -102,6 +102,7 @@ def test_the_3b_preset_fine_tunes_with_all_its_training_options(tmp_path, local_
     final = Path(summary["checkpoint"])
     parts = [p.name for p in (final / ckpt.DEEPSPEED_DIR / ckpt.DS_TAG).iterdir()]
     assert any("zero_pp_rank_0" in p for p in parts), parts  # ZeRO partitions, written by the engine
+    assert not (final / ckpt.MODEL_DIR).exists()  # checkpoints: trained tensors + optimizer, no merged model
     trained = torch.load(final / ckpt.STATE_FILE, weights_only=False)["trainable"]
     lora = [n for n in trained if "lora_" in n]
     assert lora and all(".language_model.layers." in n and n.split(".self_attn.")[1].split(".")[0] in

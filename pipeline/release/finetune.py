@@ -153,6 +153,7 @@ class ReleaseFinetune(nn.Module):
         return any(getattr(layer, "gradient_checkpointing", False) for layer in self.model.decoder.layers)
 
     run_config_file = RUN_CONFIG  # the run's config beside the release's own config.json (train/checkpoint.py)
+    merged_at_end = True  # checkpoints keep the trained tensors only; the merged dir is train/export.py's
 
     def collate(self, examples: list[ReleaseExample]) -> ReleaseBatch:
         return collate_release(examples)
