@@ -194,11 +194,13 @@ def inputs_video(inputs: ReleaseInputs, video_id: str):
     mel = None if inputs.mel is None else torch.from_numpy(inputs.mel)
     return ReleaseVideo(video_id=video_id, duration=float(inputs.length_s),
                         seconds_per_step=float(inputs.seconds_per_timestep), grid_thw=tuple(inputs.grid_thw),
-                        pixel_values=inputs.pixel_values(), mel=mel)
+                        pixel_values=inputs.pixel_values(), mel=mel, geometry=inputs.geometry)
 
 
-def release_video(sample: Sample):
-    """A stored schema-2 Sample (release encoders) -> the ReleaseVideo with its tokens, for the engine."""
+def release_video(sample: Sample, geometry=None):
+    """A stored schema-2 Sample (release encoders) -> the ReleaseVideo with its tokens, for the engine
+    (`geometry`: the checkpoint's, pipeline/release/geometry.py; None: the 3B's)."""
+    from pipeline.release.geometry import RELEASE
     from pipeline.release.video import as_release_video
 
-    return as_release_video(sample)
+    return as_release_video(sample, geometry or RELEASE)

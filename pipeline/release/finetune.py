@@ -166,7 +166,7 @@ class ReleaseFinetune(nn.Module):
     def make_example(self, sample, generator=None) -> ReleaseExample:
         """A TrainVideo, or a stored schema-2 Sample of the release encoders with its events."""
         if not isinstance(sample, TrainVideo):
-            sample = TrainVideo(as_release_video(sample), list(sample.events))
+            sample = TrainVideo(as_release_video(sample, self.model.geometry), list(sample.events))
         v, m = sample.video, self.model
         if not sample.events:
             raise ValueError(f"{v.video_id}: no events to train on")

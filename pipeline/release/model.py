@@ -37,6 +37,7 @@ from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGene
 
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
+from pipeline.release.geometry import Geometry
 from pipeline.release.layout import POSITION_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -133,6 +134,10 @@ class ReleaseCaptioner(nn.Module):
         if not 0 <= self.aggregation_layer < n_layers:
             raise ReleaseError(f"vision_audio_layer_index {self.aggregation_layer} outside [0, {n_layers})")
         self.audio_mean_weight = float(raw.get("audio_mean_weight", 1.0))
+        self.geometry = Geometry.from_config(raw)  # patch / merge / temporal sizes, token rates (3B defaults)
+        if self.audio is not None and self.audio.second_per_window != self.geometry.audio_seconds_per_token:
+            raise ReleaseError(f"audio_config.second_per_window {self.audio.second_per_window} disagrees with the "
+                               f"geometry's {self.geometry.audio_seconds_per_token}")
         self.max_events = int(settings.max_events or raw.get("max_planning_events", 30))
         self.max_branch_tokens = int(settings.max_branch_tokens or raw.get("max_branch_tokens", 320))
         if not raw.get("use_evidence", True) or raw.get("use_score_head", False) or raw.get("union_aggregation", False):
