@@ -5,18 +5,20 @@ from __future__ import annotations
 import io
 import shutil
 
+import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
 from infer import parity
 from infer.engine import CaptionEngine
 from infer.release_front import release_prefill
+from infer.release_reference import release_reference
 from pipeline.config import InferConfig
 from pipeline.release.checkpoint import read_state_dict
 from pipeline.release.finetune import ReleaseFinetune, TrainVideo, collate_release, timestep_interval
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
 from pipeline.schema import Event
-from tests.support.release import CHECKPOINT, FIXTURE, load, random_video
+from tests.support.release import CHECKPOINT, FIXTURE, fixture_video, load, random_video
 from train.losses import compute_losses
 
 EVENTS = [Event(0.5, 3.0, "a dog barks"), Event(4.0, 8.0, "a car passes by")]
@@ -146,3 +148,67 @@ def test_checkpoints_hold_the_trained_tensors_and_export_makes_the_merged_model(
     for k, v in want.items():
         assert torch.equal(merged[k], v), k
     assert (tmp_path / "merged" / "run_config.json").read_text() == cfg.to_json()
+
+
+def _recording(decoder):
+    """Wrap a decoder's forward to record each call's position ids [3, n]."""
+    calls, forward = [], decoder.forward
+
+    def record(*args, **kwargs):
+        calls.append(kwargs["position_ids"][:, 0].detach().cpu().clone())
+        return forward(*args, **kwargs)
+
+    decoder.forward = record
+    return calls
+
+
+# (mode, LoRA B scale): cases where the fixture video plans 2-3 events and <S> ends planning
+@pytest.mark.parametrize("mode, lora_scale", [("release", 0.0), ("training", 0.05)])
+def test_training_rows_are_decoding_rows_in_both_position_modes(mode, lora_scale):
+    """Decode a video, then run the training forward on exactly what decoding did (its intervals and its
+    tokens as the captions): every row (prompt, serial <G>s, anchors, branch tokens) has the position
+    decoding gave it, and predicts what decoding predicted there."""
+    from pipeline.release.finetune import ReleaseExample
+
+    torch.manual_seed(0)
+    t = ReleaseFinetune(load(ReleaseSettings(positions=mode)), lora_r=4, lora_alpha=8)
+    with torch.no_grad():
+        for n, p in t.trainable_parameters().items():
+            if "lora_B" in n:
+                p.normal_(0.0, lora_scale + 1e-12, generator=torch.Generator().manual_seed(len(n)))
+    t.eval()
+    video = fixture_video()
+    calls = _recording(t.model.decoder)
+    with torch.no_grad():
+        ref = release_reference(t.model, video, t.model.max_events, 8)
+    k, toks = ref.front.num_events, ref.decoded.tokens
+    assert k >= 2 and all(toks), (k, toks)
+    prefill, serial = calls[0], calls[1: 1 + k]
+    calls.clear()
+    ex = ReleaseExample(video, list(ref.front.steps), torch.tensor(ref.front.intervals).reshape(-1, 2),
+                        [list(x) for x in toks], num_tokens=0)
+    with torch.no_grad():
+        out = t.forward_one(ex)
+    train_prompt, train_rest = calls
+    assert torch.equal(train_prompt, prefill)
+    assert torch.equal(train_rest[:, :k], torch.cat(serial, 1))  # serial <G>_1..K
+    col = k
+    rows = []
+    for j, branch in enumerate(toks):
+        n = len(branch)  # anchor + the tokens fed after it, the last one predicting the branch's last token
+        for r in range(n):
+            assert torch.equal(train_rest[:, col + r], ref.calls[r].position_ids[:, j]), (j, r)
+            rows.append(ref.calls[r].logits[j])
+        col += n
+    assert col == train_rest.shape[1]
+    # the same rows predict the same: planning and every branch token
+    assert torch.allclose(out["branch_logits"].float(), torch.stack(rows), atol=1e-4)
+    decided = ref.front.planning_logits.float().cpu()  # [K+1, 2] (<G>, <S>); K rows when the cap ended planning
+    plan = out["text_logits"][: len(decided), [t.model.g_id, t.model.s_id]].float()
+    assert torch.allclose(plan, decided, atol=1e-4)
+    assert len(decided) == k + 1  # planning ended by <S>, not the cap: every planning row was compared
+    assert plan.argmax(-1).tolist() == [0] * k + [1]  # planning is <G> vs <S>: K <G>s, then <S>
+    assert out["text_labels"].tolist() == [t.model.g_id] * k + [t.model.s_id]
+    scores = out["branch_logits"].float().clone()
+    scores[:, [t.model.g_id, t.model.s_id, t.model.shift_id]] = float("-inf")  # decoding's bans
+    assert scores.argmax(-1).tolist() == [x for b in toks for x in b] == out["branch_labels"].tolist()
