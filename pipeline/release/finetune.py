@@ -198,6 +198,8 @@ class ReleaseFinetune(nn.Module):
         return lay, pos, delta, emb, prefill_mask(lay, m.dtype).to(dev)
 
     def forward_one(self, ex: ReleaseExample) -> dict:
+        from infer.release_front import seconds  # the one timestep -> seconds rule
+
         m = self.model
         dev, dtype = m.device, m.dtype
         lay, pos, delta, emb, mask = self._prompt(ex)
@@ -274,14 +276,14 @@ class ReleaseFinetune(nn.Module):
         event_rows += list(out2.hidden_states[-2][0, skip: skip + k - 1])
         segs = m.segment_vectors(h_ground, lay)
         evi = m.evi_head(torch.stack(event_rows))
-        times = torch.tensor([[t * ex.video.seconds_per_step, (t + 1) * ex.video.seconds_per_step]
-                              for t in range(lay.grid.timesteps)])
+        d = ex.video.seconds_per_step
+        times = torch.tensor([seconds((t, t), d) for t in range(lay.grid.timesteps)])
         logits = (evi @ segs.T).float() / math.sqrt(evi.shape[-1])
         result["grounding_logits"].append(logits)
         with torch.no_grad():  # the read-out intervals, for the held-out numbers (train/evaluate.py loss_counts)
             s = m.settings
             steps = [find_and_merge(torch.sigmoid(row), s.grounding_threshold, s.grounding_merge_gap) for row in logits]
-            pred = [(a * ex.video.seconds_per_step, (b + 1) * ex.video.seconds_per_step) for a, b in steps]
+            pred = [seconds(step, d) for step in steps]
             result["grounded"] = [(pred, ex.intervals.tolist())]
         result["grounding_targets"].append(soft_targets(ex.intervals, times).to(dev))
         labels = torch.tensor(branch_labels, device=dev)
