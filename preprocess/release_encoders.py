@@ -66,14 +66,16 @@ def release_width(path: Path) -> int:
 
 
 def release_model(path: str | Path, device: torch.device):
-    """The checkpoint as a ReleaseCaptioner on `device`, loaded once per process (shared by both encoders)."""
+    """The checkpoint's two towers (a towers-only ReleaseCaptioner: the LLM is never read nor put on
+    `device`), loaded once per process (shared by both encoders)."""
     from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
 
     key = (str(Path(path).resolve()), str(device))
     with _LOCK:
         if key not in _MODELS:
             dtype = "bfloat16" if device.type == "cuda" else "float32"
-            model = ReleaseCaptioner.from_release(key[0], ReleaseSettings(dtype=dtype), device=device).eval()
+            model = ReleaseCaptioner.from_release(key[0], ReleaseSettings(dtype=dtype), device=device,
+                                                  towers_only=True).eval()
             for p in model.parameters():
                 p.requires_grad_(False)
             _MODELS[key] = model

@@ -78,3 +78,18 @@ def test_an_fp32_checkpoint_loads_in_bf16_and_on_a_named_device():
     fp32 = ReleaseCaptioner.from_release(CHECKPOINT)
     assert fp32.dtype == torch.float32
     assert torch.equal(fp32.decoder.layers[1].self_attn.q_proj.weight, w)
+
+
+def test_a_towers_only_load_reads_the_towers_and_leaves_the_llm_unread():
+    from tests.support.release import fixture_video
+
+    full = ReleaseCaptioner.from_release(CHECKPOINT)
+    towers = ReleaseCaptioner.from_release(CHECKPOINT, device="cpu", towers_only=True)
+    held = dict(towers.named_parameters())
+    llm = [n for n in held if n.startswith("hf.model.language_model.")]
+    assert llm and all(held[n].is_meta for n in llm) and all(p.is_meta for p in towers.evi_head.parameters())
+    assert not any(p.is_meta for p in [*towers.visual.parameters(), *towers.audio.parameters()])
+    v = fixture_video()
+    grid = torch.tensor([list(v.grid_thw)])
+    assert torch.equal(towers.encode_video(v.pixel_values, grid), full.encode_video(v.pixel_values, grid))
+    assert torch.equal(towers.encode_audio(v.mel), full.encode_audio(v.mel))
