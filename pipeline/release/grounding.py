@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.aggregation import normalise_inside
 from pipeline.grounding import bridged_runs, heaviest_run
 
 
@@ -45,10 +46,8 @@ def token_weights(scores: torch.Tensor, mode: str) -> torch.Tensor:
     """Aggregation-row values of the selected tokens [n] -> weights [n] summing to 1."""
     if mode == "release":
         return scores.softmax(dim=-1)
-    total = scores.float().sum()
-    if total <= 0:
-        return torch.full_like(scores, 1.0 / scores.numel())
-    return (scores.float() / total).to(scores.dtype)
+    inside = torch.ones(1, scores.numel(), dtype=torch.bool, device=scores.device)  # every selected token
+    return normalise_inside(scores, inside)[0].to(scores.dtype)  # this project's rule (pipeline/aggregation.py)
 
 
 def aggregate(row: torch.Tensor, hidden: torch.Tensor, lay, interval: tuple[int, int], mode: str,
