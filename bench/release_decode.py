@@ -16,7 +16,6 @@ the bandwidth floor (the LLM weights read once per step over `--bandwidth-gbs`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.output import emit  # noqa: E402
 from infer.engine import CaptionEngine  # noqa: E402
 from infer.sampling import DecodeControl  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
@@ -100,10 +100,7 @@ def main(argv=None) -> dict:
             "ms_per_step": s["step_ms"] / max(s["steps"], 1), "decode_ms_per_token": s["step_ms"] / max(tokens, 1),
             "ms_per_video": wall * 1e3 / len(vids), "prefill_ms_per_video": s["front_ms"] / len(vids),
             "tokens": tokens, "steps": s["steps"], "errors": sum(1 for r in res if r.error)}
-    print(json.dumps(out, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
-    return out
+    return emit(out, args.out)
 
 
 if __name__ == "__main__":

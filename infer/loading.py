@@ -91,7 +91,7 @@ def load_release(cfg: Config, path: Path, device: torch.device) -> tuple[Any, Mo
     """(ReleaseCaptioner in eval mode on its device, its card, cfg with the release encoders)."""
     from pipeline.release.model import ReleaseCaptioner, settings_from
 
-    model = ReleaseCaptioner.from_release(path, settings_from(cfg)).to(device).eval()
+    model = ReleaseCaptioner.from_release(path, settings_from(cfg), device=device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     card = ModelCard(model_id=f"{path.name}-{weights_fingerprint(path)}", source=f"{path} (PadCaptioner release)",

@@ -7,10 +7,19 @@ inference produced). This project's loader, front half, reference loop and engin
 on the same inputs; one line per check with its error and tolerance, then
 `N/M checks passed`; exit status 0 only if every check passed.
 
-Discrete results (ids, positions, masks, intervals, K, tokens, text) must be equal;
-continuous ones within the fixture's fp32 tolerances. Any case the format describes
-works: other seeds, segment counts, thresholds, caps, videos without audio (no
-`audio_feature`, empty audio index sets), K = 0.
+Discrete results (ids, positions, masks, index sets element by element, intervals, K,
+tokens, text) must be equal; continuous ones within the tolerances of the dtype run
+(TOL: fp32 about 10x the largest error observed on the fixture, bf16 about 3x the bf16
+errors observed on it; the trace is always fp32). The weights are checked against the
+checkpoint by an independent table (infer/parity_weights.py), in both dtypes. In bf16 a
+discrete outcome may differ only where the release itself sat within the bf16 tolerance
+of a decision (a token whose logit margin, a planning step whose <G>/<S> gap, a timestep
+whose similarity-to-threshold distance is within it): such a check passes and says so,
+and what follows the divergence is compared only where it is still the same
+computation (other branches' rows). Every check runs on its own: an exception is a FAIL
+line with the check's name, and the run goes on; the exit status is 1 on any FAIL. Any
+case the format describes works: other seeds, segment counts, thresholds, caps, videos
+without audio (no `audio_feature`, empty audio index sets), K = 0.
 """
 
 from __future__ import annotations
@@ -23,7 +32,14 @@ from pathlib import Path
 
 import torch
 
-TOL = {"encoder": 1e-4, "states": 1e-3, "logits": 2e-3, "attn_row": 1e-5, "vectors": 1e-4, "sims": 1e-4}
+# fp32: ~10x the largest error seen on release-golden (vision 7e-7, Whisper 3.6e-6, states 3e-6, logits
+# 9.1e-6, attention row 9.3e-9, vectors 2.2e-6, similarities 1.1e-5); bf16: ~3x the bf16 errors seen there
+# (encoder 0.027, states 0.084, logits 0.35, attention row 2.6e-4, vectors 0.074, similarities 0.29)
+TOL = {
+    "float32": {"encoder": 3e-5, "states": 3e-5, "logits": 1e-4, "attn_row": 1e-7, "vectors": 2e-5, "sims": 1e-4},
+    # sims only 2x: sigmoids of the tiny model's large scores (bf16 barely constrains them on this fixture)
+    "bfloat16": {"encoder": 0.08, "states": 0.25, "logits": 1.0, "attn_row": 1e-3, "vectors": 0.25, "sims": 0.6},
+}
 
 
 @dataclass
@@ -57,8 +73,27 @@ class Checks:
         ok = ours == theirs if not isinstance(ours, torch.Tensor) else bool(torch.equal(ours.cpu(), theirs.cpu()))
         self.items.append(Check(name, None, None, bool(ok), detail if ok else f"{detail} ours {ours!r} vs {theirs!r}"[:300]))
 
-    def error(self, name: str, exc: Exception) -> None:
+    def verdict(self, name: str, passed: bool, detail: str = "") -> None:
+        self.items.append(Check(name, None, None, bool(passed), detail[:300]))
+
+    def error(self, name: str, exc: BaseException) -> None:
         self.items.append(Check(name, None, None, False, f"{type(exc).__name__}: {exc}"[:300]))
+
+    def guard(self, name: str, fn) -> None:
+        """Run one check; an exception (an earlier failure included) becomes its FAIL line."""
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - every failure is a FAIL line, the run goes on
+            self.error(name, exc)
+
+
+class Missing(RuntimeError):
+    """A value an earlier step should have produced (that step failed: its FAIL line says why)."""
+
+
+class Context(dict):
+    def __missing__(self, key):
+        raise Missing(f"needs {key!r}, which an earlier step did not produce")
 
 
 def load_case(root: Path):
@@ -68,8 +103,41 @@ def load_case(root: Path):
     return pt("inputs.pt"), json.loads((root / "golden.json").read_text()), pt("golden_tensors.pt"), pt("golden_trace.pt")
 
 
+def expand_sets(ranges_per_step) -> list[list[int]]:
+    """The trace's [(start, end), ...] per timestep -> every index, in order."""
+    return [[i for a, b in step for i in range(int(a), int(b))] for step in ranges_per_step]
+
+
+def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
+    n = min(len(ours), len(theirs))
+    return next((i for i in range(n) if ours[i] != theirs[i]), None if len(ours) == len(theirs) else n)
+
+
+def token_verdict(ours: list[list[int]], theirs: list[list[int]], calls, tol: float | None) -> tuple[bool, str]:
+    """Equal, or (tol given: bf16) each branch's first divergence a near tie in our logits at that step."""
+    if ours == theirs:
+        return True, ""
+    if tol is None or len(ours) != len(theirs):
+        return False, f"ours {ours!r} vs {theirs!r}"[:300]
+    notes = []
+    for j, (a, b) in enumerate(zip(ours, theirs)):
+        r = first_divergence(a, b)
+        if r is None:
+            continue
+        if r >= min(len(a), len(b)) or r >= len(calls):
+            return False, f"branch {j}: lengths {len(a)} vs {len(b)} with the same tokens"
+        row = calls[r].logits[j]
+        margin = float(row[a[r]] - row[b[r]])
+        if margin > tol:
+            return False, f"branch {j} step {r}: {a[r]} over {b[r]} by {margin:.3g} > tol {tol:g}"
+        notes.append(f"branch {j} step {r} near tie ({margin:.3g})")
+    return True, "bf16: " + "; ".join(notes)
+
+
 def run(root: Path, dtype: str = "float32", out=sys.stdout) -> Checks:
     from infer.engine import CaptionEngine
+    from infer.parity_weights import weight_problems
+    from infer.decoded import Decoded
     from infer.release_reference import release_reference, release_text
     from pipeline.config import InferConfig
     from pipeline.release.checkpoint import read_state_dict
@@ -77,103 +145,193 @@ def run(root: Path, dtype: str = "float32", out=sys.stdout) -> Checks:
     from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
     from pipeline.release.video import ReleaseVideo
 
-    checks = Checks()
-    inputs, golden, tensors, trace = load_case(root)
-    ttc = inputs.get("test_time_config", {})
-    settings = ReleaseSettings(grounding_threshold=float(ttc.get("grounding_threshold", 0.7)),
-                               grounding_merge_gap=int(ttc.get("grounding_merge_gap", 2)), dtype=dtype)
-    if ttc.get("grounding_select", "mass") != "mass":
-        raise SystemExit(f"grounding_select {ttc['grounding_select']!r}: only the release default 'mass' is implemented")
-    sample = json.loads((root / "sample.json").read_text())
-    sample = sample[0] if isinstance(sample, list) else sample
-    instruction = sample["conversations"][0]["value"].split("<video>\n", 1)[-1]
-    settings.instruction = instruction
-    model = ReleaseCaptioner.from_release(root / "checkpoint", settings).eval()
-    state = read_state_dict(root / "checkpoint")
-    used = model.release_state_dict()
-    ignored = sorted(set(state) - set(used))
-    checks.equal("weights: strict load", all(torch.equal(used[k].float(), state[k].float()) for k in used) if
-                 dtype == "float32" else True, True, f"{len(state)} tensors, {len(used)} used, {len(ignored)} ignored")
+    root = Path(root)
+    checks, c = Checks(), Context()
+    tol = TOL[dtype]
+    near = tol["logits"] if dtype != "float32" else None  # bf16: near ties allowed (module doc)
 
-    grid = [int(x) for x in inputs["video_grid_thw"][0].tolist()]
-    mel = inputs.get("audio_feature")
-    video = ReleaseVideo(sample.get("id", "case"), float(sample.get("duration", 0.0)),
-                         float(inputs.get("timestep_duration", inputs["second_per_grid_ts"][0])), tuple(grid),
-                         pixel_values=inputs["pixel_values_videos"], mel=mel, instruction=instruction)
-    vis = model.encode_video(video.pixel_values, torch.tensor([grid]))
-    checks.close("vision tower + merger", vis, tensors["visual"], TOL["encoder"])
+    def case():
+        c["inputs"], c["golden"], c["tensors"], c["trace"] = load_case(root)
+        ttc = c["inputs"].get("test_time_config", {})
+        if ttc.get("grounding_select", "mass") != "mass":
+            raise ValueError(f"grounding_select {ttc['grounding_select']!r}: only the release default 'mass' is implemented")
+        sample = json.loads((root / "sample.json").read_text())
+        c["sample"] = sample[0] if isinstance(sample, list) else sample
+        c["instruction"] = c["sample"]["conversations"][0]["value"].split("<video>\n", 1)[-1]
+        c["settings"] = ReleaseSettings(grounding_threshold=float(ttc.get("grounding_threshold", 0.7)),
+                                        grounding_merge_gap=int(ttc.get("grounding_merge_gap", 2)), dtype=dtype,
+                                        instruction=c["instruction"])
+
+    checks.guard("read the case", case)
+    checks.guard("load the checkpoint", lambda: c.update(model=ReleaseCaptioner.from_release(
+        root / "checkpoint", c["settings"]).eval()))
+
+    def weights():
+        state = read_state_dict(root / "checkpoint")
+        problems = weight_problems(c["model"], state)
+        checks.verdict("weights: file vs model (own table)", not problems,
+                       "; ".join(problems) or f"{len(state)} tensors in the file, each where the release's naming puts it")
+
+    checks.guard("weights: file vs model (own table)", weights)
+
+    def video():
+        inputs, sample = c["inputs"], c["sample"]
+        c["grid"] = [int(x) for x in inputs["video_grid_thw"][0].tolist()]
+        c["video"] = ReleaseVideo(sample.get("id", "case"), float(sample.get("duration", 0.0)),
+                                  float(inputs.get("timestep_duration", inputs["second_per_grid_ts"][0])),
+                                  tuple(c["grid"]), pixel_values=inputs["pixel_values_videos"],
+                                  mel=inputs.get("audio_feature"), instruction=c["instruction"])
+
+    checks.guard("the case's video", video)
+    checks.guard("vision tower + merger", lambda: checks.close(
+        "vision tower + merger", c["model"].encode_video(c["video"].pixel_values, torch.tensor([c["grid"]])),
+        c["tensors"]["visual"], tol["encoder"]))
+    mel = c["inputs"].get("audio_feature") if "inputs" in c else None
     if mel is not None:
-        checks.close("whisper encoder", model.audio.encode(mel.to(model.device)), tensors["whisper_last_hidden"],
-                     TOL["encoder"])
-        checks.close("window Q-Former + audio_proj", model.encode_audio(mel).reshape(tensors["audio"].shape),
-                     tensors["audio"], TOL["encoder"])
+        checks.guard("whisper encoder", lambda: checks.close(
+            "whisper encoder", c["model"].audio.encode(mel.to(c["model"].device)), c["tensors"]["whisper_last_hidden"],
+            tol["encoder"]))
+        checks.guard("window Q-Former + audio_proj", lambda: checks.close(
+            "window Q-Former + audio_proj", c["model"].encode_audio(mel).reshape(c["tensors"]["audio"].shape),
+            c["tensors"]["audio"], tol["encoder"]))
 
-    ref = release_reference(model, video, model.max_events, model.max_branch_tokens)
-    pre, front = ref.front.prefill, ref.front
-    lay = pre.layout
-    checks.equal("prompt ids", lay.input_ids.tolist(), golden["input_ids"])
-    checks.equal("AV block start / aggregation query", (lay.p0, lay.query_index),
-                 (golden["p0"], golden["aggregation_query_index"]))
-    checks.equal("per-timestep index sets",
-                 ([[(s[0], s[-1] + 1)] if s else [] for s in lay.video_sets],
-                  [[(s[0], s[-1] + 1)] if s else [] for s in lay.audio_sets]),
-                 ([[tuple(r) for r in t] for t in inputs["video_token_indices_per_timestep"]],
-                  [[tuple(r) for r in t] for t in inputs["audio_token_indices_per_timestep"]]))
+    def reference():
+        m = c["model"]
+        c["ref"] = release_reference(m, c["video"], m.max_events, m.max_branch_tokens)
+        c["pre"], c["front"] = c["ref"].front.prefill, c["ref"].front
+        c["lay"] = c["pre"].layout
+        c["calls"] = {x["phase"]: x for x in c["trace"]["calls"]}
+        c["cols"] = c["trace"]["logit_columns"]
+
+    checks.guard("reference loop", reference)
+    checks.guard("prompt ids", lambda: checks.equal("prompt ids", c["lay"].input_ids.tolist(), c["golden"]["input_ids"]))
+    checks.guard("AV block start / aggregation query", lambda: checks.equal(
+        "AV block start / aggregation query", (c["lay"].p0, c["lay"].query_index),
+        (c["golden"]["p0"], c["golden"]["aggregation_query_index"])))
+    for kind in ("video", "audio"):
+        checks.guard(f"{kind} index sets (every index)", lambda kind=kind: checks.equal(
+            f"{kind} index sets (every index)", [list(s) for s in getattr(c["lay"], f"{kind}_sets")],
+            expand_sets(c["inputs"][f"{kind}_token_indices_per_timestep"])))
     for mode, key, dkey in (("release", "positions_infer", "rope_delta_infer"),
                             ("training", "positions_train", "rope_delta_train")):
-        pos, delta = mrope_ids(lay, mode)
-        checks.equal(f"positions ({mode} mode) + delta", (pos.tolist(), delta), (golden[key], golden[dkey]))
-    checks.close("prefill inputs_embeds", pre.inputs_embeds, tensors["prefill_inputs_embeds"], TOL["encoder"])
-    checks.close("grounding-layer states hs[-2]", pre.h_ground, tensors["hs_m2"], TOL["states"])
-    checks.close("aggregation-layer states", pre.h_agg, tensors["hs_agg"], TOL["states"])
-    cols = trace["logit_columns"]
-    calls = {c["phase"]: c for c in trace["calls"]}
-    prefill_logits = model.lm_logits(pre.last_hidden[None]).float().cpu()
-    checks.close("prefill logits (last row)", prefill_logits[:, cols], calls["prefill"]["logits"]["values_at_columns"],
-                 TOL["logits"])
-    block = slice(lay.p0, lay.p0 + lay.block_len)
-    checks.close("aggregation attention row", pre.attn_row[block], tensors["attn_row"], TOL["attn_row"])
-    checks.close("segment vectors", pre.segments, tensors["segment_vectors"], TOL["vectors"])
-    checks.close("grounding similarities", front.grounding_logits, tensors["grounding_sims"], TOL["sims"])
-    checks.equal("grounded intervals (timesteps)", [list(s) for s in front.steps],
-                 [iv[0] for iv in golden["serial_intervals"]])
-    checks.equal("events K", front.num_events, golden["K"])
-    plan = torch.tensor([[p["logit_G"], p["logit_S"]] for p in golden["planning"] if not p.get("forced_by_cap")])
-    checks.close("planning logits (<G>, <S>)", front.planning_logits[: plan.shape[0]], plan, TOL["logits"])
-    if front.num_events:
-        checks.close("serial <G> inputs", front.serial_inputs, tensors["serial_G_inputs_embeds"], TOL["vectors"])
-        serial_pos = [calls[f"serial_G{i + 1}"]["position_ids"][0, 0].item() for i in range(front.num_events)]
-        checks.equal("serial <G> positions", [lay.length + i + pre.delta for i in range(front.num_events)], serial_pos)
-        checks.close("anchor inputs", front.anchors, tensors["anchor_inputs_embeds"], TOL["vectors"])
+        name = f"positions ({mode} mode) + delta"
+        checks.guard(name, lambda name=name, mode=mode, key=key, dkey=dkey: checks.equal(
+            name, tuple((lambda p, d: (p.tolist(), d))(*mrope_ids(c["lay"], mode))), (c["golden"][key], c["golden"][dkey])))
+    for name, ours, theirs, kind in (
+            ("prefill inputs_embeds", "inputs_embeds", "prefill_inputs_embeds", "encoder"),
+            ("grounding-layer states hs[-2]", "h_ground", "hs_m2", "states"),
+            ("aggregation-layer states", "h_agg", "hs_agg", "states"),
+            ("segment vectors", "segments", "segment_vectors", "vectors")):
+        checks.guard(name, lambda name=name, ours=ours, theirs=theirs, kind=kind: checks.close(
+            name, getattr(c["pre"], ours), c["tensors"][theirs], tol[kind]))
+    checks.guard("prefill logits (last row)", lambda: checks.close(
+        "prefill logits (last row)", c["model"].lm_logits(c["pre"].last_hidden[None]).float().cpu()[:, c["cols"]],
+        c["calls"]["prefill"]["logits"]["values_at_columns"], tol["logits"]))
+    checks.guard("aggregation attention row", lambda: checks.close(
+        "aggregation attention row", c["pre"].attn_row[c["lay"].p0: c["lay"].p0 + c["lay"].block_len],
+        c["tensors"]["attn_row"], tol["attn_row"]))
+
+    def planning():
+        golden = c["golden"]
+        plan = torch.tensor([[p["logit_G"], p["logit_S"]] for p in golden["planning"] if not p.get("forced_by_cap")])
+        ours = c["front"].planning_logits
+        n = min(len(ours), len(plan))
+        checks.close("planning logits (<G>, <S>)", ours[:n], plan[:n], tol["logits"])
+        k, want = c["front"].num_events, golden["K"]
+        if k == want or near is None:
+            checks.equal("events K", k, want)
+            return
+        gap = float((plan[n - 1, 0] - plan[n - 1, 1]).abs()) if n else float("inf")
+        checks.verdict("events K", gap <= near, f"ours {k} vs {want}: the release's <G>/<S> gap at step {n - 1} "
+                                                f"is {gap:.3g} (bf16 tol {near:g})")
+
+    checks.guard("planning logits (<G>, <S>)", planning)
+    checks.guard("grounding similarities", lambda: checks.close(
+        "grounding similarities", c["front"].grounding_logits, c["tensors"]["grounding_sims"], tol["sims"]))
+
+    def intervals():
+        ours, want = [list(s) for s in c["front"].steps], [iv[0] for iv in c["golden"]["serial_intervals"]]
+        if ours == want or near is None:
+            checks.equal("grounded intervals (timesteps)", ours, want)
+            return
+        thr = c["settings"].grounding_threshold
+        sims = c["tensors"]["grounding_sims"].float()
+        worst = 0.0
+        for o, w, g in zip(ours, want, sims):
+            if o != w:
+                flip = [t for t in range(len(g)) if (g[t] >= thr * g.max()) != (t in range(o[0], o[1] + 1))]
+                worst = max([worst] + [float((g[t] - thr * g.max()).abs()) for t in flip])
+        ok = len(ours) == len(want) and worst <= tol["sims"]
+        checks.verdict("grounded intervals (timesteps)", ok, f"bf16: ours {ours} vs {want}; the release's farthest "
+                                                             f"flipped timestep is {worst:.3g} from the threshold")
+
+    checks.guard("grounded intervals (timesteps)", intervals)
+
+    def branches():
+        front, calls, cols, lay, pre = c["front"], c["calls"], c["cols"], c["lay"], c["pre"]
+        k = front.num_events
+        if not k or k != c["golden"]["K"]:
+            return
+        checks.close("serial <G> inputs", front.serial_inputs, c["tensors"]["serial_G_inputs_embeds"], tol["vectors"])
+        serial_pos = [calls[f"serial_G{i + 1}"]["position_ids"][0, 0].item() for i in range(k)]
+        checks.equal("serial <G> positions", [lay.length + i + pre.delta for i in range(k)], serial_pos)
+        checks.close("anchor inputs", front.anchors, c["tensors"]["anchor_inputs_embeds"], tol["vectors"])
+        want = [b["tokens"] for b in c["golden"]["branches"]]
         masks_ok, pos_ok, worst = True, True, 0.0
-        for c in ref.calls:
-            g = calls.get(c.phase)
+        ours = c["ref"].decoded.tokens
+        for r, call in enumerate(c["ref"].calls):
+            g = calls.get(call.phase)
             if g is None:
                 masks_ok = False
                 continue
-            masks_ok &= bool(torch.equal(c.allowed, g["layer_attention_allowed"]))
-            pos_ok &= bool(torch.equal(c.position_ids, g["position_ids"]))
-            worst = max(worst, float((c.logits[:, cols] - g["logits"]["values_at_columns"]).abs().max()))
+            masks_ok &= bool(torch.equal(call.allowed, g["layer_attention_allowed"]))
+            pos_ok &= bool(torch.equal(call.position_ids, g["position_ids"]))
+            # a row is the same computation while its branch's tokens so far equal the release's
+            rows = [j for j in range(k) if ours[j][:r] == want[j][:r]]
+            if rows:
+                worst = max(worst, float((call.logits[rows][:, cols] - g["logits"]["values_at_columns"][rows]).abs().max()))
         n_branch = sum(1 for p in calls if p == "anchors" or p.startswith("branch_step"))
-        checks.equal("anchor/branch forwards", len(ref.calls), n_branch)
+        checks.equal("anchor/branch forwards", len(c["ref"].calls), n_branch)
         checks.equal("anchor/branch masks", masks_ok, True)
         checks.equal("anchor/branch positions", pos_ok, True)
-        checks.items.append(Check("anchor/branch logits", worst, TOL["logits"], worst <= TOL["logits"]))
-    want = [b["tokens"] for b in golden["branches"]]
-    checks.equal("reference loop tokens", ref.decoded.tokens, want)
-    engine = CaptionEngine(model, InferConfig(max_events=model.max_events, max_branch_tokens=model.max_branch_tokens + 1,
-                                              dtype=dtype, device="cpu"))
-    decoded = engine.decode(video)
-    checks.equal("engine tokens (cascade step)", decoded.tokens, want)
-    flat = []
-    for i, toks in enumerate(decoded.tokens):
-        flat += ([198] if i else []) + [model.g_id] + toks
-    checks.equal("generated sequence", flat, golden["generated_tokens"])
-    text = release_text(model.tokenizer, decoded, front.steps, video.seconds_per_step, model.eos_id)
-    checks.equal("final text with seconds", text, golden["pred"])
-    for c in checks.items:
-        print(c.line(), file=out)
-    n = sum(c.passed for c in checks.items)
+        checks.items.append(Check("anchor/branch logits", worst, tol["logits"], worst <= tol["logits"]))
+
+    checks.guard("anchor/branch forwards", branches)
+
+    def tokens():
+        want = [b["tokens"] for b in c["golden"]["branches"]]
+        c["want"] = want
+        checks.verdict("reference loop tokens", *token_verdict(c["ref"].decoded.tokens, want, c["ref"].calls, near))
+
+    checks.guard("reference loop tokens", tokens)
+
+    def engine():
+        m = c["model"]
+        eng = CaptionEngine(m, InferConfig(max_events=m.max_events, max_branch_tokens=m.max_branch_tokens + 1,
+                                           dtype=dtype, device="cpu"))
+        c["decoded"] = eng.decode(c["video"])
+        # fp32: the release's tokens; bf16: the reference loop's, near ties judged in its logits (same history)
+        target = c["want"] if near is None else c["ref"].decoded.tokens
+        checks.verdict("engine tokens (cascade step)", *token_verdict(c["decoded"].tokens, target, c["ref"].calls, near))
+
+    checks.guard("engine tokens (cascade step)", engine)
+
+    def text():
+        m, decoded, want = c["model"], c["decoded"], c["want"]
+        same = decoded.tokens == want
+        toks = decoded.tokens if same else want  # bf16 after a near tie: the text rule on the release's tokens
+        flat = []
+        for i, t in enumerate(toks):
+            flat += ([198] if i else []) + [m.g_id] + t
+        checks.equal("generated sequence", flat, c["golden"]["generated_tokens"], "" if same else "(release's tokens)")
+        shown = decoded if same else Decoded(decoded.video_id, decoded.duration, decoded.intervals, want, decoded.steps)
+        txt = release_text(m.tokenizer, shown, c["front"].steps, c["video"].seconds_per_step, m.eos_id)
+        checks.equal("final text with seconds", txt, c["golden"]["pred"], "" if same else "(release's tokens)")
+
+    checks.guard("final text with seconds", text)
+    for item in checks.items:
+        print(item.line(), file=out)
+    n = sum(item.passed for item in checks.items)
     print(f"{n}/{len(checks.items)} checks passed", file=out)
     return checks
 

@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.decoded import Decoded
-from infer.release_front import ReleaseFront, release_front
+from infer.release_front import ReleaseFront, release_front, seconds
 from pipeline.release.video import ReleaseVideo
 
 
@@ -106,5 +106,6 @@ def release_text(tokenizer, decoded: Decoded, steps: list[tuple[int, int]], d: f
             text = "" if i == len(steps) - 1 else "; "
         elif text[0] not in " ;,.<":
             text = " " + text
-        lines.append(f"{round(a * d, 2)} - {round((b + 1) * d, 2)}{text}")
+        start, end = seconds((a, b), d)
+        lines.append(f"{round(start, 2)} - {round(end, 2)}{text}")
     return "\n".join(lines)

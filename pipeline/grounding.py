@@ -72,8 +72,10 @@ def grounding_bce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits.float(), targets.float())
 
 
-def _runs(keep: list[bool], max_gap: int) -> list[tuple[int, int]]:
-    """Index runs of kept segments, joining runs separated by <= max_gap dropped ones."""
+def bridged_runs(keep: list[bool], max_gap: int) -> list[tuple[int, int]]:
+    """Index runs of kept segments, joining runs separated by <= max_gap dropped ones (inclusive ends)."""
+    if max_gap < 0:
+        raise ValueError(f"the gap bridged between runs must be >= 0, got {max_gap}")
     runs: list[list[int]] = []
     for t, k in enumerate(keep):
         if not k:
@@ -85,6 +87,23 @@ def _runs(keep: list[bool], max_gap: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
+def heaviest_run(p: torch.Tensor, keep: list[bool], runs: list[tuple[int, int]], mass: str = "kept") -> tuple[int, int]:
+    """The run with the largest mass, the first on ties. mass "kept": the sum of p over the run's kept
+    segments (this project's rule); "span": over the whole bridged span, gap steps included (the
+    release's). Sums are taken in p's dtype, as the release does (bf16 ties included)."""
+    if mass not in ("kept", "span"):
+        raise ValueError(f"unknown run mass {mass!r}")
+    best, best_mass = None, None
+    for a, b in runs:
+        seg = p[a: b + 1]
+        m = seg.sum() if mass == "span" else (seg * torch.tensor(keep[a: b + 1], dtype=p.dtype)).sum()
+        if best_mass is None or m > best_mass:
+            best, best_mass = (a, b), m
+    if best is None:
+        raise ValueError("no run to choose from")
+    return best
+
+
 def readout_one(logits: torch.Tensor, segment_times: torch.Tensor, threshold: float, max_gap: int) -> tuple[float, float]:
     """logits [T] -> (start, end) seconds.
 
@@ -94,12 +113,7 @@ def readout_one(logits: torch.Tensor, segment_times: torch.Tensor, threshold: fl
     """
     p = torch.sigmoid(logits.float()).cpu()  # [T] is small: one transfer, then plain host work
     keep = (p >= threshold * p.max()).tolist()
-    best, best_mass = None, -1.0
-    for a, b in _runs(keep, max_gap):
-        mass = float((p[a : b + 1] * torch.tensor(keep[a : b + 1], dtype=p.dtype)).sum())
-        if mass > best_mass:
-            best, best_mass = (a, b), mass
-    a, b = best
+    a, b = heaviest_run(p, keep, bridged_runs(keep, max_gap), mass="kept")
     return float(segment_times[a, 0]), float(segment_times[b, 1])
 
 

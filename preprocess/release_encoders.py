@@ -67,14 +67,16 @@ def release_width(path: Path) -> int:
 
 
 def release_model(path: str | Path, device: torch.device):
-    """The checkpoint as a ReleaseCaptioner on `device`, loaded once per process (shared by both encoders)."""
+    """The checkpoint's two towers (a towers-only ReleaseCaptioner: the LLM is never read nor put on
+    `device`), loaded once per process (shared by both encoders)."""
     from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
 
     key = (str(Path(path).resolve()), str(device))
     with _LOCK:
         if key not in _MODELS:
             dtype = "bfloat16" if device.type == "cuda" else "float32"
-            model = ReleaseCaptioner.from_release(key[0], ReleaseSettings(dtype=dtype)).to(device).eval()
+            model = ReleaseCaptioner.from_release(key[0], ReleaseSettings(dtype=dtype), device=device,
+                                                  towers_only=True).eval()
             for p in model.parameters():
                 p.requires_grad_(False)
             _MODELS[key] = model
@@ -193,11 +195,13 @@ def inputs_video(inputs: ReleaseInputs, video_id: str):
     mel = None if inputs.mel is None else torch.from_numpy(inputs.mel)
     return ReleaseVideo(video_id=video_id, duration=float(inputs.length_s),
                         seconds_per_step=float(inputs.seconds_per_timestep), grid_thw=tuple(inputs.grid_thw),
-                        pixel_values=inputs.pixel_values(), mel=mel)
+                        pixel_values=inputs.pixel_values(), mel=mel, geometry=inputs.geometry)
 
 
-def release_video(sample: Sample):
-    """A stored schema-2 Sample (release encoders) -> the ReleaseVideo with its tokens, for the engine."""
+def release_video(sample: Sample, geometry=None):
+    """A stored schema-2 Sample (release encoders) -> the ReleaseVideo with its tokens, for the engine
+    (`geometry`: the checkpoint's, pipeline/release/geometry.py; None: the 3B's)."""
+    from pipeline.release.geometry import RELEASE
     from pipeline.release.video import as_release_video
 
-    return as_release_video(sample)
+    return as_release_video(sample, geometry or RELEASE)

@@ -58,21 +58,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.release.geometry import CHUNK_SECONDS as WHISPER_SECONDS
+from pipeline.release.geometry import RELEASE, Geometry
 from pipeline.release.layout import AVGrid, audio_counts, index_sets
 
-PATCH = 14
-TEMPORAL_PATCH = 2
-MERGE = 2
-FACTOR = PATCH * MERGE  # 28: resized sides are multiples of this
-PATCH_DIM = 3 * TEMPORAL_PATCH * PATCH * PATCH  # 1176
+# patch / temporal patch / merge sizes, tokens per second and the audio window are the checkpoint's
+# (pipeline/release/geometry.py: FrontendConfig.geometry, the 3B's by default)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 RESCALE = 1 / 255
 SAMPLE_RATE = 16000
-CHUNK_SECONDS = 30
+CHUNK_SECONDS = int(WHISPER_SECONDS)
 CHUNK_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000
-TOKENS_PER_CHUNK = 60  # Whisper's 1500 frames in windows of 25, one Q-Former query each
-AUDIO_TOKEN_SECONDS = 0.5
 N_MELS = 128
 MEL_FRAMES = 3000
 
@@ -90,14 +87,21 @@ class FrontendConfig:
     max_frames: int = 256  # video_max_frames
     max_frame_pixels: float = 61250  # video_max_frame_pixels
     min_frame_pixels: float = 784  # video_min_frame_pixels
+    geometry: Geometry = RELEASE  # the checkpoint's patch / merge / temporal sizes, token rates
 
     @classmethod
     def from_features(cls, features: Any) -> "FrontendConfig":
-        """From pipeline.config.FeaturesConfig (its frame-count fields and the release pixel budgets)."""
+        """From pipeline.config.FeaturesConfig (its frame-count fields and the release pixel budgets); the
+        geometry from the config.json of `features.release_path` when that is a release directory."""
+        from pipeline.release.checkpoint import is_release_dir
+
+        path = getattr(features, "release_path", "") or ""
+        geometry = Geometry.from_dir(path) if path and is_release_dir(path) else RELEASE
         return cls(seconds_per_frame=float(features.seconds_per_frame), min_frames=int(features.min_frames),
                    max_frames=int(features.max_frames),
                    max_frame_pixels=float(getattr(features, "release_max_frame_pixels", cls.max_frame_pixels)),
-                   min_frame_pixels=float(getattr(features, "release_min_frame_pixels", cls.min_frame_pixels)))
+                   min_frame_pixels=float(getattr(features, "release_min_frame_pixels", cls.min_frame_pixels)),
+                   geometry=geometry)
 
 
 # --------------------------------------------------------------------------- frames
@@ -125,7 +129,7 @@ def pixel_budget(kept_frames: int, cfg: FrontendConfig) -> tuple[float, float]:
     return top, cfg.min_frame_pixels
 
 
-def smart_resize(height: int, width: int, factor: int = FACTOR, min_pixels: float = 56 * 56,
+def smart_resize(height: int, width: int, factor: int = RELEASE.factor, min_pixels: float = 56 * 56,
                  max_pixels: float = 14 * 14 * 4 * 1280) -> tuple[int, int]:
     """Qwen2-VL's resize rule: both sides multiples of `factor`, area in [min, max], aspect kept.
 
@@ -167,40 +171,43 @@ def normalize(frames: torch.Tensor) -> torch.Tensor:
     return (frames.to(torch.float32) - mean) / std
 
 
-def pad_temporal(frames: torch.Tensor) -> torch.Tensor:
-    """[N, ...] -> [N rounded up to TEMPORAL_PATCH, ...], repeating the last frame."""
-    extra = (-frames.shape[0]) % TEMPORAL_PATCH
+def pad_temporal(frames: torch.Tensor, geo: Geometry = RELEASE) -> torch.Tensor:
+    """[N, ...] -> [N rounded up to the temporal patch, ...], repeating the last frame."""
+    extra = (-frames.shape[0]) % geo.temporal_patch_size
     if extra == 0:
         return frames
     return torch.cat([frames, frames[-1:].expand(extra, *frames.shape[1:])])
 
 
-def patchify(frames: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """[N even, C, H, W] (H, W multiples of 28) -> ([T*gh*gw, C*2*14*14], (T, gh, gw)), the processor's order.
+def patchify(frames: torch.Tensor, geo: Geometry = RELEASE) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """[N, C, H, W] (N a multiple of the temporal patch tp, H, W of the factor p*m) -> ([T*gh*gw, C*tp*p*p],
+    (T, gh, gw)), the processor's order (3B: tp 2, p 14, m 2).
 
-    Rows run over timesteps, then 2x2 merge windows in raster order, then the 4 patches of a window;
-    a row holds channel, then temporal frame, then the 14x14 pixels.
+    Rows run over timesteps, then m x m merge windows in raster order, then the patches of a window;
+    a row holds channel, then temporal frame, then the p x p pixels.
     """
     n, c, h, w = frames.shape
-    if n % TEMPORAL_PATCH or h % FACTOR or w % FACTOR:
-        raise FrontendError(f"cannot patchify {list(frames.shape)}: frames must be even, sides multiples of {FACTOR}")
-    t, gh, gw = n // TEMPORAL_PATCH, h // PATCH, w // PATCH
-    x = frames.reshape(t, TEMPORAL_PATCH, c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    tp, p, m = geo.temporal_patch_size, geo.patch_size, geo.spatial_merge_size
+    if n % tp or h % geo.factor or w % geo.factor:
+        raise FrontendError(f"cannot patchify {list(frames.shape)}: frames must be a multiple of {tp}, sides "
+                            f"multiples of {geo.factor}")
+    t, gh, gw = n // tp, h // p, w // p
+    x = frames.reshape(t, tp, c, gh // m, m, p, gw // m, m, p)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(t * gh * gw, c * TEMPORAL_PATCH * PATCH * PATCH), (t, gh, gw)
+    return x.reshape(t * gh * gw, c * tp * p * p), (t, gh, gw)
 
 
-def timestep_seconds(kept_frames: int, length_s: float) -> float:
+def timestep_seconds(kept_frames: int, length_s: float, geo: Geometry = RELEASE) -> float:
     """d = second_per_grid_ts = temporal_patch / fps with fps = kept frames / L."""
-    return TEMPORAL_PATCH / (kept_frames / length_s)
+    return geo.temporal_patch_size / (kept_frames / length_s)
 
 
 # --------------------------------------------------------------------------- audio
 
 
-def audio_token_total(samples: int) -> int:
-    """A_total = 60 * ceil(samples / 480000), samples after the 1 s zero-pad."""
-    return TOKENS_PER_CHUNK * math.ceil(max(samples, SAMPLE_RATE) / CHUNK_SAMPLES)
+def audio_token_total(samples: int, geo: Geometry = RELEASE) -> int:
+    """A_total = tokens per chunk (60 for the 3B) * ceil(samples / 480000), samples after the 1 s zero-pad."""
+    return geo.audio_tokens_per_chunk * math.ceil(max(samples, SAMPLE_RATE) / CHUNK_SAMPLES)
 
 
 def whisper_extractor():
@@ -228,10 +235,12 @@ def mel_chunks(waveform: np.ndarray, extractor=None) -> tuple[np.ndarray, int]:
 # --------------------------------------------------------------------------- interleave and index sets
 
 
-def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int) -> AVGrid:
+def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int, geo: Geometry = RELEASE) -> AVGrid:
     """The release layout's view of one video (pipeline/release/layout.py owns the interleave and index-set rules)."""
-    return AVGrid(timesteps=int(grid_thw[0]), rows=int(grid_thw[1]) // MERGE, cols=int(grid_thw[2]) // MERGE,
-                  seconds_per_step=float(d), audio_tokens=int(audio_total))
+    m = geo.spatial_merge_size
+    return AVGrid(timesteps=int(grid_thw[0]), rows=int(grid_thw[1]) // m, cols=int(grid_thw[2]) // m,
+                  seconds_per_step=float(d), audio_tokens=int(audio_total), tokens_per_second=geo.tokens_per_second,
+                  audio_seconds_per_token=geo.audio_seconds_per_token)
 
 
 # --------------------------------------------------------------------------- one video
@@ -253,6 +262,7 @@ class ReleaseInputs:
     num_source_frames: int = 0
     average_fps: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    geometry: Geometry = RELEASE  # the checkpoint's (FrontendConfig.geometry)
 
     @property
     def num_timesteps(self) -> int:
@@ -260,8 +270,9 @@ class ReleaseInputs:
 
     @property
     def tokens_per_timestep(self) -> int:
-        """V = (gh / 2) * (gw / 2) merged tokens per timestep."""
-        return (self.grid_thw[1] // MERGE) * (self.grid_thw[2] // MERGE)
+        """V = (gh / m) * (gw / m) merged tokens per timestep."""
+        m = self.geometry.spatial_merge_size
+        return (self.grid_thw[1] // m) * (self.grid_thw[2] // m)
 
     @property
     def has_audio(self) -> bool:
@@ -269,7 +280,7 @@ class ReleaseInputs:
 
     @property
     def layout_grid(self) -> AVGrid:
-        return av_grid(self.grid_thw, self.seconds_per_timestep, self.audio_total)
+        return av_grid(self.grid_thw, self.seconds_per_timestep, self.audio_total, self.geometry)
 
     @property
     def audio_counts(self) -> list[int]:
@@ -291,7 +302,7 @@ class ReleaseInputs:
         numbers = {"length_s": self.length_s, "seconds_per_timestep": self.seconds_per_timestep,
                    "grid_thw": list(self.grid_thw), "audio_samples": self.audio_samples, "audio_total": self.audio_total,
                    "source_size": list(self.source_size), "num_source_frames": self.num_source_frames,
-                   "average_fps": self.average_fps, "meta": self.meta}
+                   "average_fps": self.average_fps, "meta": self.meta, "geometry": self.geometry.to_dict()}
         arrays = {"frames": self.frames.numpy(), "frame_indices": np.asarray(self.frame_indices, np.int64),
                   "numbers": np.frombuffer(json.dumps(numbers).encode("utf-8"), dtype=np.uint8)}
         if self.mel is not None:
@@ -308,11 +319,12 @@ class ReleaseInputs:
                        seconds_per_timestep=n["seconds_per_timestep"], grid_thw=tuple(n["grid_thw"]),
                        mel=z["mel"] if "mel" in z.files else None, audio_samples=n["audio_samples"],
                        audio_total=n["audio_total"], source_size=tuple(n["source_size"]),
-                       num_source_frames=n["num_source_frames"], average_fps=n["average_fps"], meta=n["meta"])
+                       num_source_frames=n["num_source_frames"], average_fps=n["average_fps"], meta=n["meta"],
+                       geometry=Geometry.from_dict(n.get("geometry")))
 
     def pixel_values(self) -> torch.Tensor:
-        """float32 [T*gh*gw, 1176]: normalised, padded to an even frame count, patchified."""
-        return patchify(pad_temporal(normalize(self.frames)))[0]
+        """float32 [T*gh*gw, patch_dim (1176)]: normalised, padded to whole temporal patches, patchified."""
+        return patchify(pad_temporal(normalize(self.frames), self.geometry), self.geometry)[0]
 
     def segment_times(self) -> np.ndarray:
         """float32 [T, 2]: [t*d, (t+1)*d], the last end clipped to L (an odd frame count overshoots it)."""
@@ -327,11 +339,12 @@ def prepare_frames(frames: np.ndarray | torch.Tensor, kept: int, length_s: float
     x = torch.as_tensor(np.ascontiguousarray(frames)) if isinstance(frames, np.ndarray) else frames
     if x.dtype != torch.uint8 or x.dim() != 4 or x.shape[-1] != 3:
         raise FrontendError(f"frames must be uint8 [N, H, W, 3], got {x.dtype} {list(x.shape)}")
+    geo = cfg.geometry
     top, bottom = pixel_budget(kept, cfg)
-    h, w = smart_resize(int(x.shape[1]), int(x.shape[2]), FACTOR, bottom, top)
+    h, w = smart_resize(int(x.shape[1]), int(x.shape[2]), geo.factor, bottom, top)
     resized = resize_frames(x.permute(0, 3, 1, 2).contiguous(), h, w)
-    grid = (-(-kept // TEMPORAL_PATCH), h // PATCH, w // PATCH)
-    return resized, grid, timestep_seconds(kept, length_s)
+    grid = (-(-kept // geo.temporal_patch_size), h // geo.patch_size, w // geo.patch_size)
+    return resized, grid, timestep_seconds(kept, length_s, geo)
 
 
 def build_inputs(frames: np.ndarray | torch.Tensor, frame_indices: np.ndarray, num_source_frames: int,
@@ -346,11 +359,12 @@ def build_inputs(frames: np.ndarray | torch.Tensor, frame_indices: np.ndarray, n
     mel, samples, total = None, 0, 0
     if waveform is not None:
         mel, samples = mel_chunks(waveform, extractor)
-        total = audio_token_total(samples)
+        total = audio_token_total(samples, cfg.geometry)
     return ReleaseInputs(frames=resized, frame_indices=np.asarray(frame_indices), length_s=length,
                          seconds_per_timestep=d, grid_thw=grid, mel=mel, audio_samples=samples, audio_total=total,
                          source_size=(int(frames.shape[1]), int(frames.shape[2])),
-                         num_source_frames=int(num_source_frames), average_fps=float(average_fps))
+                         num_source_frames=int(num_source_frames), average_fps=float(average_fps),
+                         geometry=cfg.geometry)
 
 
 # --------------------------------------------------------------------------- reading files

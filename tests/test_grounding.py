@@ -113,3 +113,23 @@ def test_aggregator_weights(mode):
         assert torch.allclose(w["visual"][0], expect / expect.sum())
     if mode == "mean":
         assert torch.allclose(w["visual"][0, 4:8], torch.full((4,), 0.25))
+
+
+def test_one_run_rule_with_the_two_mass_rules():
+    """The project's readout and the release's find_and_merge share the bridging; they differ in the mass."""
+    from pipeline.grounding import bridged_runs, heaviest_run
+    from pipeline.release.grounding import find_and_merge, token_weights
+
+    p = torch.tensor([0.9, 0.2, 0.85, 0.0, 0.0, 0.0, 0.95, 0.9])
+    keep = (p >= 0.8).tolist()
+    runs = bridged_runs(keep, 1)
+    assert runs == [(0, 2), (6, 7)]
+    assert heaviest_run(p, keep, runs, "kept") == (6, 7)  # 1.85 over 1.75: the gap step does not count
+    assert heaviest_run(p, keep, runs, "span") == (0, 2)  # 1.75 + 0.2 with the gap step: the release's
+    assert find_and_merge(p, 0.8 / 0.95, 1) == (0, 2)
+    with pytest.raises(ValueError):
+        bridged_runs(keep, -1)
+    w = token_weights(torch.tensor([0.2, 0.6, 0.2]), "renormalised")
+    assert torch.allclose(w, torch.tensor([0.2, 0.6, 0.2]))
+    assert torch.equal(token_weights(torch.zeros(4), "renormalised"), torch.full((4,), 0.25))
+    assert torch.allclose(token_weights(torch.tensor([0.0, 1.0]), "release"), torch.tensor([0.0, 1.0]).softmax(-1))

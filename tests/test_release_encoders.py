@@ -56,6 +56,14 @@ def videos(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model():
+    """The whole model, as the engine holds it (featurize actors hold the towers only: `towers`)."""
+    from pipeline.release.model import ReleaseCaptioner
+
+    return ReleaseCaptioner.from_release(CHECKPOINT).eval()
+
+
+@pytest.fixture(scope="module")
+def towers():
     return release_model(CHECKPOINT, torch.device("cpu"))
 
 
@@ -76,7 +84,9 @@ def test_misconfigured_release_encoders_are_refused(changes, needle):
         ReleaseFeaturizer(cfg)
 
 
-def test_towers_reproduce_the_fixture(model):
+def test_towers_reproduce_the_fixture(towers):
+    model = towers
+    assert model.decoder.layers[0].mlp.up_proj.weight.is_meta  # a featurize actor never loads the LLM
     x = torch.load(GOLDEN / "inputs.pt", weights_only=True)
     g = torch.load(GOLDEN / "golden_tensors.pt", weights_only=True)
     assert torch.allclose(model.encode_video(x["pixel_values_videos"], x["video_grid_thw"]), g["visual"], atol=1e-4)

@@ -4,7 +4,12 @@ A checkpoint directory:
 
     model/               PadCaptioner.save_pretrained (adapter/, extra.safetensors,
                          tokenizer/, padcaptioner.json) + config.json (the run's Config),
-                         loadable on its own by PadCaptioner.from_pretrained / infer.loading
+                         loadable on its own by PadCaptioner.from_pretrained / infer.loading.
+                         Not written for a model whose saved form is a full merged copy
+                         (`merged_at_end`: the release fine-tune, ~9.4 GB at 3B): its
+                         checkpoints hold the trained tensors only, and the merged
+                         directory is made from one at the end or on demand
+                         (train/export.py: `python -m train.export CHECKPOINT OUT`)
     train_state.pt       step, data position (epoch, records consumed in it), RNG states,
                          the trainable tensors (exact, in training dtype), optimizer and
                          scheduler state (DDP backend), data stats
@@ -84,9 +89,10 @@ def save_checkpoint(path: str | Path, *, model, state: TrainState, config_json: 
     """Rank 0's part of a checkpoint (see the module doc)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path / MODEL_DIR)
-    # a release-format model dir already has config.json (the HF config): the run config goes beside it
-    (path / MODEL_DIR / getattr(model, "run_config_file", CONFIG_FILE)).write_text(config_json)
+    if not getattr(model, "merged_at_end", False):
+        model.save_pretrained(path / MODEL_DIR)
+        # a release-format model dir already has config.json (the HF config): the run config goes beside it
+        (path / MODEL_DIR / getattr(model, "run_config_file", CONFIG_FILE)).write_text(config_json)
     (path / CONFIG_FILE).write_text(config_json)
     payload = {
         "step": state.step, "epoch": state.epoch, "records_in_epoch": state.records_in_epoch,
@@ -104,6 +110,18 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None) 
     """Restore what `save_checkpoint` wrote into a freshly built model / optimizer / scheduler."""
     path = Path(path)
     payload = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    load_trainable(path, payload, model)
+    if optimizer is not None and payload["optimizer"] is not None:
+        optimizer.load_state_dict(payload["optimizer"])
+    if scheduler is not None and payload["scheduler"] is not None:
+        scheduler.load_state_dict(payload["scheduler"])
+    history = json.loads((path / HISTORY_FILE).read_text()) if (path / HISTORY_FILE).exists() else []
+    return TrainState(step=payload["step"], epoch=payload["epoch"], records_in_epoch=payload["records_in_epoch"],
+                      history=history, data_stats=payload.get("data_stats") or {}, resumes=payload.get("resumes", 0))
+
+
+def load_trainable(path: Path, payload: dict, model) -> None:
+    """The checkpoint's trained tensors into a freshly built model of the same config (exact match)."""
     params = model.trainable_parameters()
     missing = sorted(set(params) - set(payload["trainable"]))
     unexpected = sorted(set(payload["trainable"]) - set(params))
@@ -115,13 +133,6 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None) 
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(payload["trainable"][name].to(p.device, p.dtype))
-    if optimizer is not None and payload["optimizer"] is not None:
-        optimizer.load_state_dict(payload["optimizer"])
-    if scheduler is not None and payload["scheduler"] is not None:
-        scheduler.load_state_dict(payload["scheduler"])
-    history = json.loads((path / HISTORY_FILE).read_text()) if (path / HISTORY_FILE).exists() else []
-    return TrainState(step=payload["step"], epoch=payload["epoch"], records_in_epoch=payload["records_in_epoch"],
-                      history=history, data_stats=payload.get("data_stats") or {}, resumes=payload.get("resumes", 0))
 
 
 def read_history(path: str | Path) -> list[dict[str, Any]]:

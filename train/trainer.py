@@ -24,7 +24,8 @@ PADCAP_TRAIN_CRASH_AT_STEP / PADCAP_TRAIN_CRASH_MARKER / PADCAP_TRAIN_CRASH_RANK
 worker `os._exit` once, at that step, while the marker file does not exist).
 
 After training (driver): the final checkpoint's model/ -> `<out>/model` (loadable by
-`PadCaptioner.from_pretrained`), history.json + learning_curve.png (train/plots.py), and
+`PadCaptioner.from_pretrained`; a release fine-tune's checkpoints hold only the trained
+tensors, so its merged release-format directory is written here, once: train/export.py), history.json + learning_curve.png (train/plots.py), and
 the held-out evaluation (train/heldout.py) whose numbers are printed and returned.
 """
 
@@ -359,12 +360,17 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
         local = Path(result.checkpoint.to_directory(os.path.join(tmp, "ckpt")))
         history = ckpt.read_history(local)
         state = torch.load(local / ckpt.STATE_FILE, map_location="cpu", weights_only=False)
-        model_path = _publish(local / ckpt.MODEL_DIR, storage.join(out_dir, "model"))
+        model_dir = local / ckpt.MODEL_DIR
+        if not model_dir.is_dir():  # a checkpoint of trained tensors only (release fine-tune): merge once, now
+            from train.export import export_model
+
+            model_dir = export_model(local, Path(tmp) / "model")
+        model_path = _publish(model_dir, storage.join(out_dir, "model"))
         plot_local = Path(tmp) / "learning_curve.png"
         learning_curve(history, plot_local, title=f"PadCaptioner training ({cfg.model.backbone}, mask={cfg.model.mask})")
         storage.write_bytes(storage.join(out_dir, "learning_curve.png"), plot_local.read_bytes())
         storage.write_json(storage.join(out_dir, "history.json"), history)
-        heldout = evaluate_heldout(cfg, local / ckpt.MODEL_DIR, mf.current_keys(rows, cfg.train.val_split))
+        heldout = evaluate_heldout(cfg, model_dir, mf.current_keys(rows, cfg.train.val_split))
     last = history[-1] if history else {}
     vals = [h for h in history if "val_grounding_f1@0.5" in h]
     val = {k[4:]: round(v, 4) for k, v in (vals[-1] if vals else {}).items() if k.startswith("val_")}

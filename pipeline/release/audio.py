@@ -27,7 +27,7 @@ from transformers import WhisperConfig
 from transformers.activations import ACT2FN
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-CHUNK_SECONDS = 30.0
+from pipeline.release.geometry import CHUNK_SECONDS
 
 
 class _Heads(nn.Module):

@@ -9,7 +9,8 @@ popped) next to `config.json`; a hub re-upload may be (sharded) safetensors. All
 layouts are read here. Mapping is strict: every tensor in the file is used by exactly
 one target parameter or buffer, or named in an explicit ignore list; a missing target,
 an unknown key or a wrong shape is a `ReleaseError` that names the key.
-Pure torch + safetensors; no ray.
+Weights are memory-mapped (`torch.load(mmap=True)`, safetensors read as views of
+one private map). Pure torch; no ray.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 BIN = "pytorch_model.bin"
 SAFE = "model.safetensors"
@@ -58,12 +58,43 @@ def weight_files(path: str | Path) -> list[Path]:
     raise ReleaseError(f"{path}: no weights ({BIN}, {SAFE} or a sharded index {INDEXES})")
 
 
+SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+               "BOOL": torch.bool}
+
+
+def mapped_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """A .safetensors file's tensors as views of one private memory map of it (pages read when
+    touched, written pages copied: the file never changes). A tensor whose offset is not a
+    multiple of its element size (the format does not promise it) is copied out instead."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    header.pop("__metadata__", None)
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    base = 8 + n
+    out = {}
+    for key, info in header.items():
+        if info["dtype"] not in SAFE_DTYPES:
+            raise ReleaseError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which the loader does not read")
+        dtype, (begin, end) = SAFE_DTYPES[info["dtype"]], info["data_offsets"]
+        chunk = raw[base + begin: base + end]
+        item = torch.empty(0, dtype=dtype).element_size()
+        if (base + begin) % item:
+            chunk = chunk.clone()
+        out[key] = chunk.view(dtype).reshape(info["shape"])
+    return out
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a release directory on the CPU, keyed as the release names them."""
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(path):
-        part = load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu",
-                                                                                 weights_only=True, mmap=True)
+        part = mapped_safetensors(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu",
+                                                                                     weights_only=True, mmap=True)
         dup = state.keys() & part.keys()
         if dup:
             raise ReleaseError(f"{f}: tensor {sorted(dup)[0]!r} appears in more than one shard")

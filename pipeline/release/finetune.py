@@ -139,7 +139,21 @@ class ReleaseFinetune(nn.Module):
         base = self.model.lm_logits(hidden)
         return base.index_copy(-1, self.row_ids.to(hidden.device), hidden @ self.rows.to(hidden.dtype).T)
 
+    def enable_activation_checkpointing(self) -> None:
+        """Checkpoint every layer of the LLM, the vision tower and Whisper (non-reentrant). The towers
+        are frozen and run without gradients when training, so there it saves nothing; with the LLM
+        checkpointed, stage 2 reruns the prompt instead of reading its cache (HF drops caches then)."""
+        kwargs = {"use_reentrant": False}
+        self.model.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        if self.model.audio is not None:
+            self.model.audio.whisper.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return any(getattr(layer, "gradient_checkpointing", False) for layer in self.model.decoder.layers)
+
     run_config_file = RUN_CONFIG  # the run's config beside the release's own config.json (train/checkpoint.py)
+    merged_at_end = True  # checkpoints keep the trained tensors only; the merged dir is train/export.py's
 
     def collate(self, examples: list[ReleaseExample]) -> ReleaseBatch:
         return collate_release(examples)
@@ -152,7 +166,7 @@ class ReleaseFinetune(nn.Module):
     def make_example(self, sample, generator=None) -> ReleaseExample:
         """A TrainVideo, or a stored schema-2 Sample of the release encoders with its events."""
         if not isinstance(sample, TrainVideo):
-            sample = TrainVideo(as_release_video(sample), list(sample.events))
+            sample = TrainVideo(as_release_video(sample, self.model.geometry), list(sample.events))
         v, m = sample.video, self.model
         if not sample.events:
             raise ValueError(f"{v.video_id}: no events to train on")
@@ -184,12 +198,15 @@ class ReleaseFinetune(nn.Module):
         return lay, pos, delta, emb, prefill_mask(lay, m.dtype).to(dev)
 
     def forward_one(self, ex: ReleaseExample) -> dict:
+        from infer.release_front import seconds  # the one timestep -> seconds rule
+
         m = self.model
         dev, dtype = m.device, m.dtype
         lay, pos, delta, emb, mask = self._prompt(ex)
-        cache = DynamicCache(config=m.hf_config)
+        rerun = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        cache = None if rerun else DynamicCache(config=m.hf_config)
         out = m.decoder(inputs_embeds=emb[None], attention_mask=mask, position_ids=pos[:, None].to(dev), cache=cache,
-                        use_cache=True, output_hidden_states=True)
+                        use_cache=not rerun, output_hidden_states=True)
         hs = out.hidden_states
         h_ground, h_agg = hs[-2][0], hs[m.aggregation_layer][0]
         L, k = lay.length, len(ex.steps)
@@ -243,21 +260,30 @@ class ReleaseFinetune(nn.Module):
         same = (own[:, None] == own[None, :]) & (st[None, :] <= st[:, None])
         allowed[k:, L + k:] = same
         mask2 = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
-        out2 = m.decoder(inputs_embeds=x2, attention_mask=mask2, position_ids=p2.expand(3, 1, -1), cache=cache,
-                         use_cache=True, output_hidden_states=True)
-        h2 = out2.last_hidden_state[0]
+        if rerun:  # HF drops caches under activation checkpointing: stage 2 reruns with the prompt in front
+            top = torch.cat([mask[0, 0], mask.new_full((L, n2), torch.finfo(dtype).min)], 1)
+            out2 = m.decoder(inputs_embeds=torch.cat([emb[None], x2], 1),
+                             attention_mask=torch.cat([top, mask2[0, 0]])[None, None],
+                             position_ids=torch.cat([pos.to(dev), p2.expand(3, -1)], 1)[:, None], use_cache=False,
+                             output_hidden_states=True)
+            skip = L
+        else:
+            out2 = m.decoder(inputs_embeds=x2, attention_mask=mask2, position_ids=p2.expand(3, 1, -1), cache=cache,
+                             use_cache=True, output_hidden_states=True)
+            skip = 0
+        h2 = out2.last_hidden_state[0, skip:]
         text_hidden += list(h2[:k])
-        event_rows += list(out2.hidden_states[-2][0, : k - 1])
+        event_rows += list(out2.hidden_states[-2][0, skip: skip + k - 1])
         segs = m.segment_vectors(h_ground, lay)
         evi = m.evi_head(torch.stack(event_rows))
-        times = torch.tensor([[t * ex.video.seconds_per_step, (t + 1) * ex.video.seconds_per_step]
-                              for t in range(lay.grid.timesteps)])
+        d = ex.video.seconds_per_step
+        times = torch.tensor([seconds((t, t), d) for t in range(lay.grid.timesteps)])
         logits = (evi @ segs.T).float() / math.sqrt(evi.shape[-1])
         result["grounding_logits"].append(logits)
         with torch.no_grad():  # the read-out intervals, for the held-out numbers (train/evaluate.py loss_counts)
             s = m.settings
             steps = [find_and_merge(torch.sigmoid(row), s.grounding_threshold, s.grounding_merge_gap) for row in logits]
-            pred = [(a * ex.video.seconds_per_step, (b + 1) * ex.video.seconds_per_step) for a, b in steps]
+            pred = [seconds(step, d) for step in steps]
             result["grounded"] = [(pred, ex.intervals.tolist())]
         result["grounding_targets"].append(soft_targets(ex.intervals, times).to(dev))
         labels = torch.tensor(branch_labels, device=dev)

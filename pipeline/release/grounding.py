@@ -21,35 +21,15 @@ from __future__ import annotations
 
 import torch
 
-
-def salient_runs(sim: torch.Tensor, threshold: float) -> list[tuple[int, int]]:
-    """[T] -> inclusive (start, end) runs of timesteps with sim >= threshold * max(sim)."""
-    keep = (sim >= threshold * sim.max()).tolist()
-    runs, start = [], None
-    for t, k in enumerate(keep + [False]):
-        if k and start is None:
-            start = t
-        elif not k and start is not None:
-            runs.append((start, t - 1))
-            start = None
-    return runs
+from pipeline.aggregation import normalise_inside
+from pipeline.grounding import bridged_runs, heaviest_run
 
 
 def find_and_merge(sim: torch.Tensor, threshold: float, merge_gap: int) -> tuple[int, int]:
-    """Similarities [T] -> the grounded interval (a, b) in timestep indices, inclusive (module doc)."""
-    runs = salient_runs(sim, threshold)
-    spans: list[tuple[int, int]] = []
-    for s, e in runs:
-        if spans and s - spans[-1][1] - 1 <= merge_gap:
-            spans[-1] = (spans[-1][0], e)
-        else:
-            spans.append((s, e))
-    best, best_mass = spans[0], None
-    for s, e in spans:
-        mass = sim[s:e + 1].sum()
-        if best_mass is None or mass > best_mass:
-            best, best_mass = (s, e), mass
-    return best
+    """Similarities [T] -> the grounded interval (a, b) in timestep indices, inclusive (module doc):
+    the project's run bridging (pipeline/grounding.py) with the release's mass rule ("span")."""
+    keep = (sim >= threshold * sim.max()).tolist()
+    return heaviest_run(sim, keep, bridged_runs(keep, merge_gap), mass="span")
 
 
 def interval_tokens(lay, interval: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,10 +46,8 @@ def token_weights(scores: torch.Tensor, mode: str) -> torch.Tensor:
     """Aggregation-row values of the selected tokens [n] -> weights [n] summing to 1."""
     if mode == "release":
         return scores.softmax(dim=-1)
-    total = scores.float().sum()
-    if total <= 0:
-        return torch.full_like(scores, 1.0 / scores.numel())
-    return (scores.float() / total).to(scores.dtype)
+    inside = torch.ones(1, scores.numel(), dtype=torch.bool, device=scores.device)  # every selected token
+    return normalise_inside(scores, inside)[0].to(scores.dtype)  # this project's rule (pipeline/aggregation.py)
 
 
 def aggregate(row: torch.Tensor, hidden: torch.Tensor, lay, interval: tuple[int, int], mode: str,

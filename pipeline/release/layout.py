@@ -33,14 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.layout import LayoutError  # one error type for both layouts
+from pipeline.release.geometry import RELEASE
+
 SYSTEM = "You are a helpful assistant."
-AUDIO_SECONDS_PER_TOKEN = 0.5
-TOKENS_PER_SECOND = 2  # Qwen2.5-VL vision_config.tokens_per_second
 POSITION_MODES = ("release", "training")
-
-
-class LayoutError(ValueError):
-    """The video cannot be laid out for the release model; says why."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +49,8 @@ class AVGrid:
     cols: int  # W': merged token columns per timestep
     seconds_per_step: float  # d = 2 / fps
     audio_tokens: int  # A_total (0: no audio track)
+    tokens_per_second: float = RELEASE.tokens_per_second  # the checkpoint's (pipeline/release/geometry.py)
+    audio_seconds_per_token: float = RELEASE.audio_seconds_per_token
 
     @property
     def per_step(self) -> int:
@@ -60,7 +59,7 @@ class AVGrid:
 
 def tau(grid: AVGrid) -> torch.Tensor:
     """[T] int64: the temporal position offset of each timestep, float32 as the release computes it."""
-    return (torch.arange(grid.timesteps) * float(grid.seconds_per_step) * TOKENS_PER_SECOND).long()
+    return (torch.arange(grid.timesteps) * float(grid.seconds_per_step) * grid.tokens_per_second).long()
 
 
 def audio_counts(grid: AVGrid) -> list[int]:
@@ -84,8 +83,8 @@ def index_sets(grid: AVGrid) -> tuple[list[list[int]], list[list[int]]]:
         s0, s1 = math.floor(start / d), min(math.ceil(end / d), grid.timesteps)
         video.append(list(range(s0 * grid.per_step, s1 * grid.per_step)))
         if grid.audio_tokens > 0:
-            a0 = min(math.floor(start / AUDIO_SECONDS_PER_TOKEN), grid.audio_tokens)
-            a1 = min(math.ceil(end / AUDIO_SECONDS_PER_TOKEN), grid.audio_tokens)
+            a0 = min(math.floor(start / grid.audio_seconds_per_token), grid.audio_tokens)
+            a1 = min(math.ceil(end / grid.audio_seconds_per_token), grid.audio_tokens)
             audio.append(list(range(a0, a1)))
         else:
             audio.append([])

@@ -13,7 +13,9 @@ Parts (RELEASE.md 1.2), mapped by key prefix onto HF 5.24 classes and our own mo
   ignored on purpose: `score_head.*` (unused by the release with use_score_head false) and
   the Q-Former's `position_ids` buffer; `lm_head.weight` is tied (absent from the file).
 Every other tensor, missing one or wrong shape is an error that names it
-(pipeline/release/checkpoint.py). Token ids come from config.json and must agree with
+(pipeline/release/checkpoint.py). `from_release` builds the modules with their parameters on
+the meta device (no random init) and assigns the file's memory-mapped tensors, cast to the
+settings' dtype where the file's differs, on the requested device. Token ids come from config.json and must agree with
 the tokenizer saved beside it.
 
 The model exposes what the decoding engine uses of a PadCaptioner (decoder, ids,
@@ -29,11 +31,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
+from pipeline.release.geometry import Geometry
 from pipeline.release.layout import POSITION_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,6 +49,7 @@ CONFIG_IDS = {"video": "video_token_id", "vision_start": "vision_start_token_id"
               "audio": "audio_token_id", "g": "evi_token_id", "s": "evi_end_token_id", "shift": "shift_token_id",
               "im_end": "eos_token_id"}
 IGNORED_SUFFIXES = ("audio.qformer.bert.embeddings.position_ids",)
+TOWERS = ("hf.model.visual.", "audio.")  # the model keys of the two media towers
 DEFAULT_INSTRUCTION = "Could you outline the incidents that happened during different time periods in the video?"
 
 
@@ -130,6 +135,10 @@ class ReleaseCaptioner(nn.Module):
         if not 0 <= self.aggregation_layer < n_layers:
             raise ReleaseError(f"vision_audio_layer_index {self.aggregation_layer} outside [0, {n_layers})")
         self.audio_mean_weight = float(raw.get("audio_mean_weight", 1.0))
+        self.geometry = Geometry.from_config(raw)  # patch / merge / temporal sizes, token rates (3B defaults)
+        if self.audio is not None and self.audio.second_per_window != self.geometry.audio_seconds_per_token:
+            raise ReleaseError(f"audio_config.second_per_window {self.audio.second_per_window} disagrees with the "
+                               f"geometry's {self.geometry.audio_seconds_per_token}")
         self.max_events = int(settings.max_events or raw.get("max_planning_events", 30))
         self.max_branch_tokens = int(settings.max_branch_tokens or raw.get("max_branch_tokens", 320))
         if not raw.get("use_evidence", True) or raw.get("use_score_head", False) or raw.get("union_aggregation", False):
@@ -140,16 +149,23 @@ class ReleaseCaptioner(nn.Module):
     # ------------------------------------------------------------------ building
 
     @classmethod
-    def from_release(cls, path: str | Path, settings: ReleaseSettings | None = None) -> "ReleaseCaptioner":
-        """Load a release directory (config.json, weights, tokenizer), strictly (module doc)."""
+    def from_release(cls, path: str | Path, settings: ReleaseSettings | None = None,
+                     device: str | torch.device | None = None, towers_only: bool = False) -> "ReleaseCaptioner":
+        """Load a release directory (config.json, weights, tokenizer), strictly (module doc), in the
+        settings' dtype and on `device` (default CPU): the modules are built with their parameters on
+        the meta device and the file's tensors (memory-mapped) become the parameters, cast only when
+        the file's dtype differs, so host memory peaks near the checkpoint's size. towers_only: only the
+        vision tower and the audio tower are loaded (what a featurize actor runs); the LLM and the heads
+        stay on the meta device, never read nor moved to `device` (decoding with such a model fails)."""
         path = Path(path)
         if not is_release_dir(path):
             raise ReleaseError(f"{path} is not a PadCaptioner release directory (config.json of model_type "
                                "qwen2_5_vl with evi_token_id)")
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = cls(hf_config, tokenizer, settings)
-        model.load_release_state(read_state_dict(path))
+        with init_empty_weights(include_buffers=False):  # parameters on the meta device: no random init
+            model = cls(hf_config, tokenizer, settings)
+        model.load_release_state(read_state_dict(path), device=device, towers_only=towers_only)
         model.source = str(path.resolve())
         return model
 
@@ -159,18 +175,32 @@ class ReleaseCaptioner(nn.Module):
                 ("audio.audio_proj.", "audio.audio_proj."), ("audio.", "audio.whisper."),
                 ("frm_head.", "frm_head."), ("evi_head.", "evi_head.")]
 
-    def load_release_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load release-named tensors strictly (a missing, unexpected or misshapen one raises)."""
+    def load_release_state(self, state: dict[str, torch.Tensor], device: str | torch.device | None = None,
+                           towers_only: bool = False) -> None:
+        """Load release-named tensors strictly (a missing, unexpected or misshapen one raises). They are
+        assigned as the parameters (cast to the model's dtype, moved to `device` when given), so a model
+        built on the meta device is filled without a second copy."""
         targets = self.state_dict()
         ignore = [k for k in state if k.startswith("score_head.") or k.endswith(IGNORED_SUFFIXES)]
         optional = ["hf.lm_head.weight"] if self.tied else []
+        if towers_only:
+            targets = {k: v for k, v in targets.items() if k.startswith(TOWERS)}
+            ignore += [k for k in state if not k.startswith(("visual.", "audio."))]
         mapped = map_state_dict(state, self.release_rules(), targets, ignore=ignore, optional=optional)
-        dtype = self.dtype
-        with torch.no_grad():
-            for k, v in mapped.items():
-                targets[k].copy_(v.to(dtype) if v.is_floating_point() else v)
-        if self.tied:
+        here = self.tower_device if towers_only else self.device
+        dev = torch.device(device) if device is not None else (None if here.type == "meta" else here)
+        cast = {k: v.to(device=dev or v.device, dtype=targets[k].dtype if v.is_floating_point() else v.dtype)
+                for k, v in mapped.items()}
+        self.load_state_dict(cast, strict=False, assign=True)
+        if self.tied and not towers_only:
             self.hf.tie_weights()
+        for part in ([self.visual, self.audio] if towers_only else [self]):
+            if dev is not None and part is not None:
+                part.to(dev)  # the buffers computed at construction (rotary frequencies)
+        left = [n for n, t in [*self.named_parameters(), *self.named_buffers()]
+                if t.is_meta and (not towers_only or n.startswith(TOWERS))]
+        if left:
+            raise ReleaseError(f"{len(left)} tensor(s) the checkpoint did not fill: {left[:4]}")
 
     def release_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's tensors under the release's key names (what the release saves; tied head left out)."""
@@ -209,7 +239,13 @@ class ReleaseCaptioner(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.decoder.embed_tokens.weight.device
+        dev = self.decoder.embed_tokens.weight.device
+        return self.tower_device if dev.type == "meta" else dev  # a towers-only model: where its towers are
+
+    @property
+    def tower_device(self) -> torch.device:
+        """Where the vision tower is (a towers-only model has no LLM on a device)."""
+        return self.visual.patch_embed.proj.weight.device
 
     @property
     def hidden_size(self) -> int:
@@ -258,8 +294,8 @@ class ReleaseCaptioner(nn.Module):
     @torch.no_grad()
     def encode_video(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, 3*2*14*14], grid_thw [1, 3] (patches) -> merged tokens [T*H'*W', d]."""
-        vis = self.visual
-        out = vis(pixel_values.to(self.device, vis.dtype), grid_thw=grid_thw.to(self.device))
+        vis, dev = self.visual, self.tower_device
+        out = vis(pixel_values.to(dev, vis.dtype), grid_thw=grid_thw.to(dev))
         return out.pooler_output
 
     @torch.no_grad()
@@ -267,7 +303,7 @@ class ReleaseCaptioner(nn.Module):
         """mel [C, 128, 3000] -> audio tokens [C*60, d] (2 per second of the audio stream)."""
         if self.audio is None:
             raise ReleaseError("this checkpoint has no audio tower (no audio_config)")
-        return self.audio(mel.to(self.device)).flatten(0, 1)
+        return self.audio(mel.to(self.tower_device)).flatten(0, 1)
 
     def describe(self) -> dict:
         return {"kind": "release", **asdict(self.settings), "aggregation_layer": self.aggregation_layer,

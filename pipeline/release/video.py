@@ -4,8 +4,10 @@
                          pixel_values=..., mel=...)               # raw: encoded online
     video = ReleaseVideo(..., video_embeds=[T*V, d], audio_embeds=[A, d])   # stored tokens
 
-grid_thw is the patch grid of the vision tower (T timesteps of two frames, H x W patches
-of 14 px); the LLM sees H/2 x W/2 merged tokens per timestep. `mel` [C, 128, 3000] is the
+grid_thw is the patch grid of the vision tower (T timesteps of `temporal_patch_size` frames,
+H x W patches); the LLM sees H/m x W/m merged tokens per timestep, m the checkpoint's
+spatial merge (`geometry`, pipeline/release/geometry.py: the 3B's 2 frames, 14 px, m = 2 by
+default). `mel` [C, 128, 3000] is the
 Whisper log-mel of each 30 s chunk of the audio stream, None for a video without audio
 (then it gets no audio tokens at all, as in the release). Pure torch.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.release.geometry import RELEASE, Geometry
 from pipeline.release.layout import AVGrid
 
 
@@ -31,7 +34,7 @@ class ReleaseVideo:
     video_embeds: torch.Tensor | None = None  # [T*H'*W', d] (merged, raster order per timestep)
     audio_embeds: torch.Tensor | None = None  # [A_total, d]
     instruction: str | None = None  # None: the settings' instruction
-    merge: int = 2  # spatial merge of the vision tower
+    geometry: Geometry = RELEASE  # the checkpoint's media geometry
 
     @property
     def num_segments(self) -> int:
@@ -39,13 +42,16 @@ class ReleaseVideo:
 
     def grid(self, audio_tokens: int) -> AVGrid:
         t, h, w = (int(x) for x in self.grid_thw)
-        return AVGrid(timesteps=t, rows=h // self.merge, cols=w // self.merge,
-                      seconds_per_step=float(self.seconds_per_step), audio_tokens=int(audio_tokens))
+        geo = self.geometry
+        return AVGrid(timesteps=t, rows=h // geo.spatial_merge_size, cols=w // geo.spatial_merge_size,
+                      seconds_per_step=float(self.seconds_per_step), audio_tokens=int(audio_tokens),
+                      tokens_per_second=geo.tokens_per_second, audio_seconds_per_token=geo.audio_seconds_per_token)
 
 
-def as_release_video(item) -> ReleaseVideo:
+def as_release_video(item, geometry: Geometry = RELEASE) -> ReleaseVideo:
     """A ReleaseVideo as it is, or a stored schema-2 Sample of the release encoders -> its ReleaseVideo
-    (tokens in place of encoder inputs). Anything else is refused with the reason."""
+    (tokens in place of encoder inputs; `geometry`: the checkpoint's, as the model's
+    `geometry`). Anything else is refused with the reason."""
     if isinstance(item, ReleaseVideo):
         return item
     from pipeline.schema import SchemaError
@@ -58,4 +64,4 @@ def as_release_video(item) -> ReleaseVideo:
     return ReleaseVideo(video_id=item.video_id, duration=float(item.duration),
                         seconds_per_step=float(item.seconds_per_timestep), grid_thw=tuple(item.grid_thw),
                         video_embeds=torch.from_numpy(np.ascontiguousarray(item.visual).reshape(t * v, d)).float(),
-                        audio_embeds=torch.from_numpy(np.ascontiguousarray(item.audio)).float())
+                        audio_embeds=torch.from_numpy(np.ascontiguousarray(item.audio)).float(), geometry=geometry)

@@ -57,3 +57,25 @@ def random_video(seed: int, timesteps: int = 5, rows: int = 4, cols: int = 6, se
     chunks = max(1, math.ceil(duration / 30.0))
     mel = torch.randn(chunks, 128, 3000, generator=g) * 0.5 if audio else None
     return ReleaseVideo(video_id or f"v{seed}", duration, d, (timesteps, rows, cols), pixel_values=pixels, mel=mel)
+
+
+def reshaped_checkpoint(out: Path, vision: dict, audio: dict, seed: int = 0) -> Path:
+    """A random release-format checkpoint with the fixture's tokenizer and sizes but other
+    `vision_config` / `audio_config` keys (the media geometry), saved as the release saves."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in CHECKPOINT.iterdir():
+        if f.name != "pytorch_model.bin":
+            shutil.copy2(f, out / f.name)
+    cfg = json.loads((CHECKPOINT / "config.json").read_text())
+    cfg["vision_config"].update(vision)
+    cfg["audio_config"].update(audio)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    torch.manual_seed(seed)
+    model = ReleaseCaptioner(AutoConfig.from_pretrained(out), AutoTokenizer.from_pretrained(out))
+    torch.save({k: v.contiguous() for k, v in model.release_state_dict().items()}, out / "pytorch_model.bin")
+    return out

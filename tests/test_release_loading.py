@@ -1,0 +1,95 @@
+"""Loading a release checkpoint in its own dtype: modules built on the meta device, the file's
+memory-mapped tensors assigned as the weights (no random init, no fp32 detour), the file untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.release.checkpoint import mapped_safetensors, read_state_dict
+from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
+from tests.support.release import CHECKPOINT
+
+
+def _bf16_copy(tmp_path, fmt: str):
+    d = tmp_path / fmt
+    shutil.copytree(CHECKPOINT, d, ignore=shutil.ignore_patterns("pytorch_model.bin"))
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+             for k, v in read_state_dict(CHECKPOINT).items()}
+    if fmt == "bin":
+        torch.save(state, d / "pytorch_model.bin")
+    else:
+        save_file(state, str(d / "model.safetensors"))
+    return d, d / ("pytorch_model.bin" if fmt == "bin" else "model.safetensors")
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_safetensors_are_read_as_views_of_a_private_map(tmp_path):
+    d, f = _bf16_copy(tmp_path, "safetensors")
+    mapped, copied = mapped_safetensors(f), load_file(str(f))
+    assert mapped.keys() == copied.keys()
+    for k, v in copied.items():
+        assert mapped[k].dtype == v.dtype and torch.equal(mapped[k], v), k
+    before = _digest(f)
+    mapped["model.norm.weight"].add_(1.0)  # written pages are copied, the file stays as it is
+    assert _digest(f) == before
+
+
+def test_a_bf16_checkpoint_becomes_the_bf16_weights_without_a_copy(tmp_path, monkeypatch):
+    import pipeline.release.model as release_model
+
+    read = {}
+    monkeypatch.setattr(release_model, "read_state_dict", lambda path: read.setdefault(str(path), read_state_dict(path)))
+    for fmt in ("bin", "safetensors"):
+        d, f = _bf16_copy(tmp_path, fmt)
+        model = ReleaseCaptioner.from_release(d, ReleaseSettings(dtype="bfloat16"))
+        loaded = read[str(d)]
+        # the mapped tensors are the parameters: same memory, no copy made
+        for key, param in (("model.layers.0.mlp.up_proj.weight", model.decoder.layers[0].mlp.up_proj.weight),
+                           ("audio.layers.0.fc1.weight", model.audio.whisper.layers[0].fc1.weight),
+                           ("visual.blocks.0.attn.qkv.weight", model.visual.blocks[0].attn.qkv.weight)):
+            assert param.data_ptr() == loaded[key].data_ptr(), (fmt, key)
+        assert model.dtype == torch.bfloat16
+        assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        # the weights are the file's own values, bit for bit (nothing random left anywhere)
+        held = model.release_state_dict()
+        for k, v in held.items():
+            assert torch.equal(v, loaded[k]), (fmt, k)
+        assert model.hf.lm_head.weight.data_ptr() == model.decoder.embed_tokens.weight.data_ptr()
+        before = _digest(f)
+        with torch.no_grad():
+            model.decoder.layers[0].mlp.up_proj.weight.mul_(2.0)
+        assert _digest(f) == before, fmt
+
+
+def test_an_fp32_checkpoint_loads_in_bf16_and_on_a_named_device():
+    model = ReleaseCaptioner.from_release(CHECKPOINT, ReleaseSettings(dtype="bfloat16"), device="cpu")
+    state = read_state_dict(CHECKPOINT)
+    w = state["model.layers.1.self_attn.q_proj.weight"]
+    got = model.decoder.layers[1].self_attn.q_proj.weight
+    assert got.dtype == torch.bfloat16 and got.device.type == "cpu" and torch.equal(got, w.to(torch.bfloat16))
+    assert model.decoder.rotary_emb.inv_freq.device.type == "cpu"
+    fp32 = ReleaseCaptioner.from_release(CHECKPOINT)
+    assert fp32.dtype == torch.float32
+    assert torch.equal(fp32.decoder.layers[1].self_attn.q_proj.weight, w)
+
+
+def test_a_towers_only_load_reads_the_towers_and_leaves_the_llm_unread():
+    from tests.support.release import fixture_video
+
+    full = ReleaseCaptioner.from_release(CHECKPOINT)
+    towers = ReleaseCaptioner.from_release(CHECKPOINT, device="cpu", towers_only=True)
+    held = dict(towers.named_parameters())
+    llm = [n for n in held if n.startswith("hf.model.language_model.")]
+    assert llm and all(held[n].is_meta for n in llm) and all(p.is_meta for p in towers.evi_head.parameters())
+    assert not any(p.is_meta for p in [*towers.visual.parameters(), *towers.audio.parameters()])
+    v = fixture_video()
+    grid = torch.tensor([list(v.grid_thw)])
+    assert torch.equal(towers.encode_video(v.pixel_values, grid), full.encode_video(v.pixel_values, grid))
+    assert torch.equal(towers.encode_audio(v.mel), full.encode_audio(v.mel))
