@@ -153,7 +153,7 @@ class ReleaseProgram:
 
         self.model, self.opts, self.control = model, opts, control
         try:
-            video = as_release_video(video)
+            video = as_release_video(video, model.geometry)  # the checkpoint's media geometry
         except ValueError as e:
             raise DecodeError(str(e)) from e
         self.video = video

@@ -168,7 +168,7 @@ def release_front(model, video: ReleaseVideo, cache, max_events: int, control: D
     """Prefill + planning with step-by-step grounding + anchors for one video (module doc)."""
     timer = timer or StageTimer(model.device)
     try:
-        video = as_release_video(video)
+        video = as_release_video(video, model.geometry)  # the checkpoint's media geometry
     except ValueError as e:
         raise DecodeError(str(e)) from e
     pre = release_prefill(model, video, cache)
