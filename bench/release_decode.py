@@ -5,17 +5,22 @@ the LLM at `--shape`: `tiny` (the fixture's own sizes, a CPU smoke run) or `3b` 
 hidden 2048, 36 layers, 16 heads, 2 KV heads, MLP 11008, M-RoPE [16, 24, 24]). Videos carry
 stored tokens (their encoders are not timed: prefill onwards), `--timesteps` segments of
 `--tokens` video tokens plus 2 audio tokens per second; K and caption lengths are forced
-(DecodeControl) so every run decodes the same amount. Reports the engine's decode-phase ms
-per step / per token / per video for 1 and `--in-flight` videos at a time, prefill ms, and
-the bandwidth floor (the LLM weights read once per step over `--bandwidth-gbs`).
+(DecodeControl) so every run decodes the same amount. Reports, for 1 and each `--in-flight`
+count: the median decode-only step with that many videos decoding, over the bandwidth floor
+(the LLM weights read once per step over `--bandwidth-gbs`), decode tokens/s over one at a
+time, whether every video's tokens equal its one-at-a-time tokens in this dtype (else the
+first differing token and the alone decode's logit margin there), the kernel, and on CUDA the
+peak memory and the KV pool.
 
   python bench/release_decode.py --shape tiny --videos 4                         # CPU smoke
-  python bench/release_decode.py --shape 3b --device cuda --dtype bfloat16 --out r.json
+  python bench/release_decode.py --shape 3b --device cuda --dtype bfloat16 --in-flight 16 64 --out r.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.output import emit  # noqa: E402
 from infer.engine import CaptionEngine  # noqa: E402
+from infer.requests import Request  # noqa: E402
 from infer.sampling import DecodeControl  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings  # noqa: E402
@@ -63,13 +69,38 @@ def video(i: int, d: int, timesteps: int, tokens: int, seconds: float) -> Releas
                         audio_embeds=torch.randn(audio, d, generator=g) * 0.02)
 
 
+def planned_bytes(model, eng, step_tokens: int) -> int:
+    """What infer.plan predicts this process holds: the weights, the engine's KV pool, the working memory
+    of its largest step (CUDA context included)."""
+    from infer.plan import Shape, working_bytes
+
+    w = eng.weights
+    shape = Shape(w.num_layers, w.hidden, w.heads, w.kv_heads, w.head_dim, w.layers[0].up[0].shape[0], w.head.shape[0])
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = w.embed.element_size()
+    return weights + eng.pool.pages * eng.pool.bytes_per_page + working_bytes(shape, step_tokens, eng.cfg.max_batch_rows, size)
+
+
+def first_difference(model, vid, control, cfg, alone, batched) -> dict:
+    """Where a video's batched tokens first differ from alone, and the alone decode's logit margin there
+    (top-1 minus top-2: how close the choice was)."""
+    for e, (a, b) in enumerate(zip(alone, batched)):
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                traced = CaptionEngine(model, dataclasses.replace(cfg, max_batch_videos=1)).decode(
+                    vid, dataclasses.replace(control, trace=True))
+                top = traced.branch_logits[e][j].float().topk(2).values
+                return {"event": e, "position": j, "alone": x, "batched": y, "margin": float(top[0] - top[1])}
+    return {"event": None, "note": "equal tokens, different lengths"}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="tiny", choices=["tiny", "3b"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--videos", type=int, default=8)
-    ap.add_argument("--in-flight", type=int, default=8)
+    ap.add_argument("--in-flight", type=int, nargs="+", default=[8])
     ap.add_argument("--timesteps", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=66, help="video tokens per timestep (720p at 256 frames: 66)")
     ap.add_argument("--events", type=int, default=8)
@@ -85,21 +116,49 @@ def main(argv=None) -> dict:
     out = {"shape": args.shape, "device": args.device, "dtype": args.dtype,
            "events": args.events, "caption_tokens": args.caption_tokens, "modes": {},
            "floor_ms_per_step": llm_bytes / (args.bandwidth_gbs * 1e9) * 1e3, "llm_gb": llm_bytes / 1e9}
-    for n in (1, args.in_flight):
+    tokens_by_mode = {}
+    cfg = None
+    for n in [1, *args.in_flight]:
         cfg = InferConfig(max_events=args.events, max_branch_tokens=args.caption_tokens + 1, device=args.device,
-                          dtype=args.dtype, max_batch_videos=n, max_batch_rows=n * args.events)
+                          dtype=args.dtype, max_batch_videos=n, max_batch_rows=n * args.events, step_tokens=1 << 30)
         eng = CaptionEngine(model, cfg)
-        eng.caption(vids[:1], controls=[control])  # warm-up (kernels, graphs)
-        eng.stats.update(steps=0, row_steps=0, step_ms=0.0, front_ms=0.0)
+        eng.caption(vids[:1], controls=[control])  # warm-up (kernels, compilation)
+        eng.reset_stats()
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        res = eng.caption(vids, controls=[control] * len(vids))
+        got = {}
+        eng.run(iter([Request(v, control, tag=i) for i, v in enumerate(vids)]), lambda req, res: got.__setitem__(req.tag, res))
         wall = time.perf_counter() - t0
-        tokens = sum(r.timings.get("tokens", 0) for r in res)
-        s = eng.stats
-        out["modes"][f"in_flight_{n}"] = {
-            "ms_per_step": s["step_ms"] / max(s["steps"], 1), "decode_ms_per_token": s["step_ms"] / max(tokens, 1),
-            "ms_per_video": wall * 1e3 / len(vids), "prefill_ms_per_video": s["front_ms"] / len(vids),
-            "tokens": tokens, "steps": s["steps"], "errors": sum(1 for r in res if r.error)}
+        log = eng.stats["step_log"]
+        pure = [r for r in log if r.branch_rows and not (r.prefill_tokens or r.plan_rows or r.layer_tokens)]
+        full = [r.ms for r in pure if r.videos == n] or [r.ms for r in pure]
+        tokens_by_mode[n] = {i: d.tokens for i, d in got.items() if not isinstance(d, Exception)}
+        mode = {"ms_per_step": statistics.median(full) if full else None,
+                "ms_per_step_over_floor": statistics.median(full) / out["floor_ms_per_step"] if full else None,
+                "decode_tokens_per_s": sum(r.branch_rows for r in pure) / max(sum(r.ms for r in pure), 1e-9) * 1e3,
+                "ms_per_video": wall * 1e3 / len(vids), "tokens": sum(len(t) for d in tokens_by_mode[n].values() for t in d),
+                "steps": len(log), "kernel": eng.kernel.name,
+                "errors": sum(1 for d in got.values() if isinstance(d, Exception))}
+        if args.device == "cuda":
+            mode["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            mode["kv_pool_gb"] = eng.pool.describe()["pool_gb"]
+            mode["plan_predicted_gb"] = planned_bytes(model, eng, max(r.tokens for r in log)) / 1e9
+        out["modes"][f"in_flight_{n}"] = mode
+        out["kernel"] = eng.kernel.name
+        del eng  # its KV pool goes before the next engine sizes its own
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    base = out["modes"]["in_flight_1"]
+    for n in args.in_flight:
+        m = out["modes"][f"in_flight_{n}"]
+        m["tokens_per_s_over_one"] = m["decode_tokens_per_s"] / max(base["decode_tokens_per_s"], 1e-9)
+        same = {i: tokens_by_mode[n].get(i) == t for i, t in tokens_by_mode[1].items()}
+        m["batched_equals_alone"] = all(same.values())
+        if not m["batched_equals_alone"]:
+            i = next(i for i, ok in same.items() if not ok)
+            m["first_difference"] = first_difference(model, vids[i], control, cfg, tokens_by_mode[1][i],
+                                                     tokens_by_mode[n].get(i) or [])
     return emit(out, args.out)
 
 

@@ -70,9 +70,10 @@ def kv_budget_bytes(cfg: InferConfig, device: torch.device) -> int:
 
 
 def step_defaults(cfg: InferConfig, device: torch.device) -> tuple[int, int, int]:
-    """(step_tokens, page_size, q_block) with the auto values resolved for the device."""
+    """(step_tokens, page_size, q_block) with the auto values resolved for the device: on CUDA pages of
+    128 keys (FlexAttention's key tile), on the CPU 16 (less padding in the gathered pages)."""
     cuda = device.type == "cuda"
-    return (cfg.step_tokens or (2048 if cuda else 512), cfg.page_size or 16, cfg.q_block or 16)
+    return (cfg.step_tokens or (2048 if cuda else 512), cfg.page_size or (128 if cuda else 16), cfg.q_block or 16)
 
 
 class CaptionEngine:
@@ -126,6 +127,11 @@ class CaptionEngine:
                                       "mode_ms": {m.value: 0.0 for m in Mode}, "step_log": []}
 
     # ------------------------------------------------------------------ public API
+
+    def reset_stats(self) -> None:
+        """Zero the counters and the step log (benchmarks: after a warm-up)."""
+        self.stats.update(steps=0, row_steps=0, tokens=0, step_ms=0.0, front_ms=0.0, prepare_ms=0.0, step_log=[],
+                          mode_ms={m.value: 0.0 for m in Mode})
 
     def decode(self, sample: Sample, control: DecodeControl = NO_CONTROL) -> Decoded:
         """One video alone -> Decoded (raises DecodeError for a sample that does not fit the model)."""

@@ -138,8 +138,14 @@ class AttnMeta:
         fill = max(1, max(len(b.tokens) for b in blocks))
         if fill > q_block:
             raise ValueError(f"a query block of {fill} tokens over q_block {q_block}")
-        mult = kernel.contract.q_block_multiple
-        q_block = -(-fill // mult) * mult
+        if kernel.name == "flex":
+            # compiled FlexAttention specialises on shapes: a fixed query block and the number of blocks
+            # rounded up to a power of two keep a decode to a handful of compiled variants
+            blocks = list(blocks) + [BlockPlan((), ())] * ((1 << (qb - 1).bit_length()) - qb)
+            qb = len(blocks)
+        else:
+            mult = kernel.contract.q_block_multiple
+            q_block = -(-fill // mult) * mult
         width = max(1, max(len(b.pages) for b in blocks))
         gather = torch.full((qb, q_block), n, dtype=torch.long)
         page_t = torch.zeros((qb, width), dtype=torch.long)
@@ -190,10 +196,13 @@ def gathered_visibility(meta: AttnMeta, pool) -> torch.Tensor:
 
 
 def flex_block_mask(meta: AttnMeta, pool):
-    """The step's BlockMask over the whole pool: the blocks' pages as kv blocks, the rule as mask_mod."""
+    """The step's BlockMask over the whole pool: the blocks' pages as kv blocks (the index as wide as
+    the pool's pages, as compiled FlexAttention requires), the rule as mask_mod."""
     from torch.nn.attention.flex_attention import BlockMask
 
     S = meta.page_size
+    indices = torch.zeros(meta.blocks, pool.pages, dtype=torch.int32, device=meta.pages.device)
+    indices[:, : meta.pages.shape[1]] = meta.pages
     owner, start = pool.owner, pool.start
     sa, la, sb, lb = meta.seq_a, meta.lim_a, meta.seq_b, meta.lim_b
 
@@ -202,7 +211,7 @@ def flex_block_mask(meta: AttnMeta, pool):
         seq, idx = owner[page], start[page] + kv_idx % S
         return ((seq == sa[q_idx]) & (idx < la[q_idx])) | ((seq == sb[q_idx]) & (idx < lb[q_idx]))
 
-    return BlockMask.from_kv_blocks(meta.npages[None, None], meta.pages.to(torch.int32)[None, None],
+    return BlockMask.from_kv_blocks(meta.npages[None, None], indices[None, None],
                                     BLOCK_SIZE=(meta.q_block, S), mask_mod=mask_mod,
                                     seq_lengths=(meta.blocks * meta.q_block, pool.pages * S),
                                     compute_q_blocks=False)  # forward only: no transposed (q-block) index

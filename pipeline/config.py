@@ -207,8 +207,8 @@ class InferConfig:
     # planning row, then prefill chunks of new videos up to this; 0 = auto (512 on CPU, 2048 on CUDA)
     step_tokens: int = 0
     # the paged KV pool (infer/paged.py): its memory budget in GB (0 = auto: kv_memory_fraction of the
-    # free device memory on CUDA, 1 GB on the CPU), keys per page (0 = auto: 16) and query tokens per
-    # attention block (0 = auto: 16)
+    # free device memory on CUDA, 1 GB on the CPU), keys per page (0 = auto: 128 on CUDA, 16 on the CPU)
+    # and query tokens per attention block (0 = auto: 16; prefill chunks attend in blocks of 4x that)
     kv_memory_gb: float = 0.0
     kv_memory_fraction: float = 0.85
     page_size: int = 0

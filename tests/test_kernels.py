@@ -102,6 +102,19 @@ def test_kernel_equals_dense_sdpa_on_random_paged_layouts(name, seed, page_size,
     torch.testing.assert_close(got.double(), _oracle(q, dense, scale).flatten(1), atol=1e-5, rtol=0)
 
 
+def test_compiled_flex_equals_dense_sdpa():
+    """FlexAttention compiled (inductor; its C++ backend here, Triton on CUDA) on the step's BlockMask:
+    the same lowering a GPU runs, and what the eager tests cannot check (block lists as wide as the
+    pool, blocks padded to a power of two)."""
+    from infer.kernels import FLEX_CONTRACT, FlexKernel
+
+    kernel = FlexKernel("compiled on the CPU for this test", FLEX_CONTRACT, compiled=True)
+    pool, q, meta, dense = _layout(3, 16, 16, kernel)
+    assert meta.blocks & (meta.blocks - 1) == 0  # a power of two
+    got = kernel(q, pool, 0, meta, D ** -0.5)
+    torch.testing.assert_close(got.double(), _oracle(q, dense, D ** -0.5).flatten(1), atol=1e-5, rtol=0)
+
+
 def test_bf16_kernels_stay_within_one_rounding_of_fp64():
     """bf16 inputs: the reference and sdpa outputs are within bf16 rounding of the fp64 oracle."""
     for name in ("reference", "sdpa"):
