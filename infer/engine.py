@@ -71,9 +71,11 @@ def kv_budget_bytes(cfg: InferConfig, device: torch.device) -> int:
 
 def step_defaults(cfg: InferConfig, device: torch.device) -> tuple[int, int, int]:
     """(step_tokens, page_size, q_block) with the auto values resolved for the device: on CUDA pages of
-    128 keys (FlexAttention's key tile), on the CPU 16 (less padding in the gathered pages)."""
+    128 keys and query blocks of 32 (prefill 128: FlexAttention's tiles), on the CPU 16 and 16 (less
+    padding in the gathered pages and blocks)."""
     cuda = device.type == "cuda"
-    return (cfg.step_tokens or (2048 if cuda else 512), cfg.page_size or (128 if cuda else 16), cfg.q_block or 16)
+    return (cfg.step_tokens or (2048 if cuda else 512), cfg.page_size or (128 if cuda else 16),
+            cfg.q_block or (32 if cuda else 16))
 
 
 class CaptionEngine:
@@ -110,6 +112,8 @@ class CaptionEngine:
         self.weights = w = StepWeights.of(model)
         self.kernel = choose_kernel(cfg.kernel, dtype, self.device)
         self.step_tokens, page_size, self.q_block = step_defaults(cfg, self.device)
+        if self.kernel.name == "flex":  # the whole step attends in blocks of the prefill size
+            self.kernel.contract.check_sizes(page_size, (4 * self.q_block,), "flex")
         self.pool = PagePool.for_budget(w.num_layers, w.kv_heads, w.head_dim, dtype, self.device, page_size,
                                         kv_budget_bytes(cfg, self.device), zero=self.kernel.reads_whole_pool)
         self.runner = ModelRunner(w, self.pool, self.kernel)
@@ -119,6 +123,7 @@ class CaptionEngine:
         banned = [model.g_id, model.s_id] + ([model.shift_id] if self.release else [])
         self.bias[banned] = float("-inf")  # structural tokens are never caption text
         self._in_flight: list[VideoState] = []
+        self._running = False
         # steps, branch rows summed over steps, tokens, ms in steps (metadata + forward + decisions), of that
         # in planning ends (grounding, anchors), ms building programs (inputs of the prefix), ms per Mode
         # (a step with any branch row counts as BRANCH, else PLAN with a planning row, else PREFILL)
@@ -198,6 +203,15 @@ class CaptionEngine:
         `cancelled()` turns true leaves at the next step, without a result."""
         if self.cfg.decoder == "monolithic":
             return self._run_monolithic(feed, emit)
+        if self._running:
+            raise RuntimeError("CaptionEngine.run is not re-entrant (called from inside an emit?)")
+        self._running = True
+        try:
+            self._run(feed, emit)
+        finally:
+            self._running = False
+
+    def _run(self, feed, emit) -> None:
         poll = _poller(feed)
         for v in self._in_flight:  # a run that raised left these: their pages go back
             self._release(v)
@@ -212,7 +226,13 @@ class CaptionEngine:
                     waiting = self._prepare(req, emit)
                     if waiting is None:
                         continue
+                if waiting.request.cancelled():
+                    waiting = None
+                    continue
                 if not self.pool.reserve(waiting.reserved):
+                    if not videos:  # nothing in flight will free pages: a leak, never user input
+                        raise RuntimeError(f"{waiting.request.sample.video_id}: {waiting.reserved} pages do not fit "
+                                           f"an empty pool of {self.pool.free_pages} free pages")
                     break  # its worst case does not fit now: it waits for pages to be freed
                 waiting.prefix = self.pool.open()
                 waiting.times["admit"] = time.perf_counter()

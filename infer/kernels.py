@@ -75,6 +75,14 @@ class Contract:
         if n != meta.tokens:
             raise ValueError(f"{n} queries for a step of {meta.tokens} tokens")
 
+    def check_sizes(self, page_size: int, q_blocks: tuple[int, ...], kernel: str) -> None:
+        """At start-up: the engine's page size and query blocks suit this kernel (else a clear error then,
+        not in the middle of a batch)."""
+        if page_size % self.page_multiple or any(q % self.q_block_multiple for q in q_blocks):
+            raise ValueError(f"infer.kernel={kernel} takes pages and query blocks in multiples of "
+                             f"{self.page_multiple} / {self.q_block_multiple}; got infer.page_size={page_size}, "
+                             f"query blocks {q_blocks} (infer.q_block and 4 x infer.q_block for prefill)")
+
 
 @dataclass
 class BlockPlan:
@@ -295,8 +303,19 @@ class SdpaKernel(Kernel):
 
 @functools.cache
 def _compiled_flex():
+    """flex_attention compiled once per shape (the step's shapes are bucketed: a fixed query block, the
+    number of blocks a power of two, the pool's width). Hitting the recompile limit is an error, not a
+    silent fall back to eager (which would materialise scores over the whole pool)."""
+    import torch._dynamo
+
     from torch.nn.attention.flex_attention import flex_attention
 
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 32))
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -305,10 +324,13 @@ class FlexKernel(Kernel):
 
     name = "flex"
 
+    # eager flex materialises the scores over every key (and a compiled one that fell back would too):
+    # the pool is zeroed at start so masked keys are finite
+    reads_whole_pool = True
+
     def __init__(self, reason: str, contract: Contract, compiled: bool):
         super().__init__(reason, contract)
         self.compiled = compiled
-        self.reads_whole_pool = not compiled  # eager flex materialises the scores over every key
 
     def attend(self, q, pool, layer, meta, scale):
         from torch.nn.attention.flex_attention import flex_attention
@@ -321,7 +343,11 @@ class FlexKernel(Kernel):
         return o[0].transpose(0, 1)[meta.q_out].flatten(1)
 
 
+# FlexAttention's compiled Triton kernel tiles queries by BLOCK_M and keys by BLOCK_N (128 x 64 for bf16 at
+# head dim 128, 128 x 32 for fp32 at 64 on sm80/sm90) and needs the BlockMask's block sizes divisible by
+# them: pages and query blocks of 128 on CUDA. Eager (and inductor's C++ backend) take multiples of 16.
 FLEX_CONTRACT = Contract(dtypes=_DTYPES, page_multiple=16, q_block_multiple=16, max_head_dim=256)
+FLEX_CUDA_CONTRACT = Contract(dtypes=_DTYPES, page_multiple=128, q_block_multiple=128, max_head_dim=256)
 SDPA_CONTRACT = Contract()
 
 
@@ -344,7 +370,8 @@ def choose_kernel(name: str, dtype: torch.dtype, device: torch.device, *, stand_
     """
     chosen = name if name != "auto" else ("flex" if device.type == "cuda" else "sdpa")
     if chosen == "reference":
-        contract = FLEX_CONTRACT if stand_in_for == "flex" else SDPA_CONTRACT
+        contract = (FLEX_CUDA_CONTRACT if device.type == "cuda" else FLEX_CONTRACT) if stand_in_for == "flex" \
+            else SDPA_CONTRACT
         kernel: Kernel = ReferenceKernel(f"requested ({'flex' if stand_in_for == 'flex' else 'sdpa'} contract)",
                                          contract)
     elif chosen == "sdpa":
@@ -356,7 +383,8 @@ def choose_kernel(name: str, dtype: torch.dtype, device: torch.device, *, stand_
             raise RuntimeError(f"infer.kernel=flex cannot run on {device}: {why}")
         compiled = device.type == "cuda"
         kernel = FlexKernel(f"torch FlexAttention ({'compiled, Triton' if compiled else 'eager'})"
-                            + (" (auto on CUDA)" if name == "auto" else ""), FLEX_CONTRACT, compiled)
+                            + (" (auto on CUDA)" if name == "auto" else ""),
+                            FLEX_CUDA_CONTRACT if compiled else FLEX_CONTRACT, compiled)
     else:
         raise ValueError(f"unknown infer.kernel {name!r} (auto, sdpa, flex, reference)")
     if dtype not in kernel.contract.dtypes:

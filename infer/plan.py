@@ -3,18 +3,20 @@
     python -m infer.plan --model DIR --device-memory-gb 24 --prefix-tokens 10000
     python -m infer.plan --model DIR --device-memory-gb 80 --prefix-tokens 2000,10000,32000 --json
 
-The engine's KV pool (infer/paged.py) is what the budget leaves after the weights and the
-step's working memory: `kv_memory_fraction` of the rest on CUDA (or `infer.kv_memory_gb`).
-A video is admitted only when the pool can promise its worst case, so the figures here are
-exactly the engine's admission rule (`videos_that_fit`, also used for /v1/model):
+The engine's KV pool (infer/paged.py) is `kv_memory_fraction` of the device memory free
+once the weights are loaded (or `infer.kv_memory_gb`), as the engine sizes it on CUDA; the
+rest is the step's headroom, which must hold its working memory. A video is admitted only
+when the pool can promise its worst case, so the figures here are exactly the engine's
+admission rule (`videos_that_fit`, also used for /v1/model):
 
     worst pages = ceil((prefix + max_events) / page) + max_events * ceil(max_branch_tokens / page)
 
 The weights are read off the checkpoint without loading it (tensor shapes and dtypes from
 the safetensors headers, else the weight files' sizes at the dtype its config states),
-converted to the decoding dtype. The step's working memory is an estimate (its largest
-activations at `step_tokens`, the logits of `max_batch_rows` rows, and 1 GB for the CUDA
-context and allocator slack); `bench/gpu_check.sh` compares it with a measured peak.
+converted to the decoding dtype; the caps are the checkpoint's (`max_planning_events`,
+1 + `max_branch_tokens`) unless given. The step's working memory is an estimate (its largest
+activations at `step_tokens`, the logits of `max_batch_rows` rows); 1 GB is set aside for the
+CUDA context. `bench/gpu_check.sh` compares the plan with a measured peak.
 Pure python; no ray, no model load.
 """
 
@@ -50,7 +52,8 @@ class Shape:
 class Plan:
     device_memory_gb: float
     weights_gb: float
-    working_gb: float
+    working_gb: float  # the step's working memory (estimate)
+    headroom_gb: float  # what the pool leaves free for it
     kv_pool_gb: float
     kv_bytes_per_token: int
     page_size: int
@@ -77,21 +80,22 @@ def videos_that_fit(pages: int, prefix: int, max_events: int, max_branch_tokens:
 
 def working_bytes(shape: Shape, step_tokens: int, rows: int, dtype_bytes: int) -> int:
     """The step's largest live activations (residual, norm, q/k/v, MLP up/gate at step_tokens) and
-    the fp32 logits and scores of `rows` branch rows, plus the CUDA context and allocator slack."""
+    the fp32 logits and scores of `rows` branch rows."""
     per_token = (4 * shape.hidden + 2 * shape.intermediate + 2 * shape.heads * shape.head_dim) * dtype_bytes
-    return int(step_tokens * per_token + rows * shape.vocab * 8 + CUDA_CONTEXT_GB * 1e9)
+    return int(step_tokens * per_token + rows * shape.vocab * 8)
 
 
 def plan(shape: Shape, weights_bytes: int, device_memory_gb: float, prefixes: list[int], *, dtype_bytes: int = 2,
-         kv_fraction: float = 0.85, kv_memory_gb: float = 0.0, page_size: int = 16, step_tokens: int = 2048,
+         kv_fraction: float = 0.85, kv_memory_gb: float = 0.0, page_size: int = 128, step_tokens: int = 2048,
          rows: int = 128, max_events: int = 30, max_branch_tokens: int = 321) -> Plan:
     """The plan for one device size (module doc)."""
     working = working_bytes(shape, step_tokens, rows, dtype_bytes)
-    free = device_memory_gb * 1e9 - weights_bytes - working
-    pool_bytes = kv_memory_gb * 1e9 if kv_memory_gb > 0 else max(0.0, free * kv_fraction)
+    free = max(0.0, device_memory_gb * 1e9 - weights_bytes - CUDA_CONTEXT_GB * 1e9)
+    pool_bytes = kv_memory_gb * 1e9 if kv_memory_gb > 0 else free * kv_fraction
     per_token = kv_bytes_per_token(shape, dtype_bytes)
     pages = int(pool_bytes // (per_token * page_size))
     return Plan(device_memory_gb=device_memory_gb, weights_gb=round(weights_bytes / 1e9, 3), working_gb=round(working / 1e9, 3),
+                headroom_gb=round((free - pages * per_token * page_size) / 1e9, 3),
                 kv_pool_gb=round(pages * per_token * page_size / 1e9, 3), kv_bytes_per_token=per_token,
                 page_size=page_size, pages=pages, max_events=max_events, max_branch_tokens=max_branch_tokens,
                 videos_in_flight={str(p): videos_that_fit(pages, p, max_events, max_branch_tokens, page_size)
@@ -117,9 +121,16 @@ def _safetensors_bytes(path: Path, target: int) -> int:
     return total
 
 
+def checkpoint_caps(model_dir: Path) -> tuple[int | None, int | None]:
+    """(max events, tokens per branch) a release checkpoint states, or None where it does not."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    events, tokens = raw.get("max_planning_events"), raw.get("max_branch_tokens")
+    return (int(events) if events else None), (int(tokens) + 1 if tokens else None)
+
+
 def checkpoint_shape_and_weights(model_dir: Path, dtype_bytes: int) -> tuple[Shape, int]:
-    """(decoder shape, weight bytes at dtype_bytes per float) of a release checkpoint or a saved
-    PadCaptioner directory, without loading any tensor."""
+    """(decoder shape, weight bytes at dtype_bytes per float) of a checkpoint directory with an HF
+    config.json, without loading any tensor."""
     cfg_path = model_dir / "config.json"
     raw = json.loads(cfg_path.read_text())
     text = raw.get("text_config") or raw
@@ -157,9 +168,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--device-memory-gb", type=float, nargs="+", default=[24.0])
     ap.add_argument("--prefix-tokens", default="2000,10000,32000", help="comma-separated prefix lengths")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--max-events", type=int, default=30)
-    ap.add_argument("--max-branch-tokens", type=int, default=321)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-events", type=int, default=0, help="0 = the checkpoint's (else 30)")
+    ap.add_argument("--max-branch-tokens", type=int, default=0, help="0 = the checkpoint's (1 + its max_branch_tokens; else 321)")
+    ap.add_argument("--page-size", type=int, default=128, help="keys per page (the engine's CUDA default: 128)")
     ap.add_argument("--step-tokens", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=128, help="infer.max_batch_rows")
     ap.add_argument("--kv-fraction", type=float, default=0.85)
@@ -167,11 +178,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     dtype_bytes = _BYTES[args.dtype]
+    events, tokens = None, None
     if args.model:
         shape, weights = checkpoint_shape_and_weights(args.model.expanduser(), dtype_bytes)
+        events, tokens = checkpoint_caps(args.model.expanduser())
     else:
         shape, params = SHAPES[args.shape]
         weights = params * dtype_bytes
+    args.max_events = args.max_events or events or 30
+    args.max_branch_tokens = args.max_branch_tokens or tokens or 321
     prefixes = [int(x) for x in args.prefix_tokens.split(",") if x]
     plans = [plan(shape, weights, gb, prefixes, dtype_bytes=dtype_bytes, kv_fraction=args.kv_fraction,
                   kv_memory_gb=args.kv_memory_gb, page_size=args.page_size, step_tokens=args.step_tokens, rows=args.rows,
@@ -184,11 +199,15 @@ def main(argv=None) -> dict:
           f"{shape.head_dim}; {args.dtype}; KV {plans[0].kv_bytes_per_token / 1024:.0f} KiB per token")
     print(f"caps: {args.max_events} events x {args.max_branch_tokens} tokens; pages of {args.page_size}; "
           f"a video is admitted when its worst case fits")
-    head = "device GB  weights GB  working GB  KV pool GB  " + "  ".join(f"videos@{p}" for p in prefixes)
+    head = "device GB  weights GB  KV pool GB  headroom GB  working GB  " + "  ".join(f"videos@{p}" for p in prefixes)
     print(head)
     for p in plans:
         cols = "  ".join(f"{p.videos_in_flight[str(x)]:>{len(f'videos@{x}')}}" for x in prefixes)
-        print(f"{p.device_memory_gb:>9.0f}  {p.weights_gb:>10.2f}  {p.working_gb:>10.2f}  {p.kv_pool_gb:>10.2f}  {cols}")
+        print(f"{p.device_memory_gb:>9.0f}  {p.weights_gb:>10.2f}  {p.kv_pool_gb:>10.2f}  {p.headroom_gb:>11.2f}  "
+              f"{p.working_gb:>10.2f}  {cols}")
+        if p.headroom_gb < p.working_gb:
+            print(f"  note: at {p.device_memory_gb:.0f} GB the headroom is below the step's working memory: lower "
+                  f"infer.kv_memory_fraction or infer.step_tokens")
     return out
 
 

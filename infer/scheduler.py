@@ -286,7 +286,8 @@ class Scheduler:
 
         self.pool.sync()
         w = self.runner.w
-        attn = AttnMeta.build([BlockPlan([0], [0])], [SCRATCH_SEQ], [1], [FREE_SEQ], [0], q_block=1, pool=self.pool,
+        attn = AttnMeta.build([BlockPlan([0], [0])], [SCRATCH_SEQ], [1], [FREE_SEQ], [0], q_block=self.prefill_block,
+                              pool=self.pool,
                               kernel=self.runner.kernel, group=w.heads // w.kv_heads)
         batch = ForwardBatch(embeds=torch.zeros(1, w.hidden, dtype=w.dtype, device=self.device),
                              positions=torch.zeros(3, 1, dtype=torch.long, device=self.device),

@@ -210,6 +210,19 @@ def test_long_video_is_fitted_like_training_and_says_so(model):
     assert eng.tokens == ref.tokens and ref.timings["segments_kept"] == res.segments_kept
 
 
+def test_flex_with_layered_prefill_and_steps_of_blocks_only(model, videos, controls, alone):
+    """flex (eager here) when a bidirectional block is prefilled layer by layer, including steps whose
+    only work is such a block (one scratch token in the main batch); sizes it cannot take are refused
+    at start-up."""
+    cfg = dataclasses.replace(CPU, kernel="flex", kv_memory_gb=0.004, step_tokens=8, max_batch_videos=2)
+    got, _, log, _ = decode_all(model, cfg, videos[:3], controls[:3])
+    assert any(r.layer_tokens and not r.tokens for r in log)
+    for a, b in zip(got, alone[:3]):
+        assert_same(a, b)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        CaptionEngine(model, dataclasses.replace(cfg, q_block=3))
+
+
 def test_kernel_is_chosen_explicitly_and_reported(model):
     d = CaptionEngine(model, CPU).describe()
     assert d["kernel"] == "sdpa" and "auto on CPU" in d["kernel_reason"] and d["resolved_dtype"] == "torch.float32"
