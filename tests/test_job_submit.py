@@ -71,7 +71,7 @@ def test_ray_job_submit_runs_the_driver(head, tmp_path):
     deadline = time.time() + 1200
     status = client.get_job_status(job_id)
     while status not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED) and time.time() < deadline:
-        time.sleep(1)  # polled: the loop ends as soon as the job does
+        time.sleep(0.25)  # polled: the loop ends as soon as the job does
         status = client.get_job_status(job_id)
     logs = client.get_job_logs(job_id)
     assert status == JobStatus.SUCCEEDED, logs[-5000:]

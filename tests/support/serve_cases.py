@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,8 +313,7 @@ def hanging_featurizer(cfg: Config):
 
     def featurize(path: str, annotation):
         if Path(path).name.startswith("hang"):
-            while True:
-                time.sleep(3600)
+            threading.Event().wait()  # a decode that never returns: the pool must kill its worker
         return real(path, annotation)
 
     return featurize
