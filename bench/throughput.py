@@ -31,7 +31,11 @@ by side in one run and printed as one JSON object:
   kv_allocated_over_live: peak KV bytes in allocated pages over peak KV bytes of live keys
                      (16 in flight, arrivals)
   admission_p99_over_median: with videos arriving while 16 are in flight (arrivals), the 99th
-                     percentile step time over the median decode-only step
+                     percentile step time over the median decode-only step of 16 videos in
+                     flight (`modes`, same mix): what a newcomer's prefill costs the decoding
+                     videos. In the arrival run itself the decode-only steps come only at the
+                     tail, with 1-3 videos left; the ratio over those is reported too
+                     (`admission_p99_over_tail_median`)
   plus tokens/s, videos/min, ms per step and the memory floor per step per mode, the kernel.
 
 Run:
@@ -318,7 +322,11 @@ def main(argv=None) -> dict:
             peaks16 = peaks
             dec = [r.ms for r in pure]
             admission = {"p99_step_ms": round(float(np.percentile([r.ms for r in log], 99)), 3),
-                         "median_decode_step_ms": round(statistics.median(dec), 3),
+                         "median_decode_step_ms_16_in_flight": modes["in_flight_16"]["ms_per_decode_step"]
+                         if "in_flight_16" in modes else None,
+                         "median_decode_step_ms_tail": round(statistics.median(dec), 3),
+                         "mixed_steps": sum(1 for r in log if r.branch_rows and (r.prefill_tokens or r.plan_rows
+                                                                                   or r.layer_tokens)),
                          "max_step_ms": round(max(r.ms for r in log), 3),
                          "max_prefill_tokens_in_a_step": max(r.prefill_tokens + r.layer_tokens for r in log)}
     speed = {str(n): round(modes[f"in_flight_{n}"]["tokens_per_s"] / base["tokens_per_s"], 3) for n in in_flight}
@@ -337,7 +345,9 @@ def main(argv=None) -> dict:
            "kernel": base["kernel"], "throughput_speedup": speed, "end_to_end_speedup": e2e,
            "tokens_equal": tokens_equal, "ops_per_layer_step": ops,
            "kv_allocated_over_live": round(peaks16["allocated"] / max(1, peaks16["live"]), 3) if peaks16 else None,
-           "admission_p99_over_median": round(admission["p99_step_ms"] / admission["median_decode_step_ms"], 3)
+           "admission_p99_over_median": round(admission["p99_step_ms"] / admission["median_decode_step_ms_16_in_flight"], 3)
+           if admission and admission["median_decode_step_ms_16_in_flight"] else None,
+           "admission_p99_over_tail_median": round(admission["p99_step_ms"] / admission["median_decode_step_ms_tail"], 3)
            if admission else None, "admission": admission, "modes": modes, "arrivals": arrivals,
            **({"single_chain": chain} if chain else {})}
     if chain:
@@ -350,7 +360,7 @@ def main(argv=None) -> dict:
              "kv_allocated_over_live_max": 1.25, "admission_p99_over_median_max": 3.0}
         met = {"throughput_speedup_16": speed["16"] >= 1.8 and tokens_equal,
                "kv_allocated_over_live": out["kv_allocated_over_live"] <= 1.25,
-               "admission_p99_over_median": out["admission_p99_over_median"] <= 3.0}
+               "admission_p99_over_median": (out["admission_p99_over_median"] or 1e9) <= 3.0}
         if {"1", "16"} <= set(ops):
             met["ops_per_layer_step"] = ops["16"] <= 45 and ops["16"] <= 1.1 * ops["1"]
         out["targets"] = {**t, "met": met}

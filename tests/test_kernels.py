@@ -141,7 +141,7 @@ def test_contract_checks_fire():
         plain(q[:3], pool, 0, meta, 1.0)
     pool16, q16, meta16, _ = _layout(1, 16, 6, plain)
     flex = choose_kernel("flex", torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="query block 6 must be a multiple of 16"):
+    with pytest.raises(ValueError, match=r"query block \d+ must be a multiple of 16"):
         flex(q16, pool16, 0, meta16, 1.0)
 
 
