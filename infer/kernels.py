@@ -13,9 +13,12 @@ and the serial <G>s so far; a branch row sees its video's prefix (all of it) and
 branch. One softmax over both: no log-sum-exp merge is needed, and the shared prefix pages
 are read once per query block, not once per branch (the cascade, without copies).
 
-Query blocks. Tokens are grouped in blocks of at most `q_block` tokens of one video; a
-block lists the pages its tokens may see (`pages` [Qb, B], padded with the scratch page 0,
-`npages` [Qb]). That is FlexAttention's block-sparse description (BlockMask.from_kv_blocks
+Query blocks. The scheduler cuts the step's tokens into blocks of one video each (its decode
+rows, a planning row, a prefill piece), and `pack_blocks` repacks them into blocks of at most F
+tokens (F chosen per step; blocks of several videos share one, each token still seeing only its
+own sequences) so that a kernel call, which pads every block to the fullest and the widest, does
+little padded work. A block lists the pages its tokens may see (`pages` [Qb, B], padded with
+the scratch page 0, `npages` [Qb]). That is FlexAttention's block-sparse description (BlockMask.from_kv_blocks
 with BLOCK_SIZE = (q_block, page_size)), and the reference and the SDPA kernel gather exactly
 those pages. The visibility above is the mask_mod.
 
