@@ -9,8 +9,13 @@ One `ray.cluster_utils.Cluster` for the module: a head (0 CPUs, the driver), two
 (`cluster.gpu_resource`, `cluster.cpu_node_resource`). Where actors ran is read from Ray's
 state API. Node loss is `Cluster.remove_node` (every process of that raylet killed, no
 graceful shutdown) in the middle of the work; each test then adds a fresh node of the same
-kind, as an autoscaler would, so the next test sees the full cluster. Inputs are tiny
-(a few 8-9 s synthetic videos, the tiny random-init model, a few training steps).
+kind, as an autoscaler would, so the next test sees the full cluster (the GPU caption test
+adds a second "GPU" node first and keeps the survivor). Preprocess and captioning lose their
+node while it holds a video: `pipeline/faults.py` marks every video a process starts and ends,
+and holds the first one of the stage, whose node is then removed; the markers prove it was in
+flight there (never ended) and say who redid it. Training loses a node in the middle of an epoch
+and the steps' logged video ids show each video once per epoch. Inputs are tiny (a few 8-9 s
+synthetic videos, the tiny random-init model, a few training steps).
 """
 
 from __future__ import annotations
