@@ -162,10 +162,11 @@ class FeaturizeForCaption:
             try:
                 if not uri:
                     raise FileNotFoundError("no uri for this video")
-                if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
-                    fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
-                else:
-                    fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
+                with faults.in_flight("caption-featurize", [vid]):
+                    if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
+                        fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
+                    else:
+                        fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
             except Exception as e:  # explained, never fatal
                 status, error = "error", f"{type(e).__name__}: {e}"
             for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS):

@@ -10,8 +10,8 @@ One `ray.cluster_utils.Cluster` for the module: a head (0 CPUs, the driver), two
 state API. Node loss is `Cluster.remove_node` (every process of that raylet killed, no
 graceful shutdown) in the middle of the work; each test then adds a fresh node of the same
 kind, as an autoscaler would, so the next test sees the full cluster (the GPU caption test
-adds a second "GPU" node first and keeps the survivor). Preprocess and captioning lose their
-node while it holds a video: `pipeline/faults.py` marks every video a process starts and ends,
+adds a second "GPU" node first and keeps the survivor). Preprocess and captioning (its CPU
+featurizers and its GPU caption actor) lose their node while it holds a video: `pipeline/faults.py` marks every video a process starts and ends,
 and holds the first one of the stage, whose node is then removed; the markers prove it was in
 flight there (never ended) and say who redid it. Training loses a node in the middle of an epoch
 and the steps' logged video ids show each video once per epoch. Inputs are tiny (a few 8-9 s
@@ -222,16 +222,20 @@ def test_caption_actors_on_the_gpu_node_featurizers_on_cpu_nodes(sim, baseline_c
     assert sim.kinds_of(sc.actor_nodes("FeaturizeForCaption")) == {"cpu"}
 
 
-def test_offline_captioning_survives_losing_a_cpu_node(sim, corpus, baseline_captions, tmp_path):
+def test_offline_captioning_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpus, baseline_captions,
+                                                                              tmp_path, monkeypatch):
     from infer.batch import run_caption
 
     out = str(tmp_path / "captions")
     parts = Path(out) / "parts"
-    killer = NodeKiller(sim, "FeaturizeForCaption", "cpu", probe=lambda: sorted(parts.glob("*.parquet")))
+    root = hold_one_video(monkeypatch, tmp_path, "caption-featurize")
+    killer = NodeKiller(sim, "FeaturizeForCaption", "cpu", target=held_node(root, "caption-featurize"),
+                        probe=lambda: sorted(parts.glob("*.parquet")))
     killer.start()
     summary = run_caption(sim_cfg(), corpus.video_dir, "", out)
-    killer.finish()
+    removed = killer.finish()
     assert killer.probed == [], "the node was removed after the run had committed its captions"
+    assert sim.kind_by_id[check_lost_in_flight(root, "caption-featurize", removed)["node_id"]] == "cpu"
     assert summary["captioned"] == 6 and summary["failed"] == 0 and summary["this_run_ok"] == 6
     assert caption_rows(out) == caption_rows(baseline_captions)  # each video once, the same captions
 
