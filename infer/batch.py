@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipeline import storage  # noqa: E402
+from pipeline import faults, storage  # noqa: E402
 from pipeline.cluster import init_ray, placement  # noqa: E402
 from pipeline.config import Config, load_config, section_hash  # noqa: E402
 from pipeline.schema import FIELDS, KEY, decode, encode  # noqa: E402
@@ -162,10 +162,11 @@ class FeaturizeForCaption:
             try:
                 if not uri:
                     raise FileNotFoundError("no uri for this video")
-                if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
-                    fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
-                else:
-                    fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
+                with faults.in_flight("caption-featurize", [vid]):
+                    if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
+                        fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
+                    else:
+                        fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
             except Exception as e:  # explained, never fatal
                 status, error = "error", f"{type(e).__name__}: {e}"
             for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS):
@@ -214,6 +215,12 @@ class CaptionVideos:
                  "capped": "[]", "segments_kept": 0, "segments_total": 0,
                  "error_kind": "input" if str(batch["status"][i]) != "ok" else ""}
                 for i in range(n)]
+        with faults.in_flight("caption", [r["video_id"] for r in rows]):
+            self._caption(batch, rows)
+        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
+
+    def _caption(self, batch: dict[str, np.ndarray], rows: list[dict[str, Any]]) -> None:
+        """Fills `rows` (one per video of `batch`) with the engine's captions or the reason it gave none."""
         todo = []
         for i, row in enumerate(rows):
             if row["status"] != "ok":
@@ -247,7 +254,6 @@ class CaptionVideos:
                                                    "kernel": self.kernel}),
                                capped=json.dumps(res.capped), segments_kept=res.segments_kept,
                                segments_total=res.segments_total)
-        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
 
 
 # ----------------------------------------------------------------------------- results
@@ -300,6 +306,23 @@ def read_results(out: str) -> list[dict[str, Any]]:
     return rows
 
 
+def once_per_video(result: list[dict[str, Any]], listed: list[str]) -> tuple[list[dict[str, Any]], int]:
+    """A chunk's rows as Ray Data returned them -> (one row per listed video, duplicates dropped).
+
+    A task retried after its actor or node was lost (fault tolerance: Ray re-runs it) can hand
+    back a video twice; the row committed is its ok one when any is ok, else its first. A listed
+    video with no row at all is an error (nothing of the chunk is committed; a re-run redoes it)."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in result:
+        seen = best.get(r["video_id"])
+        if seen is None or (seen["status"] != "ok" and r["status"] == "ok"):
+            best[r["video_id"]] = r
+    missing = [v for v in listed if v not in best]
+    if missing:
+        raise RuntimeError(f"captioning returned no row for {len(missing)} of {len(listed)} videos: {missing[:5]}")
+    return [best[v] for v in listed], len(result) - len(best)
+
+
 def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed_fraction: float,
           out: str) -> dict[str, Any]:
     """Whether a captioning job succeeded, from its consolidated `rows` (one per video) and the
@@ -343,9 +366,9 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
             if r["status"] == "ok" and r["model_id"] == model_id and r["config_hash"] == config_hash}
     todo = [v for v in items if v["video_id"] not in done]
     print(f"[caption] {len(items)} videos, {len(done)} already captioned with {model_id}, {len(todo)} to do", flush=True)
-    env = {"env_vars": storage.forwarded_env()}
+    env = {"env_vars": {**storage.forwarded_env(), **faults.forwarded_env()}}
     chunks = [todo[i:i + chunk_videos] for i in range(0, len(todo), chunk_videos)]
-    n_ok = n_err = 0
+    n_ok = n_err = n_dup = 0
     this_run: list[dict[str, Any]] = []
     for ci, rows in enumerate(chunks):
         if max_chunks is not None and ci >= max_chunks:
@@ -363,7 +386,10 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
                             batch_size=max(1, cfg.infer.videos_per_call), runtime_env=env,
                             **placement(cfg.cluster, cfg.cluster.caption_cpus_per_actor, cfg.cluster.caption_gpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))
-        result = ds.take_all()
+        result, duplicates = once_per_video(ds.take_all(), [r["video_id"] for r in rows])
+        if duplicates:
+            print(f"[caption] chunk {ci + 1}: {duplicates} duplicate row(s) of retried work dropped", flush=True)
+        n_dup += duplicates
         _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), result)  # the commit
         this_run.extend({"status": r["status"], "error_kind": r.get("error_kind")} for r in result)
         ok = sum(r["status"] == "ok" for r in result)
@@ -380,7 +406,8 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     if "failure" in verdict:
         print(f"[caption] the job failed: {verdict['failure']}", flush=True)
     return {"captioned": total_ok, **verdict, "this_run_ok": n_ok, "this_run_failed": n_err,
-            "model_id": model_id, "out": out, "videos_per_min": 60.0 * (n_ok + n_err) / seconds if seconds else 0.0}
+            "duplicates_dropped": n_dup, "model_id": model_id, "out": out,
+            "videos_per_min": 60.0 * (n_ok + n_err) / seconds if seconds else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:
