@@ -16,8 +16,8 @@ are read once per query block, not once per branch (the cascade, without copies)
 Query blocks. The scheduler cuts the step's tokens into blocks of one video each (its decode
 rows, a planning row, a prefill piece), and `pack_blocks` repacks them into blocks of at most F
 tokens (F chosen per step; blocks of several videos share one, each token still seeing only its
-own sequences) so that a kernel call, which pads every block to the fullest and the widest, does
-little padded work. A block lists the pages its tokens may see (`pages` [Qb, B], padded with
+own sequences) so that a gathering kernel's call, which pads every block to the fullest and the
+widest, does little padded work (flex reads only the listed pages: its blocks are not packed). A block lists the pages its tokens may see (`pages` [Qb, B], padded with
 the scratch page 0, `npages` [Qb]). That is FlexAttention's block-sparse description (BlockMask.from_kv_blocks
 with BLOCK_SIZE = (q_block, page_size)), and the reference and the SDPA kernel gather exactly
 those pages. The visibility above is the mask_mod.
@@ -149,7 +149,10 @@ class AttnMeta:
         if kernel.name == "flex":
             # compiled FlexAttention specialises on shapes: a fixed query block and the number of blocks
             # rounded up to a power of two keep a decode to a handful of compiled variants
-            blocks = pack_blocks(blocks, (q_block,), group)
+            # no packing: flex reads only the listed pages of each block (no padding to the widest), so
+            # several videos in one block would compute as much and in fewer parallel tiles
+            if max(len(b.tokens) for b in blocks) > q_block:
+                raise ValueError(f"a query block of {max(len(b.tokens) for b in blocks)} tokens over q_block {q_block}")
             qb = len(blocks)
             blocks = list(blocks) + [BlockPlan((), ())] * ((1 << (qb - 1).bit_length()) - qb)
         else:
@@ -224,18 +227,23 @@ def pack_blocks(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int) -
         # a bin: [tokens, {first page: widest piece starting there}, pages]; pieces that start on the same
         # page are one sequence's (a prefix and its prefixes): their union is the widest of them
         bins: list[list] = []
+        open_: list[list] = []  # bins with tokens to spare (a full one is never scanned again)
         for toks, pages in pieces:
             head = pages[0] if pages else -1
-            for b in bins:
+            for b in open_:
                 old = b[1].get(head, 0)
                 if b[0] + len(toks) <= F and b[2] - old + max(old, len(pages)) <= W:
                     b[0] += len(toks)
                     b[1][head] = max(old, len(pages))
                     b[2] += max(old, len(pages)) - old
                     b[3].append((toks, pages))
+                    if b[0] == F:
+                        open_.remove(b)
                     break
             else:
                 bins.append([len(toks), {head: len(pages)}, len(pages), [(toks, pages)]])
+                if len(toks) < F:
+                    open_.append(bins[-1])
         cost = len(bins) * W * (F * group + GATHER_ROWS)
         if best is None or cost < best[0]:
             best = (cost, [b[3] for b in bins])
