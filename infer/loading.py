@@ -42,10 +42,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def feature_dims(cfg: Config) -> tuple[int, int]:
-    """(Dv, Da) that the configured encoders produce."""
-    from preprocess.encoders import get_audio_encoder, get_visual_encoder
+    """(Dv, Da) that the configured encoders produce, from their configs: a caption actor or a replica
+    loading its model builds no encoder for this (the HF and release towers are not loaded)."""
+    from preprocess.encoders import encoder_dims
 
-    return get_visual_encoder(cfg.features).dim, get_audio_encoder(cfg.features).dim
+    return encoder_dims(cfg.features)
 
 
 def _trained_features(model_dir: Path, cfg: Config) -> Config:

@@ -92,6 +92,10 @@ class _ReleaseTower:
         self.path = _need_release_path(cfg)
         self.dim = release_width(self.path)
 
+    @classmethod
+    def config_dim(cls, cfg: FeaturesConfig) -> int:
+        return release_width(_need_release_path(cfg))
+
     @property
     def model(self):
         return release_model(self.path, self.device)
