@@ -150,8 +150,14 @@ def test_a_serve_replica_runs_the_release_front_end_online(videos, model):
                              ModelCard(model_id="tiny-release", source=str(CHECKPOINT), device="cpu"))
     try:
         body = asyncio.run(service.caption_file(videos["av"], "clip one.mp4", None))
+        # the decode worker sends the front end's arrays back; the replica makes the ReleaseVideo
+        served = service._featurize(videos["av"], Ann("av"))
     finally:
         service.close()
+    alone = Featurizer(cfg)(videos["av"], Ann("av"))
+    assert torch.equal(served.pixel_values, alone.pixel_values) and torch.equal(served.mel, alone.mel)
+    assert (served.grid_thw, served.duration, served.seconds_per_step) == (alone.grid_thw, alone.duration,
+                                                                          alone.seconds_per_step)
     assert body["video_id"] == "clip_one" and body["duration"] == pytest.approx(5.0)
     assert body["model"] == "tiny-release" and body["timings"]["features_s"] > 0
     assert body["segments_total"] == 20 and body["events"] == []  # the random tiny model plans no event (K = 0)
