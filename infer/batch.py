@@ -335,10 +335,10 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     judge([], [], cfg.infer.max_failed_fraction, out)  # a threshold out of range fails before any work
     t_start = time.perf_counter()
     items = list_videos(videos, cfg.data.video_extensions) if isinstance(videos, str) else list(videos)
-    from infer.loading import load_model
+    from infer.loading import resolve_model
 
-    _, card, resolved = load_model(cfg, model_dir)  # resolves the features the model was trained on
-    model_id, config_hash = card.model_id, caption_config_hash(resolved)
+    model_id, resolved = resolve_model(cfg, model_dir)  # the features the model was trained on; no weights here
+    config_hash = caption_config_hash(resolved)
     done = {r["video_id"] for r in _read_parts(out)
             if r["status"] == "ok" and r["model_id"] == model_id and r["config_hash"] == config_hash}
     todo = [v for v in items if v["video_id"] not in done]
