@@ -19,9 +19,11 @@ videos (default 5%: one corrupt upload does not fail an archive run); 1 when mor
 or when the engine raised on every video it was given (a broken model, not bad files); a
 crashed actor pool raises out of `run_caption` as before.
 
-Work is committed in chunks (`parts/<chunk>.parquet`, written last): a re-run
-skips videos already captioned with the same model and config, and a run killed
-midway and restarted ends with every video exactly once. `captions.jsonl` and
+Work is committed in chunks (`parts/<chunk>.parquet`, written last): every `chunk_videos` rows as
+they come out of one Ray Data pipeline for the whole job (each actor loads its encoders or model
+once per job, not once per chunk; a row's timings name the processes that featurized and captioned
+it, `featurize_pid` / `caption_pid`). A re-run skips videos already captioned with the same model
+and config, and a run killed midway and restarted ends with every video exactly once. `captions.jsonl` and
 `captions.parquet` are the consolidation of all parts, for the videos listed this run.
 """
 
@@ -148,12 +150,13 @@ class FeaturizeForCaption:
         from preprocess.featurize import Featurizer
 
         self.featurizer = Featurizer(Config.from_json(cfg_json))
+        self.pid = os.getpid()
         release = self.featurizer.release  # online release encoders: only the front end runs here
         self.front_end = release.inputs if release is not None and release.online else None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {c: [] for c in ["video_id", "uri", "chunk", "status", "error", "seconds",
-                                                      *SAMPLE_COLUMNS, RELEASE_INPUTS]}
+                                                      "featurize_pid", *SAMPLE_COLUMNS, RELEASE_INPUTS]}
         for i in range(len(batch["video_id"])):
             vid, uri = str(batch["video_id"][i]), str(batch["uri"][i])
             t0 = time.perf_counter()
@@ -176,6 +179,7 @@ class FeaturizeForCaption:
             out["status"].append(status)
             out["error"].append(error)
             out["seconds"].append(time.perf_counter() - t0)
+            out["featurize_pid"].append(self.pid)
         return out
 
 
@@ -205,6 +209,7 @@ class CaptionVideos:
         self.kernel = self.engine.kernel.name if cfg.infer.decoder == "parallel" else "hf-forward (monolithic)"
         self.model_id = card.model_id
         self.config_hash = caption_config_hash(cfg)
+        self.pid = os.getpid()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         n = len(batch["video_id"])
@@ -244,7 +249,8 @@ class CaptionVideos:
                                events=json.dumps([{"start": e.start, "end": e.end, "caption": e.caption}
                                                   for e in res.events], ensure_ascii=False),
                                timings=json.dumps({**res.timings, "featurize_s": float(batch["seconds"][i]),
-                                                   "kernel": self.kernel}),
+                                                   "kernel": self.kernel, "caption_pid": self.pid,
+                                                   "featurize_pid": int(batch.get("featurize_pid", [0] * n)[i])}),
                                capped=json.dumps(res.capped), segments_kept=res.segments_kept,
                                segments_total=res.segments_total)
         return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
@@ -328,6 +334,15 @@ def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed
     return verdict
 
 
+def _commit_part(out: str, rows: list[dict[str, Any]]) -> int:
+    """Write rows as one part under a new chunk name (the commit); -> how many are ok."""
+    chunk = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    for r in rows:
+        r["chunk"] = chunk
+    _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), rows)
+    return sum(r["status"] == "ok" for r in rows)
+
+
 def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
                 chunk_videos: int = 64, max_chunks: int | None = None) -> dict[str, Any]:
     """Caption every listed video not yet captioned with this model+config. Returns a summary,
@@ -344,17 +359,12 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     todo = [v for v in items if v["video_id"] not in done]
     print(f"[caption] {len(items)} videos, {len(done)} already captioned with {model_id}, {len(todo)} to do", flush=True)
     env = {"env_vars": storage.forwarded_env()}
-    chunks = [todo[i:i + chunk_videos] for i in range(0, len(todo), chunk_videos)]
+    chunk_videos = max(1, int(chunk_videos))
     n_ok = n_err = 0
     this_run: list[dict[str, Any]] = []
-    for ci, rows in enumerate(chunks):
-        if max_chunks is not None and ci >= max_chunks:
-            break
-        t0 = time.perf_counter()
-        chunk = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        for r in rows:
-            r["chunk"] = chunk
-        ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 4 * cfg.cluster.preprocess_actors)))
+    if todo:  # one pipeline for the whole job: each actor loads its encoders / model once, not once per chunk
+        block = max(1, min(chunk_videos, cfg.infer.videos_per_call))  # results stream back a block at a time
+        ds = ray.data.from_items([{**v, "chunk": ""} for v in todo], override_num_blocks=-(-len(todo) // block))
         ds = ds.map_batches(FeaturizeForCaption, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None)},
                             batch_size=1, runtime_env=env, **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)))
@@ -363,14 +373,29 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
                             batch_size=max(1, cfg.infer.videos_per_call), runtime_env=env,
                             **placement(cfg.cluster, cfg.cluster.caption_cpus_per_actor, cfg.cluster.caption_gpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))
-        result = ds.take_all()
-        _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), result)  # the commit
-        this_run.extend({"status": r["status"], "error_kind": r.get("error_kind")} for r in result)
-        ok = sum(r["status"] == "ok" for r in result)
-        n_ok, n_err = n_ok + ok, n_err + len(result) - ok
-        dt = time.perf_counter() - t0
-        print(f"[caption] chunk {ci + 1}/{len(chunks)}: {ok} done, {len(result) - ok} failed, "
-              f"{60.0 * len(result) / dt:.1f} videos/min", flush=True)
+        total, t0 = -(-len(todo) // chunk_videos), time.perf_counter()
+        pending: list[dict[str, Any]] = []
+
+        def commit() -> None:  # every chunk_videos rows as they come back, and the last few
+            nonlocal n_ok, n_err
+            ok = _commit_part(out, pending)
+            this_run.extend({"status": r["status"], "error_kind": r.get("error_kind")} for r in pending)
+            n_ok, n_err = n_ok + ok, n_err + len(pending) - ok
+            print(f"[caption] chunk {-(-(n_ok + n_err) // chunk_videos)}/{total}: {ok} done, {len(pending) - ok} "
+                  f"failed, {60.0 * (n_ok + n_err) / (time.perf_counter() - t0):.1f} videos/min", flush=True)
+            pending.clear()
+
+        results, committed = iter(ds.iter_rows()), 0
+        for row in results:
+            pending.append(dict(row))
+            if len(pending) == chunk_videos:
+                commit()
+                committed += 1
+                if max_chunks is not None and committed >= max_chunks:
+                    getattr(results, "close", lambda: None)()  # stop the pipeline; the rest is redone next run
+                    break
+        if pending:
+            commit()
     rows = consolidate(out, keep={v["video_id"] for v in items})
     total_ok = sum(r["status"] == "ok" for r in rows)
     seconds = time.perf_counter() - t_start
