@@ -48,9 +48,7 @@ class CaptionDeployment(CaptionService):
     def __init__(self, cfg_json: str, model_dir: str = ""):
         cfg = Config.from_json(cfg_json)
         engine_factory, card, cfg = load_engine(cfg, model_dir)
-        super().__init__(cfg, engine_factory, card)
-        if self.decoders is not None:
-            self.decoders.warm()  # the decode worker processes boot in the background
+        super().__init__(cfg, engine_factory, card, warm=True)  # the decode workers boot while the encoders load
         log.info("replica ready: model %s on %s", card.model_id, card.device)
 
 

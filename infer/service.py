@@ -159,11 +159,12 @@ class CaptionService:
     def __init__(self, cfg: Config, engine_factory: Callable[[InferConfig], Engine], card: ModelCard,
                  featurizer: FeaturizeFn | None = None,
                  featurizer_factory: Callable[[Config], Any] = default_featurizer,
-                 reader_factory: Callable[[Config], Callable[[str, Any], Any]] = default_reader):
+                 reader_factory: Callable[[Config], Callable[[str, Any], Any]] = default_reader, warm: bool = False):
         """featurizer: an in-process featurizer (decodes and encodes in the decode thread, cannot be
         stopped); without one, `reader_factory(cfg)` (module-level, picklable) builds the decoder inside
         each decode worker process and `featurizer_factory(cfg)` the replica's encoders, once: its
-        `encode(media, annotation)` runs on what the workers send back."""
+        `encode(media, annotation)` runs on what the workers send back. warm: start the decode workers
+        first, so that they boot while the encoders load (a Serve replica does)."""
         self.cfg = cfg
         self.serve_cfg = cfg.serve
         self.card = card
@@ -178,6 +179,8 @@ class CaptionService:
             self._featurize = featurizer
         else:
             self.decoders = DecodePool(workers, reader_factory, cfg, cfg.serve.max_decoded_bytes)
+            if warm:
+                self.decoders.warm()
             self.encoders = featurizer_factory(cfg)
             self._featurize = self._featurize_in_worker
         self._batcher = EngineBatcher(cfg.serve.batch_videos or max(1, cfg.infer.max_batch_videos))

@@ -23,7 +23,7 @@ from infer.service import CaptionService, ModelCard
 from pipeline.config import Config
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import SchemaError, decode, encode
-from preprocess.encoders import encoder_versions, get_audio_encoder, get_visual_encoder
+from preprocess.encoders import encoder_dims, encoder_versions, get_audio_encoder, get_visual_encoder
 from preprocess.featurize import Featurizer
 from preprocess.release_encoders import ReleaseFeaturizer, release_model, release_video
 from tests.support.mp4 import solid_frames, tone, write_mp4
@@ -72,6 +72,7 @@ def test_registered_and_built_without_loading_weights():
     vis, aud = get_visual_encoder(cfg.features), get_audio_encoder(cfg.features)
     assert (vis.name, aud.name, vis.dim, aud.dim) == ("release", "release", 16, 16)  # width from config.json
     assert encoder_versions(cfg.features) == {"visual": "release@1", "audio": "release@1"}
+    assert encoder_dims(cfg.features) == (16, 16)  # what a model is sized by, from config.json too
 
 
 @pytest.mark.parametrize("changes, needle", [({"audio_encoder": "mel"}, "work as a pair"),
