@@ -31,8 +31,15 @@ by side in one run and printed as one JSON object:
   kv_allocated_over_live: peak KV bytes in allocated pages over peak KV bytes of live keys
                      (16 in flight, arrivals)
   admission_p99_over_median: with videos arriving while 16 are in flight (arrivals), the 99th
-                     percentile step time over the median decode-only step
+                     percentile step time over the median decode-only step of 16 videos in
+                     flight (`modes`, same mix): what a newcomer's prefill costs the decoding
+                     videos. In the arrival run itself the decode-only steps come only at the
+                     tail, with 1-3 videos left; the ratio over those is reported too
+                     (`admission_p99_over_tail_median`)
   plus tokens/s, videos/min, ms per step and the memory floor per step per mode, the kernel.
+  The speedups are also given in CPU time (`*_cpu_time`: the process's CPU time in the same
+  steps; threads = 1): on a box other work shares, wall time moves with the load from one mode to
+  the next, CPU time much less. The targets are judged on wall time.
 
 Run:
   .venv/bin/python bench/throughput.py --out bench/results/throughput_cpu-small.json   # ~25 min on 2 cores
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -144,9 +152,9 @@ def engine_mode(model, cfg: InferConfig, videos, in_flight: int, decode_phase: b
 
     eng.runner.forward = recording
     tokens = {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     eng.run(iter([Request(s, c) for s, c in videos]), lambda req, res: tokens.__setitem__(req.sample.video_id, res.tokens))
-    wall = (time.perf_counter() - t0) * 1000.0
+    wall, cpu = (time.perf_counter() - t0) * 1000.0, (time.process_time() - c0) * 1000.0
     n_tok = sum(len(t) for toks in tokens.values() for t in toks)
     st = eng.stats
     log = st["step_log"]
@@ -154,12 +162,15 @@ def engine_mode(model, cfg: InferConfig, videos, in_flight: int, decode_phase: b
     mixed = [r for r in log if r.branch_rows and (r.prefill_tokens or r.plan_rows or r.layer_tokens)]
     front = [r for r in log if not r.branch_rows]
     dec_ms = sum(r.ms for r in decode_only)
-    return {"wall_ms": round(wall, 1), "steps": st["steps"], "tokens": n_tok,
+    dec_cpu = sum(r.cpu_ms for r in decode_only)
+    return {"wall_ms": round(wall, 1), "cpu_ms": round(cpu, 1), "steps": st["steps"], "tokens": n_tok,
             "decode_only_steps": len(decode_only), "decode_only_ms": round(dec_ms, 1),
             "decode_only_tokens": sum(r.branch_rows for r in decode_only),
             "rows_per_decode_step": round(statistics.mean(r.branch_rows for r in decode_only), 2) if decode_only else 0,
             "ms_per_decode_step": round(statistics.median(r.ms for r in decode_only), 3) if decode_only else 0,
             "tokens_per_s": round(sum(r.branch_rows for r in decode_only) / max(dec_ms, 1e-9) * 1000.0, 2),
+            "ms_per_decode_step_cpu": round(statistics.median(r.cpu_ms for r in decode_only), 3) if decode_only else 0,
+            "tokens_per_cpu_s": round(sum(r.branch_rows for r in decode_only) / max(dec_cpu, 1e-9) * 1000.0, 2),
             "time_split_ms": {"decode_only_steps": round(dec_ms, 1), "mixed_steps": round(sum(r.ms for r in mixed), 1),
                               "prefill_and_planning_steps": round(sum(r.ms for r in front), 1),
                               "programs": round(st["prepare_ms"], 1),
@@ -318,12 +329,21 @@ def main(argv=None) -> dict:
             peaks16 = peaks
             dec = [r.ms for r in pure]
             admission = {"p99_step_ms": round(float(np.percentile([r.ms for r in log], 99)), 3),
-                         "median_decode_step_ms": round(statistics.median(dec), 3),
+                         "median_decode_step_ms_16_in_flight": modes["in_flight_16"]["ms_per_decode_step"]
+                         if "in_flight_16" in modes else None,
+                         "median_decode_step_ms_tail": round(statistics.median(dec), 3),
+                         "mixed_steps": sum(1 for r in log if r.branch_rows and (r.prefill_tokens or r.plan_rows
+                                                                                   or r.layer_tokens)),
                          "max_step_ms": round(max(r.ms for r in log), 3),
                          "max_prefill_tokens_in_a_step": max(r.prefill_tokens + r.layer_tokens for r in log)}
     speed = {str(n): round(modes[f"in_flight_{n}"]["tokens_per_s"] / base["tokens_per_s"], 3) for n in in_flight}
     e2e = {k.removeprefix("in_flight_"): round(arrivals["one_at_a_time"]["wall_ms"] / m["wall_ms"], 3)
            for k, m in arrivals.items() if k != "one_at_a_time"}
+    # the same ratios in CPU time: on a box other work shares, wall time moves with the load between modes
+    speed_cpu = {str(n): round(modes[f"in_flight_{n}"]["tokens_per_cpu_s"] / base["tokens_per_cpu_s"], 3)
+                 for n in in_flight}
+    e2e_cpu = {k.removeprefix("in_flight_"): round(arrivals["one_at_a_time"]["cpu_ms"] / m["cpu_ms"], 3)
+               for k, m in arrivals.items() if k != "one_at_a_time"}
     c = model.hf_config
     probe = CaptionEngine(model, cfg)
     out = {"preset": args.preset, "device": str(device),
@@ -335,9 +355,13 @@ def main(argv=None) -> dict:
            "step_tokens": probe.step_tokens, "page_size": probe.pool.page_size, "q_block": probe.q_block,
            "total_tokens": base["tokens"], "bandwidth_gbs": round(bandwidth, 1), "weight_mb": round(w_bytes / 1e6, 1),
            "kernel": base["kernel"], "throughput_speedup": speed, "end_to_end_speedup": e2e,
+           "throughput_speedup_cpu_time": speed_cpu, "end_to_end_speedup_cpu_time": e2e_cpu,
+           "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
            "tokens_equal": tokens_equal, "ops_per_layer_step": ops,
            "kv_allocated_over_live": round(peaks16["allocated"] / max(1, peaks16["live"]), 3) if peaks16 else None,
-           "admission_p99_over_median": round(admission["p99_step_ms"] / admission["median_decode_step_ms"], 3)
+           "admission_p99_over_median": round(admission["p99_step_ms"] / admission["median_decode_step_ms_16_in_flight"], 3)
+           if admission and admission["median_decode_step_ms_16_in_flight"] else None,
+           "admission_p99_over_tail_median": round(admission["p99_step_ms"] / admission["median_decode_step_ms_tail"], 3)
            if admission else None, "admission": admission, "modes": modes, "arrivals": arrivals,
            **({"single_chain": chain} if chain else {})}
     if chain:
@@ -350,7 +374,7 @@ def main(argv=None) -> dict:
              "kv_allocated_over_live_max": 1.25, "admission_p99_over_median_max": 3.0}
         met = {"throughput_speedup_16": speed["16"] >= 1.8 and tokens_equal,
                "kv_allocated_over_live": out["kv_allocated_over_live"] <= 1.25,
-               "admission_p99_over_median": out["admission_p99_over_median"] <= 3.0}
+               "admission_p99_over_median": (out["admission_p99_over_median"] or 1e9) <= 3.0}
         if {"1", "16"} <= set(ops):
             met["ops_per_layer_step"] = ops["16"] <= 45 and ops["16"] <= 1.1 * ops["1"]
         out["targets"] = {**t, "met": met}

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipeline import storage  # noqa: E402
+from pipeline import faults, storage  # noqa: E402
 from pipeline.cluster import init_ray, placement  # noqa: E402
 from pipeline.config import Config, load_config, section_hash  # noqa: E402
 from pipeline.schema import FIELDS, KEY, decode, encode  # noqa: E402
@@ -165,10 +165,11 @@ class FeaturizeForCaption:
             try:
                 if not uri:
                     raise FileNotFoundError("no uri for this video")
-                if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
-                    fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
-                else:
-                    fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
+                with faults.in_flight("caption-featurize", [vid]):
+                    if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
+                        fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
+                    else:
+                        fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
             except Exception as e:  # explained, never fatal
                 status, error = "error", f"{type(e).__name__}: {e}"
             for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS):
@@ -219,6 +220,12 @@ class CaptionVideos:
                  "capped": "[]", "segments_kept": 0, "segments_total": 0,
                  "error_kind": "input" if str(batch["status"][i]) != "ok" else ""}
                 for i in range(n)]
+        with faults.in_flight("caption", [r["video_id"] for r in rows]):
+            self._caption(batch, rows)
+        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
+
+    def _caption(self, batch: dict[str, np.ndarray], rows: list[dict[str, Any]]) -> None:
+        """Fills `rows` (one per video of `batch`) with the engine's captions or the reason it gave none."""
         todo = []
         for i, row in enumerate(rows):
             if row["status"] != "ok":
@@ -250,10 +257,9 @@ class CaptionVideos:
                                                   for e in res.events], ensure_ascii=False),
                                timings=json.dumps({**res.timings, "featurize_s": float(batch["seconds"][i]),
                                                    "kernel": self.kernel, "caption_pid": self.pid,
-                                                   "featurize_pid": int(batch.get("featurize_pid", [0] * n)[i])}),
+                                                   "featurize_pid": int(batch.get("featurize_pid", [0] * len(rows))[i])}),
                                capped=json.dumps(res.capped), segments_kept=res.segments_kept,
                                segments_total=res.segments_total)
-        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
 
 
 # ----------------------------------------------------------------------------- results
@@ -306,6 +312,44 @@ def read_results(out: str) -> list[dict[str, Any]]:
     return rows
 
 
+class OncePerVideo:
+    """Rows as Ray Data hands them back -> one per video: its first ok row, else its first.
+
+    A task retried after its actor or node was lost (fault tolerance: Ray re-runs it) can hand
+    back a video twice. `take(row)` says what to do with each row: "new" (keep it), "replaces"
+    (keep it instead of the video's earlier error row) or "dropped"."""
+
+    def __init__(self):
+        self.kept: dict[str, dict[str, Any]] = {}
+        self.dropped = 0
+
+    def take(self, row: dict[str, Any]) -> str:
+        seen = self.kept.get(row["video_id"])
+        if seen is not None and (seen["status"] == "ok" or row["status"] != "ok"):
+            self.dropped += 1
+            return "dropped"
+        self.kept[row["video_id"]] = row
+        if seen is None:
+            return "new"
+        self.dropped += 1
+        return "replaces"
+
+    def check(self, listed: list[str]) -> None:
+        """A listed video with no row at all is an error (a re-run redoes it)."""
+        missing = [v for v in listed if v not in self.kept]
+        if missing:
+            raise RuntimeError(f"captioning returned no row for {len(missing)} of {len(listed)} videos: {missing[:5]}")
+
+
+def once_per_video(result: list[dict[str, Any]], listed: list[str]) -> tuple[list[dict[str, Any]], int]:
+    """A chunk's rows -> (one row per listed video, in listing order; duplicates dropped): OncePerVideo."""
+    once = OncePerVideo()
+    for r in result:
+        once.take(r)
+    once.check(listed)
+    return [once.kept[v] for v in listed], once.dropped
+
+
 def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed_fraction: float,
           out: str) -> dict[str, Any]:
     """Whether a captioning job succeeded, from its consolidated `rows` (one per video) and the
@@ -334,9 +378,8 @@ def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed
     return verdict
 
 
-def _commit_part(out: str, rows: list[dict[str, Any]]) -> int:
-    """Write rows as one part under a new chunk name (the commit); -> how many are ok."""
-    chunk = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+def _commit_part(out: str, rows: list[dict[str, Any]], chunk: str) -> int:
+    """Write rows as one part named `chunk` (the commit); -> how many are ok."""
     for r in rows:
         r["chunk"] = chunk
     _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), rows)
@@ -358,10 +401,9 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
             if r["status"] == "ok" and r["model_id"] == model_id and r["config_hash"] == config_hash}
     todo = [v for v in items if v["video_id"] not in done]
     print(f"[caption] {len(items)} videos, {len(done)} already captioned with {model_id}, {len(todo)} to do", flush=True)
-    env = {"env_vars": storage.forwarded_env()}
+    env = {"env_vars": {**storage.forwarded_env(), **faults.forwarded_env()}}
     chunk_videos = max(1, int(chunk_videos))
-    n_ok = n_err = 0
-    this_run: list[dict[str, Any]] = []
+    once = OncePerVideo()  # video id -> the row committed (or about to be) for it this run
     if todo:  # one pipeline for the whole job: each actor loads its encoders / model once, not once per chunk
         block = max(1, min(chunk_videos, cfg.infer.videos_per_call))  # results stream back a block at a time
         ds = ray.data.from_items([{**v, "chunk": ""} for v in todo], override_num_blocks=-(-len(todo) // block))
@@ -373,29 +415,42 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
                             batch_size=max(1, cfg.infer.videos_per_call), runtime_env=env,
                             **placement(cfg.cluster, cfg.cluster.caption_cpus_per_actor, cfg.cluster.caption_gpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))
-        total, t0 = -(-len(todo) // chunk_videos), time.perf_counter()
+        total, t0, run_id = -(-len(todo) // chunk_videos), time.perf_counter(), uuid.uuid4().hex[:6]
         pending: list[dict[str, Any]] = []
+        parts = 0
 
         def commit() -> None:  # every chunk_videos rows as they come back, and the last few
-            nonlocal n_ok, n_err
-            ok = _commit_part(out, pending)
-            this_run.extend({"status": r["status"], "error_kind": r.get("error_kind")} for r in pending)
-            n_ok, n_err = n_ok + ok, n_err + len(pending) - ok
-            print(f"[caption] chunk {-(-(n_ok + n_err) // chunk_videos)}/{total}: {ok} done, {len(pending) - ok} "
-                  f"failed, {60.0 * (n_ok + n_err) / (time.perf_counter() - t0):.1f} videos/min", flush=True)
+            nonlocal parts
+            parts += 1  # names sort in commit order: a row that replaces an earlier part's is read last
+            ok = _commit_part(out, pending, f"{time.strftime('%Y%m%dT%H%M%S')}-{run_id}-{parts:05d}")
+            print(f"[caption] chunk {parts}/{total}: {ok} done, {len(pending) - ok} failed, "
+                  f"{60.0 * len(once.kept) / (time.perf_counter() - t0):.1f} videos/min", flush=True)
             pending.clear()
 
-        results, committed = iter(ds.iter_rows()), 0
-        for row in results:
-            pending.append(dict(row))
+        results, stopped = iter(ds.iter_rows()), False
+        for item in results:
+            row = dict(item)
+            verdict = once.take(row)
+            if verdict == "dropped":
+                continue
+            if verdict == "replaces":  # an ok row after the video's error row: here, or in a later part
+                pending[:] = [r for r in pending if r["video_id"] != row["video_id"]]
+            pending.append(row)
             if len(pending) == chunk_videos:
                 commit()
-                committed += 1
-                if max_chunks is not None and committed >= max_chunks:
+                if max_chunks is not None and parts >= max_chunks:
                     getattr(results, "close", lambda: None)()  # stop the pipeline; the rest is redone next run
+                    stopped = True
                     break
         if pending:
             commit()
+        if once.dropped:
+            print(f"[caption] {once.dropped} duplicate row(s) of retried work dropped", flush=True)
+        if not stopped:  # what came back is committed; a re-run redoes any video without a row
+            once.check([v["video_id"] for v in todo])
+    this_run = [{"status": r["status"], "error_kind": r.get("error_kind")} for r in once.kept.values()]
+    n_ok = sum(r["status"] == "ok" for r in this_run)
+    n_err = len(this_run) - n_ok
     rows = consolidate(out, keep={v["video_id"] for v in items})
     total_ok = sum(r["status"] == "ok" for r in rows)
     seconds = time.perf_counter() - t_start
@@ -405,7 +460,8 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     if "failure" in verdict:
         print(f"[caption] the job failed: {verdict['failure']}", flush=True)
     return {"captioned": total_ok, **verdict, "this_run_ok": n_ok, "this_run_failed": n_err,
-            "model_id": model_id, "out": out, "videos_per_min": 60.0 * (n_ok + n_err) / seconds if seconds else 0.0}
+            "duplicates_dropped": once.dropped, "model_id": model_id, "out": out,
+            "videos_per_min": 60.0 * (n_ok + n_err) / seconds if seconds else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -244,13 +244,14 @@ class CaptionEngine:
                     return
                 continue
             self._start_branches(videos)
-            t0 = time.perf_counter()  # a step: its metadata, the forward, and what the videos make of it
+            # a step: its metadata, the forward, and what the videos make of it (wall and CPU time)
+            t0, c0 = time.perf_counter(), time.process_time()
             plan = self.scheduler.plan(videos)
             if plan is None:
                 raise RuntimeError("videos in flight but nothing to run (a scheduler bug)")
             hidden, states = self.runner.forward(plan.batch)
             self._absorb(plan, hidden, states, videos, emit)
-            self._account(plan, (time.perf_counter() - t0) * 1000.0)
+            self._account(plan, (time.perf_counter() - t0) * 1000.0, (time.process_time() - c0) * 1000.0)
 
     def _prepare(self, req: Request, emit) -> VideoState | None:
         """A request's program and its KV worst case; None (and the error emitted) if it cannot be decoded."""
@@ -382,7 +383,7 @@ class CaptionEngine:
                     alive.append(b)
             v.branches = alive
 
-    def _account(self, plan: StepPlan, ms: float) -> None:
+    def _account(self, plan: StepPlan, ms: float, cpu_ms: float) -> None:
         mode = Mode.BRANCH if plan.n_branch else (Mode.PLAN if plan.plan else Mode.PREFILL)
         st = self.stats
         st["steps"] += 1
@@ -394,7 +395,7 @@ class CaptionEngine:
             videos = {id(v) for v, *_ in plan.branch + plan.plan + plan.prefill + plan.jobs}
             st["step_log"].append(StepRecord(plan.tokens, plan.n_branch, len(plan.plan),
                                              sum(h - lo for _, _, lo, h in plan.prefill), len(videos), ms,
-                                             plan.layer_tokens))
+                                             plan.layer_tokens, cpu_ms))
 
     def _drop_cancelled(self, videos: list[VideoState]) -> None:
         for v in [v for v in videos if v.request.cancelled()]:
@@ -458,6 +459,7 @@ class StepRecord(NamedTuple):
     videos: int
     ms: float
     layer_tokens: int = 0  # tokens of layered bidirectional blocks that moved one layer
+    cpu_ms: float = 0.0  # the process's CPU time in the step (on a shared CPU box: the step's own work)
 
 
 def is_release_model(model) -> bool:

@@ -13,9 +13,12 @@ and the serial <G>s so far; a branch row sees its video's prefix (all of it) and
 branch. One softmax over both: no log-sum-exp merge is needed, and the shared prefix pages
 are read once per query block, not once per branch (the cascade, without copies).
 
-Query blocks. Tokens are grouped in blocks of at most `q_block` tokens of one video; a
-block lists the pages its tokens may see (`pages` [Qb, B], padded with the scratch page 0,
-`npages` [Qb]). That is FlexAttention's block-sparse description (BlockMask.from_kv_blocks
+Query blocks. The scheduler cuts the step's tokens into blocks of one video each (its decode
+rows, a planning row, a prefill piece), and `pack_blocks` repacks them into blocks of at most F
+tokens (F chosen per step; blocks of several videos share one, each token still seeing only its
+own sequences) so that a kernel call, which pads every block to the fullest and the widest, does
+little padded work. A block lists the pages its tokens may see (`pages` [Qb, B], padded with
+the scratch page 0, `npages` [Qb]). That is FlexAttention's block-sparse description (BlockMask.from_kv_blocks
 with BLOCK_SIZE = (q_block, page_size)), and the reference and the SDPA kernel gather exactly
 those pages. The visibility above is the mask_mod.
 
@@ -131,29 +134,31 @@ class AttnMeta:
 
     @staticmethod
     def build(blocks: Sequence[BlockPlan], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
-              lim_b: Sequence[int], *, q_block: int, pool, kernel: "Kernel", group: int = 1) -> "AttnMeta":
+              lim_b: Sequence[int], *, q_block: int, pool, kernel: "Kernel", group: int = 1,
+              workspace: "Workspace | None" = None) -> "AttnMeta":
         """Host description of a step -> AttnMeta on the pool's device (one copy per tensor).
 
         seq_*/lim_* are per step token (N of them); a token with no second sequence has
-        seq_b = -1 (FREE: matches no page a sequence holds) and lim_b = 0.
+        seq_b = -1 (FREE: matches no page a sequence holds) and lim_b = 0. workspace: where the
+        additive mask is written (the caller's buffer, reused step after step; the meta is valid
+        until the next build into it); None = a fresh tensor.
         """
         from infer.paged import SCRATCH_SEQ
 
         n, S = len(seq_a), pool.page_size
-        qb = len(blocks)
-        # the query block: the fullest block of this step, rounded up to the kernel's alignment (no padding
-        # beyond it: a step of 8-row videos attends in blocks of 8, not of q_block)
-        fill = max(1, max(len(b.tokens) for b in blocks))
-        if fill > q_block:
-            raise ValueError(f"a query block of {fill} tokens over q_block {q_block}")
         if kernel.name == "flex":
             # compiled FlexAttention specialises on shapes: a fixed query block and the number of blocks
             # rounded up to a power of two keep a decode to a handful of compiled variants
-            blocks = list(blocks) + [BlockPlan((), ())] * ((1 << (qb - 1).bit_length()) - qb)
+            blocks = pack_blocks(blocks, (q_block,), group)
             qb = len(blocks)
+            blocks = list(blocks) + [BlockPlan((), ())] * ((1 << (qb - 1).bit_length()) - qb)
         else:
             mult = kernel.contract.q_block_multiple
+            sizes = sorted({-(-f // mult) * mult for f in _SIZES if f < q_block} | {q_block})
+            blocks = pack_blocks(blocks, tuple(sizes), group)
+            fill = max(1, max(len(b.tokens) for b in blocks))
             q_block = -(-fill // mult) * mult
+        qb = len(blocks)
         width = max(1, max(len(b.pages) for b in blocks))
         gather = torch.full((qb, q_block), n, dtype=torch.long)
         page_t = torch.zeros((qb, width), dtype=torch.long)
@@ -178,10 +183,65 @@ class AttnMeta:
         if kernel.name == "flex":
             meta.block_mask = flex_block_mask(meta, pool)
         else:
-            vis = gathered_visibility(meta, pool).repeat_interleave(group, dim=1)[:, None]
-            # as an additive mask in the model's dtype, once per step (a bool mask is converted in every call)
-            meta.visible = torch.zeros(vis.shape, dtype=pool.dtype, device=dev).masked_fill_(~vis, float("-inf"))
+            vis = gathered_visibility(meta, pool)  # [Qb, BM, T]
+            # as an additive mask in the model's dtype, once per step (a bool mask is converted in every call),
+            # rows (query, head in group) as the kernels lay out the queries
+            qb_, bm, t = vis.shape
+            out = (workspace or Workspace()).take(qb_ * bm * group, t, pool.layer[0]).view(qb_, bm, group, t)
+            zero = torch.zeros((), dtype=pool.dtype, device=dev)
+            torch.where(vis[:, :, None].expand(qb_, bm, group, t), zero, zero - float("inf"), out=out)
+            meta.visible = out.view(qb_, 1, bm * group, t)
         return meta
+
+
+_SIZES = (4, 8, 16, 32, 64)  # the query-block sizes pack_blocks tries for a gathering kernel
+# gathering a key costs about what 16 query rows attending to it cost (fp32 on the 2-core CPU box: 0.15 us a
+# key gathered, 0.009 us a key per query row in SDPA; both scale with Hkv x D, so the ratio holds across shapes)
+GATHER_ROWS = 16
+
+
+def pack_blocks(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int) -> list[BlockPlan]:
+    """The step's query blocks repacked to cost the kernel least: -> blocks of at most F tokens, F one of `sizes`.
+
+    A step's blocks are cut per video (decode rows, a planning row, prefill pieces), so their token
+    counts and page counts differ widely, while a kernel call pads every block to the fullest block's
+    tokens (F) and widest block's pages (W): a block of 3 decode rows beside one of 16, or a planning row
+    beside a prefill piece of 64, would compute as much as the full ones. For each F, blocks longer
+    than F are split (each piece sees the block's pages) and the pieces are packed first-fit-decreasing
+    into bins of at most F tokens whose pages (a union: pieces of one sequence share pages) stay within
+    W, the widest single piece; the F with the least cost, bins x W x (F * group + GATHER_ROWS) (query
+    rows times keys, plus the gather of the keys), wins. Exact: each token still sees only its own sequences
+    (the visibility rule is per token); packing only changes which tokens share a block.
+    """
+    real = [b for b in blocks if len(b.tokens)]
+    if not real:
+        return list(blocks)
+    best: tuple[float, list[list[tuple[list[int], list[int]]]]] | None = None
+    for F in sizes:
+        pieces = [(list(b.tokens[lo:lo + F]), list(b.pages)) for b in real for lo in range(0, len(b.tokens), F)]
+        W = max(1, max(len(p) for _, p in pieces))
+        pieces.sort(key=lambda t: (-len(t[1]), -len(t[0])))
+        # a bin: [tokens, {first page: widest piece starting there}, pages]; pieces that start on the same
+        # page are one sequence's (a prefix and its prefixes): their union is the widest of them
+        bins: list[list] = []
+        for toks, pages in pieces:
+            head = pages[0] if pages else -1
+            for b in bins:
+                old = b[1].get(head, 0)
+                if b[0] + len(toks) <= F and b[2] - old + max(old, len(pages)) <= W:
+                    b[0] += len(toks)
+                    b[1][head] = max(old, len(pages))
+                    b[2] += max(old, len(pages)) - old
+                    b[3].append((toks, pages))
+                    break
+            else:
+                bins.append([len(toks), {head: len(pages)}, len(pages), [(toks, pages)]])
+        cost = len(bins) * W * (F * group + GATHER_ROWS)
+        if best is None or cost < best[0]:
+            best = (cost, [b[3] for b in bins])
+    # the exact union of each bin's pages (the estimate above only sizes the bins)
+    return [BlockPlan([t for toks, _ in members for t in toks],
+                      list(dict.fromkeys(p for _, pages in members for p in pages))) for members in best[1]]
 
 
 def gathered_visibility(meta: AttnMeta, pool) -> torch.Tensor:
@@ -234,10 +294,28 @@ def _padded_queries(q: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
     return q[meta.q_gather_clamped]
 
 
-def _gather(pool, layer: int, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks' pages of one layer -> k, v [Qb, Hkv, B*S, D] (one gather of whole pages, K and V at once)."""
+class Workspace:
+    """A reusable buffer for the gathered pages (grown, never shrunk). A fresh tensor per layer per step
+    would be a new large allocation each time: on the CPU that is fresh memory from the OS, page faults
+    and zeroing that cost 3x the copy itself."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def take(self, rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        need = rows * width
+        b = self.buf
+        if b is None or b.numel() < need or b.dtype != like.dtype or b.device != like.device:
+            self.buf = b = torch.empty(need, dtype=like.dtype, device=like.device)
+        return b[:need].view(rows, width)
+
+
+def _gather(pool, layer: int, meta: AttnMeta, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' pages of one layer -> k, v [Qb, Hkv, B*S, D] (one gather of whole pages, K and V at
+    once, into the kernel's workspace: valid until the next call)."""
     _, _, hkv, d = pool.layer[layer].shape
-    g = pool.layer_pages[layer][meta.pages_flat]  # [Qb*B, S*2*Hkv*D]
+    src = pool.layer_pages[layer]  # [P, S*2*Hkv*D]
+    g = torch.index_select(src, 0, meta.pages_flat, out=ws.take(meta.pages_flat.numel(), src.shape[1], src))
     return g.view(meta.blocks, -1, 2, hkv, d).permute(2, 0, 3, 1, 4).unbind(0)
 
 
@@ -268,6 +346,7 @@ class Kernel:
 
     def __init__(self, reason: str, contract: Contract):
         self.reason, self.contract = reason, contract
+        self.workspace = Workspace()  # gathering kernels: one buffer reused by every layer and step
 
     def __call__(self, q, pool, layer: int, meta: AttnMeta, scale: float) -> torch.Tensor:
         self.contract.check(q, pool.layer[layer], meta)
@@ -283,7 +362,7 @@ class ReferenceKernel(Kernel):
     name = "reference"
 
     def attend(self, q, pool, layer, meta, scale):
-        k, v = _gather(pool, layer, meta)
+        k, v = _gather(pool, layer, meta, self.workspace)
         qb = _blocked(q, meta, k.shape[1]).float()
         s = torch.matmul(qb, k.float().transpose(-1, -2)) * scale + meta.visible
         o = torch.matmul(torch.softmax(s, dim=-1), v.float())
@@ -296,7 +375,7 @@ class SdpaKernel(Kernel):
     name = "sdpa"
 
     def attend(self, q, pool, layer, meta, scale):
-        k, v = _gather(pool, layer, meta)
+        k, v = _gather(pool, layer, meta, self.workspace)
         o = F.scaled_dot_product_attention(_blocked(q, meta, k.shape[1]), k, v, attn_mask=meta.visible, scale=scale)
         return _unblocked(o, meta)
 

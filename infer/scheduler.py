@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.kernels import AttnMeta, BlockPlan
+from infer.kernels import AttnMeta, BlockPlan, Workspace
 from infer.paged import FREE_SEQ, PagePool, Seq, pages_for
 from infer.step import ForwardBatch, LayerJob, ModelRunner
 
@@ -115,6 +115,9 @@ class Scheduler:
         self.step_tokens, self.max_rows, self.q_block = step_tokens, max_rows, q_block
         # prefill chunks attend in larger blocks: a block gathers its pages once for all its queries
         self.prefill_block = prefill_block or 4 * q_block
+        # the step's mask is rebuilt into one buffer every step (a layered job's meta, which lives across
+        # steps, has its own)
+        self.mask_workspace = Workspace()
         self.device = pool.device
 
     # ------------------------------------------------------------------ building a step
@@ -242,7 +245,8 @@ class Scheduler:
         self.pool.sync()
         capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
         attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=max(self.q_block, self.prefill_block), pool=self.pool,
-                              kernel=self.runner.kernel, group=self.runner.w.heads // self.runner.w.kv_heads)
+                              kernel=self.runner.kernel, group=self.runner.w.heads // self.runner.w.kv_heads,
+                              workspace=self.mask_workspace)
         batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
                              slots=torch.cat(slots).to(self.device), attn=attn, capture=capture,
                              jobs=tuple(job for _, job in jobs))

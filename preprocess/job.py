@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from pipeline import storage
+from pipeline import faults, storage
 from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, load_config, section_hash
 from pipeline.schema import FIELDS, KEY, encode
@@ -72,8 +72,9 @@ class FeaturizeVideos:
                                clipped_events=ann.clipped, num_events=len(ann.events), duration=ann.duration)
             fields: dict[str, Any] = {KEY: "", **{c: b"" for c in FIELDS}}  # typed empties for error rows
             try:
-                sample = self.featurizer(row["uri"], ann)
-                fields = encode(sample)
+                with faults.in_flight("preprocess", [ann.video_id]):
+                    sample = self.featurizer(row["uri"], ann)
+                    fields = encode(sample)
                 row.update(status="ok", error="", key=fields[KEY], num_segments=sample.num_segments,
                            duration=float(sample.duration), num_events=len(sample.events))
             except Exception as e:  # every failure becomes an explained manifest row
@@ -159,7 +160,7 @@ def _run_chunk(cfg: Config, rows: list[dict[str, Any]], chunk: str, out_dir: str
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)),
         **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor, 1.0 if cfg.features.device == "cuda" else 0.0),
-        runtime_env={"env_vars": storage.forwarded_env()},
+        runtime_env={"env_vars": {**storage.forwarded_env(), **faults.forwarded_env()}},
     ).materialize()
     manifest_rows = ds.select_columns(list(mf.COLUMNS)).take_all()
 

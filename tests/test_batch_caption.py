@@ -187,3 +187,16 @@ def test_judge_fails_a_job_only_past_the_threshold_or_when_the_engine_is_broken(
     assert "failure" not in judge(_rows("engine", "ok", "ok", "ok"), _rows("ok"), 0.25, out)
     with pytest.raises(ValueError, match="max_failed_fraction"):
         judge([], [], 1.5, out)
+
+
+def test_a_retried_video_is_committed_once_and_a_lost_one_is_an_error():
+    from infer.batch import once_per_video
+
+    row = lambda vid, status, chunk="c": {"video_id": vid, "status": status, "chunk": chunk}  # noqa: E731
+    # b came back twice (its task re-run after a lost node): first as an error of the lost try, then ok
+    got, dropped = once_per_video([row("b", "error", "lost"), row("a", "ok"), row("b", "ok"), row("a", "ok", "again")],
+                                  ["a", "b"])
+    assert dropped == 2 and got == [row("a", "ok"), row("b", "ok")]  # listing order; a's first row, b's ok one
+    assert once_per_video([row("a", "error")], ["a"]) == ([row("a", "error")], 0)
+    with pytest.raises(RuntimeError, match="no row for 1 of 2 videos: \\['b'\\]"):
+        once_per_video([row("a", "ok")], ["a", "b"])

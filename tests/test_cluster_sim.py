@@ -9,23 +9,31 @@ One `ray.cluster_utils.Cluster` for the module: a head (0 CPUs, the driver), two
 (`cluster.gpu_resource`, `cluster.cpu_node_resource`). Where actors ran is read from Ray's
 state API. Node loss is `Cluster.remove_node` (every process of that raylet killed, no
 graceful shutdown) in the middle of the work; each test then adds a fresh node of the same
-kind, as an autoscaler would, so the next test sees the full cluster. Inputs are tiny
-(a few 8-9 s synthetic videos, the tiny random-init model, a few training steps).
+kind, as an autoscaler would, so the next test sees the full cluster (the GPU caption test
+adds a second "GPU" node first and keeps the survivor). Preprocess and captioning (its CPU
+featurizers and its GPU caption actor) lose their node while it holds a video: `pipeline/faults.py` marks every video a process starts and ends,
+and holds the first one of the stage, whose node is then removed; the markers prove it was in
+flight there (never ended) and say who redid it. Training loses a node in the middle of an epoch
+and the steps' logged video ids show each video once per epoch. Inputs are tiny (a few 8-9 s
+synthetic videos, the tiny random-init model, a few training steps).
 """
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from tests.support import sim_cluster as sc  # before ray: the 127.0.0.1 variables
 
 from bench import autoscale  # noqa: E402
-from pipeline import storage  # noqa: E402
+from pipeline import faults, storage  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.schema import decode  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
@@ -61,17 +69,21 @@ def corpus(tmp_path_factory):
 
 
 class NodeKiller(threading.Thread):
-    """Removes the node of the first alive actor named `actor` (on a node of `kind`) once `ready()`
-    holds; records when, which node, and what `probe()` said just before."""
+    """Removes the node of the first alive actor named `actor` (on a node of `kind`), or the node
+    `target()` names, once `ready()` holds; records which node and what `probe()` said just before.
+    `finish` adds the replacement an autoscaler would start (nodes are added from the main thread
+    only), unless `replace=False` (the test had one more node of that kind to start with)."""
 
-    def __init__(self, sim, actor: str, kind: str, ready=lambda: True, probe=lambda: None, timeout: float = 180.0):
+    def __init__(self, sim, actor: str, kind: str, ready=lambda: True, probe=lambda: None, timeout: float = 180.0,
+                 target=None, replace: bool = True):
         super().__init__(daemon=True)
         self.sim, self.actor, self.kind, self.ready, self.probe, self.timeout = sim, actor, kind, ready, probe, timeout
+        self.target, self.replace = target or self.actor_node, replace
         self.removed_id: str | None = None
         self.probed = None
         self.error: BaseException | None = None
 
-    def target_node(self):
+    def actor_node(self):
         for node_id in sc.actor_nodes(self.actor, alive_only=True):
             if self.sim.kind_by_id.get(node_id) == self.kind:
                 return node_id
@@ -79,8 +91,9 @@ class NodeKiller(threading.Thread):
 
     def run(self) -> None:
         try:
-            node_id = sc.wait_for(lambda: self.ready() and self.target_node(), self.timeout,
+            node_id = sc.wait_for(lambda: self.ready() and self.target(), sc.scaled(self.timeout),
                                   f"an alive {self.actor} on a {self.kind} node")
+            assert self.sim.kind_by_id.get(node_id) == self.kind, (node_id, self.sim.kind_by_id.get(node_id))
             self.probed = self.probe()
             self.sim.remove(self.sim.node(node_id))
             self.removed_id = node_id
@@ -88,12 +101,41 @@ class NodeKiller(threading.Thread):
             self.error = e
 
     def finish(self) -> str:
-        self.join(timeout=self.timeout)
+        self.join(timeout=sc.scaled(self.timeout))
         if self.error:
             raise self.error
         assert self.removed_id, "no node was removed"
-        self.sim.add(self.kind)  # the replacement an autoscaler would start
+        if self.replace:
+            self.sim.add(self.kind)
         return self.removed_id
+
+
+def hold_one_video(monkeypatch, tmp_path, stage: str) -> Path:
+    """pipeline/faults.py on for this test: every video of every stage marked in flight, and the first
+    one `stage` starts held (its node is lost during the hold, which a missed kill only lengthens).
+    -> the marker directory."""
+    root = tmp_path / "inflight"
+    monkeypatch.setenv(faults.DIR_ENV, str(root))
+    monkeypatch.setenv(faults.STAGE_ENV, stage)
+    monkeypatch.setenv(faults.HOLD_ENV, str(sc.scaled(150.0)))
+    return root
+
+
+def held_node(root: Path, stage: str):
+    """The node of the video `stage` holds (a function for NodeKiller's `target`)."""
+    return lambda: (faults.held(root, stage) or {}).get("node_id")
+
+
+def check_lost_in_flight(root: Path, stage: str, removed: str) -> dict:
+    """What the markers prove: the held video was in flight on the removed node when it went (that
+    process never ended its work on it), and another process on another node did it after. -> the
+    marker of that other process."""
+    m = faults.held(root, stage)
+    assert m and m["node_id"] == removed, (m, removed)
+    assert not m["done"], f"{m['video_id']} was finished on the removed node before it went"
+    redone = [r for r in faults.markers(root, stage) if r["video_id"] == m["video_id"] and r["pid"] != m["pid"]]
+    assert [r["done"] for r in redone] == [True] and redone[0]["node_id"] != removed, redone
+    return redone[0]
 
 
 # ----------------------------------------------------------------------------- preprocess
@@ -131,13 +173,17 @@ def test_preprocess_actors_run_only_on_cpu_nodes(sim, baseline_shards):
     assert sim.kinds_of(nodes) == {"cpu"}
 
 
-def test_preprocess_survives_losing_a_cpu_node(sim, corpus, baseline_shards, tmp_path):
+def test_preprocess_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpus, baseline_shards, tmp_path,
+                                                                     monkeypatch):
     out = str(tmp_path / "shards")
-    killer = NodeKiller(sim, "FeaturizeVideos", "cpu", probe=lambda: mf.committed_parts(out))
+    root = hold_one_video(monkeypatch, tmp_path, "preprocess")
+    killer = NodeKiller(sim, "FeaturizeVideos", "cpu", target=held_node(root, "preprocess"),
+                        probe=lambda: mf.committed_parts(out))
     killer.start()
     summary = run_preprocess_job(sim_cfg(), corpus, out)
-    killer.finish()
+    removed = killer.finish()
     assert killer.probed == {}, "the node was removed after the job had committed its work"
+    assert sim.kind_by_id[check_lost_in_flight(root, "preprocess", removed)["node_id"]] == "cpu"
     assert summary["ok"] == 6 and summary["failed"] == 0
     rows_a, samples_a = shard_samples(baseline_shards)
     rows_b, samples_b = shard_samples(out)
@@ -176,57 +222,123 @@ def test_caption_actors_on_the_gpu_node_featurizers_on_cpu_nodes(sim, baseline_c
     assert sim.kinds_of(sc.actor_nodes("FeaturizeForCaption")) == {"cpu"}
 
 
-def test_offline_captioning_survives_losing_a_cpu_node(sim, corpus, baseline_captions, tmp_path):
+def test_offline_captioning_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpus, baseline_captions,
+                                                                              tmp_path, monkeypatch):
     from infer.batch import run_caption
 
     out = str(tmp_path / "captions")
     parts = Path(out) / "parts"
-    killer = NodeKiller(sim, "FeaturizeForCaption", "cpu", probe=lambda: sorted(parts.glob("*.parquet")))
+    root = hold_one_video(monkeypatch, tmp_path, "caption-featurize")
+    killer = NodeKiller(sim, "FeaturizeForCaption", "cpu", target=held_node(root, "caption-featurize"),
+                        probe=lambda: sorted(parts.glob("*.parquet")))
     killer.start()
     summary = run_caption(sim_cfg(), corpus.video_dir, "", out)
-    killer.finish()
+    removed = killer.finish()
     assert killer.probed == [], "the node was removed after the run had committed its captions"
+    assert sim.kind_by_id[check_lost_in_flight(root, "caption-featurize", removed)["node_id"]] == "cpu"
     assert summary["captioned"] == 6 and summary["failed"] == 0 and summary["this_run_ok"] == 6
     assert caption_rows(out) == caption_rows(baseline_captions)  # each video once, the same captions
+
+
+def test_offline_captioning_survives_losing_the_gpu_node_with_videos_in_flight(sim, corpus, baseline_captions,
+                                                                              tmp_path, monkeypatch):
+    """Two "GPU" nodes; the caption actor's node goes while it holds a call's videos, the actor is
+    started again on the other one, and the run ends with every video exactly once, captioned as in
+    the uninterrupted run. The cluster is left with one "GPU" node, as before."""
+    from infer.batch import run_caption
+
+    out = str(tmp_path / "captions")
+    parts = Path(out) / "parts"
+    root = hold_one_video(monkeypatch, tmp_path, "caption")
+    sim.add("gpu")  # the one that takes over
+    killer = NodeKiller(sim, "CaptionVideos", "gpu", target=held_node(root, "caption"), replace=False,
+                        probe=lambda: sorted(parts.glob("*.parquet")))
+    killer.start()
+    try:
+        summary = run_caption(sim_cfg(), corpus.video_dir, "", out)
+        removed = killer.finish()
+    finally:
+        for node in sim.nodes["gpu"][1:]:  # back to one "GPU" node, whatever happened
+            sim.remove(node)
+    assert killer.probed == [], "the node was removed after the run had committed its captions"
+    redone = check_lost_in_flight(root, "caption", removed)
+    assert sim.kind_by_id[redone["node_id"]] == "gpu" and redone["node_id"] in {n.node_id for n in sim.nodes["gpu"]}
+    assert summary["captioned"] == 6 and summary["failed"] == 0 and summary["this_run_ok"] == 6
+    assert caption_rows(out) == caption_rows(baseline_captions)  # each video once, the same captions
+    rows = pq.read_table(next(parts.glob("*.parquet"))).to_pylist()  # the commit itself, before consolidation
+    assert sorted(r["video_id"] for r in rows) == sorted(corpus.videos)
 
 
 # ----------------------------------------------------------------------------- training
 
 
-def test_training_resumes_from_its_last_checkpoint_after_losing_a_worker_node(sim, baseline_shards, tmp_path,
-                                                                             monkeypatch):
+def registered_checkpoint(out: Path) -> str | None:
+    """The latest checkpoint the Ray Train controller has registered (its checkpoint manager's
+    snapshot, written once it took the report), or None."""
+    for snap in out.glob("ray/*/checkpoint_manager_snapshot.json"):
+        latest = json.loads(snap.read_text()).get("latest_checkpoint_result") or {}
+        found = re.findall(r"checkpoint_\d{7}", json.dumps(latest))
+        if found:
+            return found[-1]
+    return None
+
+
+def train_ids(shards: str) -> list[str]:
+    return sorted(r["video_id"] for r in mf.read_table(mf.manifest_path(shards)) if r["split"] == "train")
+
+
+def test_training_resumes_mid_epoch_after_losing_a_worker_node_and_sees_each_sample_once_per_epoch(
+        sim, baseline_shards, tmp_path, monkeypatch):
+    """4 training videos, 2 workers of one video per step: 2 steps an epoch. The node goes in the
+    middle of epoch 1 (paused after step 3, once checkpoint 3 is registered); the restart resumes
+    from checkpoint 3 and the steps' logged video ids give every epoch each video exactly once."""
     from train.trainer import run_train
 
     marker = tmp_path / "paused.txt"
-    monkeypatch.setenv("PADCAP_TRAIN_PAUSE_AT_STEP", "4")
+    monkeypatch.setenv("PADCAP_TRAIN_PAUSE_AT_STEP", "3")
     monkeypatch.setenv("PADCAP_TRAIN_PAUSE_MARKER", str(marker))
-    monkeypatch.setenv("PADCAP_TRAIN_PAUSE_S", "90")
+    monkeypatch.setenv("PADCAP_TRAIN_PAUSE_S", str(sc.scaled(90.0)))
     out = tmp_path / "train"
-    ckpt_4 = []
-
-    def paused_after_checkpoint_4():
-        found = sorted(p.name for p in out.glob("ray/*/checkpoint_0*"))
-        if marker.exists() and "checkpoint_0000004" in found:
-            ckpt_4.append(time.monotonic())
-            return time.monotonic() - ckpt_4[0] > 5.0  # a few controller polls: the checkpoint is registered
-        return False
-
-    killer = NodeKiller(sim, "RayTrainWorker", "cpu", ready=paused_after_checkpoint_4,
+    killer = NodeKiller(sim, "RayTrainWorker", "cpu",
+                        ready=lambda: marker.exists() and registered_checkpoint(out) == "checkpoint_0000003",
                         probe=lambda: sorted(p.name for p in out.glob("ray/*/checkpoint_0*")))
     killer.start()
-    cfg = sim_cfg("train.max_steps=6", "train.checkpoint_every=2", "train.val_every=0", "train.max_failures=2",
+    cfg = sim_cfg("train.max_steps=6", "train.checkpoint_every=3", "train.val_every=0", "train.max_failures=2",
                   "train.keep_checkpoints=3")
     summary = run_train(cfg, baseline_shards, str(out))
     removed = killer.finish()
-    assert killer.probed[-1] == "checkpoint_0000004"  # the latest checkpoint when the node went
+    assert killer.probed[-1] == "checkpoint_0000003"  # the latest checkpoint when the node went
     details = storage.read_json(summary["details"])
     assert summary["steps"] == 6 and details["resumes"] == 1
     hist = storage.read_json(str(out / "history.json"))
     assert [h["step"] for h in hist] == [1, 2, 3, 4, 5, 6]
-    assert [h["resumes"] for h in hist] == [0, 0, 0, 0, 1, 1]  # steps 5-6 after the restart from checkpoint 4
+    assert [h["resumes"] for h in hist] == [0, 0, 0, 1, 1, 1]  # steps 4-6 after the restart from checkpoint 3
+    assert [h["epoch"] for h in hist] == [0, 0, 1, 1, 2, 2]  # the restart came in the middle of epoch 1
+    videos = train_ids(baseline_shards)
+    assert len(videos) == 4
+    for epoch in (0, 1, 2):
+        steps = [h for h in hist if h["epoch"] == epoch]
+        assert all([len(ids) for ids in h["samples"]] == [1, 1] for h in steps), steps  # one per worker per step
+        seen = sorted(v for h in steps for ids in h["samples"] for v in ids)
+        assert seen == videos, (epoch, [h["samples"] for h in steps])  # none skipped, none repeated
     workers = sc.actors("RayTrainWorker")
     assert sim.kinds_of(a.node_id for a in workers) == {"cpu"}
     assert any(a.node_id == removed for a in workers) and any(a.node_id != removed for a in workers)
+
+
+def test_training_workers_run_on_the_gpu_node_when_the_gpu_resource_asks_for_it(sim, baseline_shards, tmp_path):
+    """train.use_gpu with cluster.gpu_resource=sim_gpu: the workers take `sim_gpu` (so only the
+    "GPU" node can hold them; Ray assigns no CUDA device, the loop runs on its CPUs)."""
+    from train.trainer import build_trainer
+
+    before = {a.actor_id for a in sc.actors("RayTrainWorker")}
+    cfg = sim_cfg("train.use_gpu=true", "train.gpus_per_worker=1", "train.max_steps=1", "train.val_every=0",
+                  "train.checkpoint_every=0")
+    result = build_trainer(cfg, baseline_shards, str(tmp_path / "train")).fit()
+    assert result.error is None and result.metrics["step"] == 1
+    workers = [a for a in sc.actors("RayTrainWorker") if a.actor_id not in before]
+    # only the "GPU" node has sim_gpu (and it lacks cpu_node, which CPU-only workers would ask for)
+    assert len(workers) == 2 and sim.kinds_of(a.node_id for a in workers) == {"gpu"}
 
 
 # ----------------------------------------------------------------------------- serving

@@ -61,6 +61,9 @@ def test_resume_equals_uninterrupted_run(tmp_path):
         for k in LOSSES:
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (a["step"], k)
         assert b["lr"] == pytest.approx(a["lr"]) and b["epoch"] == a["epoch"]
+        assert b["samples"] == a["samples"]  # the same videos at every step, across the resume
+    # one rank; 4 videos, 2 micro-batches of 2 per step: every step is a whole epoch, each video once
+    assert [sorted(v for rank_ids in h["samples"] for v in rank_ids) for h in hb] == [[f"v{i}" for i in range(4)]] * 6
     sa = torch.load(Path(full_ctx.latest_checkpoint()) / ckpt.STATE_FILE, weights_only=False)
     sb = torch.load(Path(ctx.latest_checkpoint()) / ckpt.STATE_FILE, weights_only=False)
     for name, t in sa["trainable"].items():

@@ -280,7 +280,7 @@ class Batcher:
     Each record is decoded, augmented (training: `augment`), fitted (`fit_to_model`) and laid out by the model's
     `make_example` (with `generator`, aggregation intervals are jittered); failures are
     counted in `stats` and skipped. The last partial batch of an iterable is yielded
-    unless `drop_last`.
+    unless `drop_last`. `batch_ids`: the video ids of the batch yielded last (what the loop logs per step).
     """
 
     def __init__(self, model, batch_size: int, stats: DataStats | None = None, generator=None, drop_last: bool = False,
@@ -292,12 +292,15 @@ class Batcher:
         self.generator = generator
         self.drop_last = drop_last
         self.collate = getattr(model, "collate", collate)  # the release model has its own batches
+        self.current_id = ""  # the video id of the record `example` read last
+        self.batch_ids: list[str] = []  # the video ids of the batch yielded last, in its order
 
     def example(self, record: Any):
         """One record -> Example, or None (counted) when it is unusable."""
         self.stats.records += 1
         try:
             sample = record if isinstance(record, Sample) else decode_record(record)
+            self.current_id = sample.video_id
             if self.augment is not None:
                 sample = self.augment(sample)
             fit = getattr(self.model, "fit", None)  # the release model fits its own way
@@ -311,14 +314,17 @@ class Batcher:
         return ex
 
     def __call__(self, records: Iterable[Any]) -> Iterator[Batch]:
-        pending = []
+        pending, ids = [], []
         for rec in records:
             ex = self.example(rec)
             if ex is None:
                 continue
             pending.append(ex)
+            ids.append(self.current_id)
             if len(pending) == self.batch_size:
+                self.batch_ids = ids
                 yield self.collate(pending)
-                pending = []
+                pending, ids = [], []
         if pending and not self.drop_last:
+            self.batch_ids = ids
             yield self.collate(pending)

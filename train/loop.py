@@ -14,7 +14,9 @@ backward; DDP syncs gradients on the last one only), clip, AdamW, warmup + cosin
 schedule. bf16 autocast on GPU only. Backends: "ddp" (torch DDP; gloo on CPU, nccl on
 GPU; plain module with one rank) or "deepspeed" (ZeRO stage `zero_stage`,
 train/deepspeed_config.py); "auto" = deepspeed on GPU, ddp on CPU. Every step logs the
-total loss, each component, lr, tokens/s and the gradient norm (all ranks averaged);
+total loss, each component, lr, tokens/s and the gradient norm (all ranks averaged), and the
+video ids each rank trained on (`samples`: one list per rank, in rank order; history.json keeps
+them, so a run can be audited for samples skipped or repeated, e.g. across a restart);
 every `val_every` steps the held-out numbers of train/evaluate.py. Every
 `checkpoint_every` steps and at the end a checkpoint (train/checkpoint.py) is reported.
 An epoch ends for all ranks when it ends for one (a tiny all-reduce per micro-batch),
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import os
 import shutil
@@ -121,6 +124,19 @@ def all_reduce(t: torch.Tensor, ctx, op=None) -> torch.Tensor:
         t = t.to(ctx.device)
     dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t.to(dev)
+
+
+def gather_ids(ids: list[str], ctx) -> list[list[str]]:
+    """Every rank's `ids`, in rank order (the same list on every rank). Two small all-reduces of the
+    JSON text's bytes, so it works on any backend and device (gloo or nccl) like `all_reduce`."""
+    if not _distributed(ctx):
+        return [list(ids)]
+    data = torch.tensor(list(json.dumps(ids).encode("ascii")), dtype=torch.int32)  # ASCII: no NUL byte
+    width = int(all_reduce(torch.tensor([len(data)]), ctx, dist.ReduceOp.MAX)[0])
+    table = torch.zeros(ctx.world_size, width, dtype=torch.int32)
+    table[ctx.rank, : len(data)] = data
+    table = all_reduce(table, ctx)
+    return [json.loads(bytes(row.tolist()).rstrip(b"\0")) for row in table]
 
 
 # --------------------------------------------------------------------------- backends
@@ -404,8 +420,10 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
     while state.step < tc.max_steps:
         t0 = time.perf_counter()
         sums = torch.zeros(len(LOSS_KEYS) + 1, dtype=torch.float64)
+        step_ids: list[str] = []
         for micro in range(tc.grad_accum):
             batch = stream.next()
+            step_ids.extend(batcher.batch_ids)
             comps = backend.micro_step(batch, last=micro == tc.grad_accum - 1)
             sums[:-1] += torch.tensor([comps[k] for k in LOSS_KEYS], dtype=torch.float64) / tc.grad_accum
             sums[-1] += _tokens(batch)
@@ -416,7 +434,8 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
         dt = time.perf_counter() - t0
         rec = {"step": state.step, **{k: float(sums[i]) / ctx.world_size for i, k in enumerate(LOSS_KEYS)},
                "lr": lr, "grad_norm": grad_norm, "tokens": float(sums[-1]), "tokens_per_s": float(sums[-1]) / dt,
-               "step_s": dt, "epoch": state.epoch, "resumes": state.resumes, "elapsed_s": time.perf_counter() - t_start}
+               "step_s": dt, "epoch": state.epoch, "resumes": state.resumes, "elapsed_s": time.perf_counter() - t_start,
+               "samples": gather_ids(step_ids, ctx)}
         state.history.append(rec)
         last = state.step == tc.max_steps
         if (tc.val_every and state.step % tc.val_every == 0) or last:
