@@ -19,9 +19,11 @@ videos (default 5%: one corrupt upload does not fail an archive run); 1 when mor
 or when the engine raised on every video it was given (a broken model, not bad files); a
 crashed actor pool raises out of `run_caption` as before.
 
-Work is committed in chunks (`parts/<chunk>.parquet`, written last): a re-run
-skips videos already captioned with the same model and config, and a run killed
-midway and restarted ends with every video exactly once. `captions.jsonl` and
+Work is committed in chunks (`parts/<chunk>.parquet`, written last): every `chunk_videos` rows as
+they come out of one Ray Data pipeline for the whole job (each actor loads its encoders or model
+once per job, not once per chunk; a row's timings name the processes that featurized and captioned
+it, `featurize_pid` / `caption_pid`). A re-run skips videos already captioned with the same model
+and config, and a run killed midway and restarted ends with every video exactly once. `captions.jsonl` and
 `captions.parquet` are the consolidation of all parts, for the videos listed this run.
 """
 
@@ -148,12 +150,13 @@ class FeaturizeForCaption:
         from preprocess.featurize import Featurizer
 
         self.featurizer = Featurizer(Config.from_json(cfg_json))
+        self.pid = os.getpid()
         release = self.featurizer.release  # online release encoders: only the front end runs here
         self.front_end = release.inputs if release is not None and release.online else None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {c: [] for c in ["video_id", "uri", "chunk", "status", "error", "seconds",
-                                                      *SAMPLE_COLUMNS, RELEASE_INPUTS]}
+                                                      "featurize_pid", *SAMPLE_COLUMNS, RELEASE_INPUTS]}
         for i in range(len(batch["video_id"])):
             vid, uri = str(batch["video_id"][i]), str(batch["uri"][i])
             t0 = time.perf_counter()
@@ -177,6 +180,7 @@ class FeaturizeForCaption:
             out["status"].append(status)
             out["error"].append(error)
             out["seconds"].append(time.perf_counter() - t0)
+            out["featurize_pid"].append(self.pid)
         return out
 
 
@@ -206,6 +210,7 @@ class CaptionVideos:
         self.kernel = self.engine.kernel.name if cfg.infer.decoder == "parallel" else "hf-forward (monolithic)"
         self.model_id = card.model_id
         self.config_hash = caption_config_hash(cfg)
+        self.pid = os.getpid()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         n = len(batch["video_id"])
@@ -251,7 +256,8 @@ class CaptionVideos:
                                events=json.dumps([{"start": e.start, "end": e.end, "caption": e.caption}
                                                   for e in res.events], ensure_ascii=False),
                                timings=json.dumps({**res.timings, "featurize_s": float(batch["seconds"][i]),
-                                                   "kernel": self.kernel}),
+                                                   "kernel": self.kernel, "caption_pid": self.pid,
+                                                   "featurize_pid": int(batch.get("featurize_pid", [0] * len(rows))[i])}),
                                capped=json.dumps(res.capped), segments_kept=res.segments_kept,
                                segments_total=res.segments_total)
 
@@ -306,21 +312,42 @@ def read_results(out: str) -> list[dict[str, Any]]:
     return rows
 
 
-def once_per_video(result: list[dict[str, Any]], listed: list[str]) -> tuple[list[dict[str, Any]], int]:
-    """A chunk's rows as Ray Data returned them -> (one row per listed video, duplicates dropped).
+class OncePerVideo:
+    """Rows as Ray Data hands them back -> one per video: its first ok row, else its first.
 
     A task retried after its actor or node was lost (fault tolerance: Ray re-runs it) can hand
-    back a video twice; the row committed is its ok one when any is ok, else its first. A listed
-    video with no row at all is an error (nothing of the chunk is committed; a re-run redoes it)."""
-    best: dict[str, dict[str, Any]] = {}
+    back a video twice. `take(row)` says what to do with each row: "new" (keep it), "replaces"
+    (keep it instead of the video's earlier error row) or "dropped"."""
+
+    def __init__(self):
+        self.kept: dict[str, dict[str, Any]] = {}
+        self.dropped = 0
+
+    def take(self, row: dict[str, Any]) -> str:
+        seen = self.kept.get(row["video_id"])
+        if seen is not None and (seen["status"] == "ok" or row["status"] != "ok"):
+            self.dropped += 1
+            return "dropped"
+        self.kept[row["video_id"]] = row
+        if seen is None:
+            return "new"
+        self.dropped += 1
+        return "replaces"
+
+    def check(self, listed: list[str]) -> None:
+        """A listed video with no row at all is an error (a re-run redoes it)."""
+        missing = [v for v in listed if v not in self.kept]
+        if missing:
+            raise RuntimeError(f"captioning returned no row for {len(missing)} of {len(listed)} videos: {missing[:5]}")
+
+
+def once_per_video(result: list[dict[str, Any]], listed: list[str]) -> tuple[list[dict[str, Any]], int]:
+    """A chunk's rows -> (one row per listed video, in listing order; duplicates dropped): OncePerVideo."""
+    once = OncePerVideo()
     for r in result:
-        seen = best.get(r["video_id"])
-        if seen is None or (seen["status"] != "ok" and r["status"] == "ok"):
-            best[r["video_id"]] = r
-    missing = [v for v in listed if v not in best]
-    if missing:
-        raise RuntimeError(f"captioning returned no row for {len(missing)} of {len(listed)} videos: {missing[:5]}")
-    return [best[v] for v in listed], len(result) - len(best)
+        once.take(r)
+    once.check(listed)
+    return [once.kept[v] for v in listed], once.dropped
 
 
 def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed_fraction: float,
@@ -351,6 +378,14 @@ def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed
     return verdict
 
 
+def _commit_part(out: str, rows: list[dict[str, Any]], chunk: str) -> int:
+    """Write rows as one part named `chunk` (the commit); -> how many are ok."""
+    for r in rows:
+        r["chunk"] = chunk
+    _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), rows)
+    return sum(r["status"] == "ok" for r in rows)
+
+
 def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
                 chunk_videos: int = 64, max_chunks: int | None = None) -> dict[str, Any]:
     """Caption every listed video not yet captioned with this model+config. Returns a summary,
@@ -358,26 +393,20 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     judge([], [], cfg.infer.max_failed_fraction, out)  # a threshold out of range fails before any work
     t_start = time.perf_counter()
     items = list_videos(videos, cfg.data.video_extensions) if isinstance(videos, str) else list(videos)
-    from infer.loading import load_model
+    from infer.loading import resolve_model
 
-    _, card, resolved = load_model(cfg, model_dir)  # resolves the features the model was trained on
-    model_id, config_hash = card.model_id, caption_config_hash(resolved)
+    model_id, resolved = resolve_model(cfg, model_dir)  # the features the model was trained on; no weights here
+    config_hash = caption_config_hash(resolved)
     done = {r["video_id"] for r in _read_parts(out)
             if r["status"] == "ok" and r["model_id"] == model_id and r["config_hash"] == config_hash}
     todo = [v for v in items if v["video_id"] not in done]
     print(f"[caption] {len(items)} videos, {len(done)} already captioned with {model_id}, {len(todo)} to do", flush=True)
     env = {"env_vars": {**storage.forwarded_env(), **faults.forwarded_env()}}
-    chunks = [todo[i:i + chunk_videos] for i in range(0, len(todo), chunk_videos)]
-    n_ok = n_err = n_dup = 0
-    this_run: list[dict[str, Any]] = []
-    for ci, rows in enumerate(chunks):
-        if max_chunks is not None and ci >= max_chunks:
-            break
-        t0 = time.perf_counter()
-        chunk = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        for r in rows:
-            r["chunk"] = chunk
-        ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 4 * cfg.cluster.preprocess_actors)))
+    chunk_videos = max(1, int(chunk_videos))
+    once = OncePerVideo()  # video id -> the row committed (or about to be) for it this run
+    if todo:  # one pipeline for the whole job: each actor loads its encoders / model once, not once per chunk
+        block = max(1, min(chunk_videos, cfg.infer.videos_per_call))  # results stream back a block at a time
+        ds = ray.data.from_items([{**v, "chunk": ""} for v in todo], override_num_blocks=-(-len(todo) // block))
         ds = ds.map_batches(FeaturizeForCaption, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None)},
                             batch_size=1, runtime_env=env, **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)))
@@ -386,17 +415,42 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
                             batch_size=max(1, cfg.infer.videos_per_call), runtime_env=env,
                             **placement(cfg.cluster, cfg.cluster.caption_cpus_per_actor, cfg.cluster.caption_gpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))
-        result, duplicates = once_per_video(ds.take_all(), [r["video_id"] for r in rows])
-        if duplicates:
-            print(f"[caption] chunk {ci + 1}: {duplicates} duplicate row(s) of retried work dropped", flush=True)
-        n_dup += duplicates
-        _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), result)  # the commit
-        this_run.extend({"status": r["status"], "error_kind": r.get("error_kind")} for r in result)
-        ok = sum(r["status"] == "ok" for r in result)
-        n_ok, n_err = n_ok + ok, n_err + len(result) - ok
-        dt = time.perf_counter() - t0
-        print(f"[caption] chunk {ci + 1}/{len(chunks)}: {ok} done, {len(result) - ok} failed, "
-              f"{60.0 * len(result) / dt:.1f} videos/min", flush=True)
+        total, t0, run_id = -(-len(todo) // chunk_videos), time.perf_counter(), uuid.uuid4().hex[:6]
+        pending: list[dict[str, Any]] = []
+        parts = 0
+
+        def commit() -> None:  # every chunk_videos rows as they come back, and the last few
+            nonlocal parts
+            parts += 1  # names sort in commit order: a row that replaces an earlier part's is read last
+            ok = _commit_part(out, pending, f"{time.strftime('%Y%m%dT%H%M%S')}-{run_id}-{parts:05d}")
+            print(f"[caption] chunk {parts}/{total}: {ok} done, {len(pending) - ok} failed, "
+                  f"{60.0 * len(once.kept) / (time.perf_counter() - t0):.1f} videos/min", flush=True)
+            pending.clear()
+
+        results, stopped = iter(ds.iter_rows()), False
+        for item in results:
+            row = dict(item)
+            verdict = once.take(row)
+            if verdict == "dropped":
+                continue
+            if verdict == "replaces":  # an ok row after the video's error row: here, or in a later part
+                pending[:] = [r for r in pending if r["video_id"] != row["video_id"]]
+            pending.append(row)
+            if len(pending) == chunk_videos:
+                commit()
+                if max_chunks is not None and parts >= max_chunks:
+                    getattr(results, "close", lambda: None)()  # stop the pipeline; the rest is redone next run
+                    stopped = True
+                    break
+        if pending:
+            commit()
+        if once.dropped:
+            print(f"[caption] {once.dropped} duplicate row(s) of retried work dropped", flush=True)
+        if not stopped:  # what came back is committed; a re-run redoes any video without a row
+            once.check([v["video_id"] for v in todo])
+    this_run = [{"status": r["status"], "error_kind": r.get("error_kind")} for r in once.kept.values()]
+    n_ok = sum(r["status"] == "ok" for r in this_run)
+    n_err = len(this_run) - n_ok
     rows = consolidate(out, keep={v["video_id"] for v in items})
     total_ok = sum(r["status"] == "ok" for r in rows)
     seconds = time.perf_counter() - t_start
@@ -406,7 +460,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     if "failure" in verdict:
         print(f"[caption] the job failed: {verdict['failure']}", flush=True)
     return {"captioned": total_ok, **verdict, "this_run_ok": n_ok, "this_run_failed": n_err,
-            "duplicates_dropped": n_dup, "model_id": model_id, "out": out,
+            "duplicates_dropped": once.dropped, "model_id": model_id, "out": out,
             "videos_per_min": 60.0 * (n_ok + n_err) / seconds if seconds else 0.0}
 
 

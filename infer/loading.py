@@ -3,6 +3,7 @@ checkpoint (the published PadCaptioner-3B's directory), or the tiny smoke model.
 
     engine_factory, card, cfg = load_engine(cfg, model_dir)
     engine = engine_factory(cfg.infer)          # infer.engine.CaptionEngine(model, infer_cfg)
+    model_id, cfg = resolve_model(cfg, model_dir)   # the same id and features, no weights loaded
 
 model_dir = a directory written by `PadCaptioner.save_pretrained` (the training
 stage's <run_dir>/train/model). When it also holds the run's `config.json`, its
@@ -42,10 +43,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def feature_dims(cfg: Config) -> tuple[int, int]:
-    """(Dv, Da) that the configured encoders produce."""
-    from preprocess.encoders import get_audio_encoder, get_visual_encoder
+    """(Dv, Da) that the configured encoders produce, from their configs: a caption actor or a replica
+    loading its model builds no encoder for this (the HF and release towers are not loaded)."""
+    from preprocess.encoders import encoder_dims
 
-    return get_visual_encoder(cfg.features).dim, get_audio_encoder(cfg.features).dim
+    return encoder_dims(cfg.features)
 
 
 def _trained_features(model_dir: Path, cfg: Config) -> Config:
@@ -87,15 +89,34 @@ def release_config(cfg: Config, path: Path) -> Config:
     return dataclasses.replace(cfg, features=features)
 
 
-def load_release(cfg: Config, path: Path, device: torch.device) -> tuple[Any, ModelCard, Config]:
+def release_dir(model_dir: str) -> Path | None:
+    from pipeline.release.checkpoint import is_release_dir
+
+    path = Path(model_dir).expanduser() if model_dir else None
+    return path.resolve() if path is not None and is_release_dir(path) else None
+
+
+def resolve_model(cfg: Config, model_dir: str) -> tuple[str, Config]:
+    """(model id, cfg with the features the model captions with): what `load_model` gives as its card's
+    id and its config, without loading any weight (what a driver needs to resume a captioning job)."""
+    release = release_dir(model_dir)
+    if release is not None:
+        return f"{release.name}-{weights_fingerprint(release)}", release_config(cfg, release)
+    if model_dir:
+        path = Path(model_dir).expanduser().resolve()
+        return f"{path.name}-{weights_fingerprint(path)}", _trained_features(path, cfg)
+    return f"tiny-random-seed{cfg.model.backbone_seed}", cfg
+
+
+def load_release(cfg: Config, path: Path, device: torch.device, model_id: str = "") -> tuple[Any, ModelCard, Config]:
     """(ReleaseCaptioner in eval mode on its device, its card, cfg with the release encoders)."""
     from pipeline.release.model import ReleaseCaptioner, settings_from
 
     model = ReleaseCaptioner.from_release(path, settings_from(cfg), device=device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    card = ModelCard(model_id=f"{path.name}-{weights_fingerprint(path)}", source=f"{path} (PadCaptioner release)",
-                     device=str(device), extra={"release": model.describe()})
+    card = ModelCard(model_id=model_id or f"{path.name}-{weights_fingerprint(path)}",
+                     source=f"{path} (PadCaptioner release)", device=str(device), extra={"release": model.describe()})
     return model, card, release_config(cfg, path)
 
 
@@ -104,28 +125,26 @@ def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
     features). model_dir may be a saved PadCaptioner or a release checkpoint directory
     (config.json + pytorch_model.bin / safetensors: pipeline/release)."""
     from pipeline.model import PadCaptioner
-    from pipeline.release.checkpoint import is_release_dir
 
     device = resolve_device(cfg.infer.device)
-    if model_dir and is_release_dir(Path(model_dir).expanduser()):
-        return load_release(cfg, Path(model_dir).expanduser().resolve(), device)
+    model_id, resolved = resolve_model(cfg, model_dir)
+    release = release_dir(model_dir)
+    if release is not None:
+        return load_release(cfg, release, device, model_id)
+    cfg = resolved
+    dv, da = feature_dims(cfg)
     if model_dir:
         path = Path(model_dir).expanduser().resolve()
-        cfg = _trained_features(path, cfg)
         model = PadCaptioner.from_pretrained(path)
-        dv, da = feature_dims(cfg)
         if (model.cfg.visual_dim, model.cfg.audio_dim) != (dv, da):
             raise ValueError(f"{path}: the model takes features of dims ({model.cfg.visual_dim}, {model.cfg.audio_dim}) "
                              f"but the configured encoders give ({dv}, {da}); serve with the features config it was trained on")
-        model_id = f"{path.name}-{weights_fingerprint(path)}"
         source = str(path)
     else:
-        dv, da = feature_dims(cfg)
         model_cfg = dataclasses.replace(cfg.model, backbone="tiny")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(model_cfg.backbone_seed)
             model = PadCaptioner(model_cfg, visual_dim=dv, audio_dim=da)
-        model_id = f"tiny-random-seed{model_cfg.backbone_seed}"
         source = "tiny (random init, smoke mode: captions are noise)"
     model = model.to(device).eval()
     for p in model.parameters():

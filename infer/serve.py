@@ -11,7 +11,8 @@ come from the `serve` section: min/max replicas, target_ongoing_requests,
 max_ongoing_requests, and max_queued_requests (beyond it Ray Serve answers 503
 at once instead of queueing). Each replica loads the model once (on the GPU when
 serve.num_gpus_per_replica > 0 and infer.device allows it) and builds the
-feature encoders once; see infer/service.py for what one request does.
+feature encoders once (on features.device); its decode worker processes decode
+media only. See infer/service.py for what one request does.
 """
 
 from __future__ import annotations
@@ -42,14 +43,12 @@ fastapi_app = build_app(_replica_service)
 @serve.deployment(name="PadCaptioner")
 @serve.ingress(fastapi_app)
 class CaptionDeployment(CaptionService):
-    """One replica: the model, the encoders and the thread pools, loaded once."""
+    """One replica: the model, the encoders and the thread pools, loaded once (the decode workers: media only)."""
 
     def __init__(self, cfg_json: str, model_dir: str = ""):
         cfg = Config.from_json(cfg_json)
         engine_factory, card, cfg = load_engine(cfg, model_dir)
-        super().__init__(cfg, engine_factory, card)
-        if self.decoders is not None:
-            self.decoders.warm()  # the decode worker processes boot in the background
+        super().__init__(cfg, engine_factory, card, warm=True)  # the decode workers boot while the encoders load
         log.info("replica ready: model %s on %s", card.model_id, card.device)
 
 

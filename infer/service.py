@@ -6,7 +6,7 @@ The decoding engine is injected as a factory `InferConfig -> engine`, so tests r
 the real tiny model or any object with the engine's `caption(samples)` contract.
 
     service = CaptionService(cfg, engine_factory=partial(CaptionEngine, model), card=card)
-    # featurizer defaults to preprocess.featurize.Featurizer(cfg), built once
+    # the encoders: preprocess.featurize.Featurizer(cfg), built once per replica
     body = await service.caption_uri("/data/videos/a.mp4", {"max_events": 5})
     body = await service.caption_file(tmp_path, "a.mp4", None)
 
@@ -15,10 +15,13 @@ videos to a capped temp file, probe the container header (PyAV: is there a video
 stream, its duration and resolution; over serve.max_duration_s or
 serve.max_frame_pixels is refused before decoding), then decode + encode
 features (`preprocess.featurize.Featurizer`). All of that runs in a thread pool
-under serve.decode_timeout_s, so the event loop stays free; the decode + features
-step itself runs in a worker process (infer/decode_pool.py) that is killed and
-replaced when it passes serve.decode_timeout_s, so a stuck decode never keeps a
-thread or a worker (an in-process `featurizer` passed by a test runs in the thread); the engine runs in
+under serve.decode_timeout_s, so the event loop stays free; the decode itself runs
+in a worker process (infer/decode_pool.py) that is killed and replaced when it
+passes serve.decode_timeout_s, so a stuck decode never keeps a thread or a worker.
+The workers decode media only (`MediaReader`: frames and audio as arrays, at most
+serve.max_decoded_bytes); the replica's one Featurizer runs the encoders (the towers:
+one copy per replica, on its device) on what they send back, one video at a time (an
+in-process `featurizer` passed by a test does both halves in the thread); the engine runs in
 its own single thread (one engine call at a time per replica, the model is not
 shared between threads), decoding many videos per step: a request that arrives
 while others are being decoded joins the running batch at the next decode step,
@@ -34,6 +37,7 @@ import dataclasses
 import logging
 import math
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -121,6 +125,13 @@ def default_featurizer(cfg: Config) -> FeaturizeFn:
     return Featurizer(cfg)
 
 
+def default_reader(cfg: Config) -> Callable[[str, Any], Any]:
+    """What a decode worker runs: the Featurizer's decode half alone (no encoder weights)."""
+    from preprocess.featurize import MediaReader
+
+    return MediaReader(cfg)
+
+
 def safe_video_id(name: str, fallback: str = "video") -> str:
     stem = PurePosixPath(name).stem if name else ""
     clean = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._")[:100]
@@ -147,10 +158,13 @@ class CaptionService:
 
     def __init__(self, cfg: Config, engine_factory: Callable[[InferConfig], Engine], card: ModelCard,
                  featurizer: FeaturizeFn | None = None,
-                 featurizer_factory: Callable[[Config], FeaturizeFn] = default_featurizer):
-        """featurizer: an in-process featurizer (runs in the decode thread, cannot be stopped);
-        without one, `featurizer_factory(cfg)` (module-level, picklable) builds the featurizer
-        inside each decode worker process."""
+                 featurizer_factory: Callable[[Config], Any] = default_featurizer,
+                 reader_factory: Callable[[Config], Callable[[str, Any], Any]] = default_reader, warm: bool = False):
+        """featurizer: an in-process featurizer (decodes and encodes in the decode thread, cannot be
+        stopped); without one, `reader_factory(cfg)` (module-level, picklable) builds the decoder inside
+        each decode worker process and `featurizer_factory(cfg)` the replica's encoders, once: its
+        `encode(media, annotation)` runs on what the workers send back. warm: start the decode workers
+        first, so that they boot while the encoders load (a Serve replica does)."""
         self.cfg = cfg
         self.serve_cfg = cfg.serve
         self.card = card
@@ -159,10 +173,15 @@ class CaptionService:
         workers = cfg.serve.decode_workers or max(1, cfg.serve.max_ongoing_requests)
         self._decode_pool = ThreadPoolExecutor(workers, thread_name_prefix="padcap-decode")
         self.decoders: DecodePool | None = None
+        self.encoders = None  # the replica's Featurizer (its encode half), with decode workers
+        self._encode_lock = threading.Lock()  # one video through the towers at a time: bounded memory
         if featurizer is not None:
             self._featurize = featurizer
         else:
-            self.decoders = DecodePool(workers, featurizer_factory, cfg)
+            self.decoders = DecodePool(workers, reader_factory, cfg, cfg.serve.max_decoded_bytes)
+            if warm:
+                self.decoders.warm()
+            self.encoders = featurizer_factory(cfg)
             self._featurize = self._featurize_in_worker
         self._batcher = EngineBatcher(cfg.serve.batch_videos or max(1, cfg.infer.max_batch_videos))
         self._engine: Engine | None = None
@@ -256,12 +275,15 @@ class CaptionService:
         return c.decode_timeout_s + c.fetch_timeout_s + BOOT_TIMEOUT_S
 
     def _featurize_in_worker(self, path: str, annotation: Any) -> Sample:
+        """Decode in a worker (media only), then encode here with the replica's encoders."""
         try:
-            return self.decoders.featurize(path, annotation, self.serve_cfg.decode_timeout_s)
+            media = self.decoders.decode(path, annotation, self.serve_cfg.decode_timeout_s)
         except DecodeTimeout:
             self.counters["decode_workers_killed"] += 1
             raise RequestError(422, "decode_timeout", f"decoding the video took longer than "
                                f"{self.serve_cfg.decode_timeout_s} s (serve.decode_timeout_s)") from None
+        with self._encode_lock:
+            return self.encoders.encode(media, annotation)
 
     def _prepare_uri(self, video: str) -> tuple[Sample, dict[str, float]]:
         t0 = time.perf_counter()

@@ -254,7 +254,8 @@ class ServeConfig:
     max_frame_pixels: int = 3840 * 2160  # source width * height; larger videos are rejected before decoding
     fetch_timeout_s: float = 60.0  # s3:// and http(s):// downloads (connect + read)
     upload_dir: str = ""  # temp files for uploads and downloads; "" = the system temp dir
-    decode_workers: int = 0  # decode threads and worker processes per replica (~0.4 GB each, default encoders); 0 = max_ongoing_requests
+    decode_workers: int = 0  # decode threads and worker processes per replica (media only: the encoders run once, in the replica); 0 = max_ongoing_requests
+    max_decoded_bytes: int = 1024**3  # a decode worker's result (frames + audio as arrays); larger is a 413, never sent
     batch_videos: int = 0  # concurrent requests in the replica's decode batch at once; 0 = infer.max_batch_videos
 
 

@@ -156,17 +156,17 @@ def _test_samples(paths: RunPaths, limit: int) -> list:
 
 def stage_caption(cfg: Config, paths: RunPaths) -> dict[str, Any]:
     from infer.batch import run_caption
-    from infer.loading import load_model
+    from infer.loading import load_model, release_dir
     from infer.speedup import measure_speedup
 
     summary = run_caption(cfg, _test_videos(paths), paths.model, paths.captions)
     if "failure" in summary:  # per-video errors within infer.max_failed_fraction are not one
         raise SystemExit(f"caption: {summary['failure']}")
-    model, _, resolved = load_model(cfg, paths.model)
     samples = _test_samples(paths, limit=3)
-    if samples and hasattr(model, "step_tables"):  # the release model has no single-chain decoder to race
+    if samples and release_dir(paths.model) is not None:  # no single-chain decoder to race: not loaded here
         summary["decode_speedup_vs_monolithic"] = "n/a (release model)"
     elif samples:
+        model, _, resolved = load_model(cfg, paths.model)
         speed = measure_speedup(model, samples, resolved.infer)
         storage.write_json(storage.join(paths.captions, "speedup.json"), speed)
         summary["decode_speedup_vs_monolithic"] = round(speed["speedup"], 2)

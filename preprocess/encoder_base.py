@@ -41,15 +41,28 @@ def register_audio(name: str) -> Callable[[_T], _T]:
 
 
 def get_visual_encoder(cfg: FeaturesConfig) -> "VisualEncoder":
-    if cfg.visual_encoder not in VISUAL_ENCODERS:
-        raise ValueError(f"unknown visual encoder {cfg.visual_encoder!r}; registered: {sorted(VISUAL_ENCODERS)}")
-    return VISUAL_ENCODERS[cfg.visual_encoder](cfg)
+    return _encoder_class(VISUAL_ENCODERS, cfg.visual_encoder, "visual")(cfg)
 
 
 def get_audio_encoder(cfg: FeaturesConfig) -> "AudioEncoder":
-    if cfg.audio_encoder not in AUDIO_ENCODERS:
-        raise ValueError(f"unknown audio encoder {cfg.audio_encoder!r}; registered: {sorted(AUDIO_ENCODERS)}")
-    return AUDIO_ENCODERS[cfg.audio_encoder](cfg)
+    return _encoder_class(AUDIO_ENCODERS, cfg.audio_encoder, "audio")(cfg)
+
+
+def _encoder_class(table: dict[str, type], name: str, what: str) -> type:
+    if name not in table:
+        raise ValueError(f"unknown {what} encoder {name!r}; registered: {sorted(table)}")
+    return table[name]
+
+
+def encoder_dims(cfg: FeaturesConfig) -> tuple[int, int]:
+    """(Dv, Da) the configured encoders produce, read from their configs where the encoder can tell
+    (`config_dim`: the HF and release towers, no weights loaded), else from an encoder built here."""
+    out = []
+    for table, name, what, get in ((VISUAL_ENCODERS, cfg.visual_encoder, "visual", get_visual_encoder),
+                                   (AUDIO_ENCODERS, cfg.audio_encoder, "audio", get_audio_encoder)):
+        dim = _encoder_class(table, name, what).config_dim(cfg)
+        out.append(int(dim) if dim is not None else get(cfg).dim)
+    return out[0], out[1]
 
 
 def encoder_versions(cfg: FeaturesConfig) -> dict[str, str]:
@@ -123,6 +136,11 @@ class VisualEncoder:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
 
+    @classmethod
+    def config_dim(cls, cfg: FeaturesConfig) -> int | None:
+        """`dim` without building the encoder (no weights), when the config tells it; None: build to know."""
+        return None
+
     def encode_batch(self, frames: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         """uint8 [B, H, W, 3] on self.device (+ the frame before them, [H, W, 3], or None) -> [B, tokens, dim]."""
         raise NotImplementedError
@@ -152,6 +170,11 @@ class AudioEncoder:
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.tokens = cfg.audio_tokens_per_second  # tokens per second (see audio_tokens_per_segment)
+
+    @classmethod
+    def config_dim(cls, cfg: FeaturesConfig) -> int | None:
+        """As VisualEncoder.config_dim."""
+        return None
 
     def frames(self, audio: np.ndarray, sample_rate: int) -> tuple[torch.Tensor, float, float]:
         """float32 [S] -> (feats [F, dim], frame rate in Hz, centre time of frame 0 in s)."""

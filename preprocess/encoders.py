@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from pipeline.config import FeaturesConfig
 from preprocess.encoder_base import (  # noqa: F401  (re-exported: the registry's home is encoder_base)
     VISUAL_ENCODERS, AUDIO_ENCODERS, register_visual, register_audio, get_visual_encoder, get_audio_encoder,
-    encoder_versions, resolve_device, audio_tokens_per_segment, pool_frames_to_segments, VisualEncoder, AudioEncoder,
+    encoder_dims, encoder_versions, resolve_device, audio_tokens_per_segment, pool_frames_to_segments, VisualEncoder, AudioEncoder,
 )
 
 

@@ -6,6 +6,15 @@ This is what the preprocessing Ray Data job calls per video (pure python, no ray
     sample = featurizer(uri, annotation)  # annotation: .video_id, .duration, .events (+ .split, .source)
     sample = featurize(uri, annotation, cfg)  # one-off form
 
+It runs in two halves, so that the decoding and the encoders can live in different processes:
+
+    media = featurizer.read(uri)               # MediaReader: decode only, no weights (DecodedVideo /
+                                               # the release front end's ReleaseInputs: picklable arrays)
+    sample = featurizer.encode(media, annotation)   # the encoders (towers), then align the events
+
+A Serve replica's decode workers run a `MediaReader` alone (infer/decode_pool.py) and the
+replica encodes what they send back with its one Featurizer (infer/service.py).
+
 The sample's duration is the media's (see `preprocess.media`), not the annotated
 one. Annotated events are checked against it: an event whose start or end lies
 more than `features.duration_tolerance_s` past the media's end raises
@@ -25,19 +34,39 @@ from pipeline.config import Config, section_hash
 from pipeline.schema import Sample, validate
 from preprocess.encoders import get_audio_encoder, get_visual_encoder
 from preprocess.events import align_events  # noqa: F401  (also imported from here)
-from preprocess.media import decode_video
-from preprocess.release_encoders import ReleaseFeaturizer, uses_release
+from preprocess.media import DecodedVideo, decode_video
+from preprocess.release_encoders import ReleaseFeaturizer, ReleaseReader, uses_release
+from preprocess.release_frontend import ReleaseInputs
 
 
-class Featurizer:
-    """Encoders built once from `cfg.features`; call it per video."""
+class MediaReader:
+    """The decode half of a Featurizer: uri -> the media as arrays, no encoder built (no weights).
+
+    A DecodedVideo (frames uint8, audio float32: preprocess/media.py), or with the `release`
+    encoders the release front end's ReleaseInputs (resized uint8 frames, log-mel chunks).
+    Callable as reader(uri, annotation) too (the annotation is not needed to decode)."""
 
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
         self.cfg = cfg
         self.storage_options = storage_options
+        self.release = ReleaseReader(cfg, storage_options) if uses_release(cfg.features) else None
+
+    def __call__(self, uri: str, annotation: Any = None) -> DecodedVideo | ReleaseInputs:
+        if self.release is not None:
+            return self.release(uri)
+        return decode_video(uri, self.cfg.features, self.storage_options)
+
+
+class Featurizer:
+    """Encoders built once from `cfg.features`; call it per video (or `read` then `encode`)."""
+
+    def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
+        self.cfg = cfg
+        self.storage_options = storage_options
+        self.reader = MediaReader(cfg, storage_options)
         self.release = None
         if uses_release(cfg.features):  # the release's own front end and towers (preprocess/release_encoders.py)
-            self.release = ReleaseFeaturizer(cfg, storage_options)
+            self.release = ReleaseFeaturizer(cfg, storage_options, reader=self.reader.release)
             self.feature_hash = self.release.feature_hash
             return
         self.visual = get_visual_encoder(cfg.features)
@@ -45,9 +74,17 @@ class Featurizer:
         self.feature_hash = section_hash(cfg.features)
 
     def __call__(self, uri: str, annotation: Any) -> Sample:
-        if self.release is not None:  # a schema-2 Sample, or a ReleaseVideo with release_features=online
-            return self.release(uri, annotation)
-        decoded = decode_video(uri, self.cfg.features, self.storage_options)
+        return self.encode(self.read(uri), annotation)
+
+    def read(self, uri: str) -> DecodedVideo | ReleaseInputs:
+        """Decode only (MediaReader)."""
+        return self.reader(uri)
+
+    def encode(self, media: DecodedVideo | ReleaseInputs, annotation: Any) -> Sample:
+        """What `read` gave -> the Sample (a schema-2 Sample, or a ReleaseVideo with release_features=online)."""
+        if self.release is not None:
+            return self.release.encode(media, annotation)
+        decoded = media
         events = align_events(annotation.events, decoded.duration, self.cfg.features.duration_tolerance_s,
                               annotation.video_id, getattr(annotation, "duration", None))
         sample = Sample(

@@ -77,6 +77,14 @@ class HFVisionEncoder(VisualEncoder):
         self.tokens = g * g
         self.dim = int(self.model.config.hidden_size)
 
+    @classmethod
+    def config_dim(cls, cfg: FeaturesConfig) -> int:
+        """The tower's hidden size, from config.json alone (a dual encoder's vision_config)."""
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(_need_path(cfg.vision_path, "vision_path"))
+        return int(getattr(hf, "vision_config", hf).hidden_size)
+
     @torch.inference_mode()
     def encode_batch(self, frames: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         images = list(frames.cpu().numpy())
@@ -110,6 +118,13 @@ class WhisperAudioEncoder(AudioEncoder):
         self.samples_per_frame = self.extractor.hop_length * conv_stride  # 320 -> 50 frames/s
         self.window = int(self.extractor.n_samples)  # 30 s
         self.dim = int(self.encoder.config.d_model)
+
+    @classmethod
+    def config_dim(cls, cfg: FeaturesConfig) -> int:
+        """d_model, from config.json alone."""
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(_need_path(cfg.audio_path, "audio_path")).d_model)
 
     @torch.inference_mode()
     def frames(self, audio: np.ndarray, sample_rate: int) -> tuple[torch.Tensor, float, float]:

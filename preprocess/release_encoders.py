@@ -92,6 +92,10 @@ class _ReleaseTower:
         self.path = _need_release_path(cfg)
         self.dim = release_width(self.path)
 
+    @classmethod
+    def config_dim(cls, cfg: FeaturesConfig) -> int:
+        return release_width(_need_release_path(cfg))
+
     @property
     def model(self):
         return release_model(self.path, self.device)
@@ -147,17 +151,33 @@ class ReleaseAudioEncoder(_ReleaseTower, AudioEncoder):
         return tokens.numpy().astype(FEATURE_DTYPE)
 
 
-class ReleaseFeaturizer:
-    """A video (+ annotation) -> schema-2 Sample (stored) or ReleaseVideo (online); see the module doc."""
+class ReleaseReader:
+    """The release front end alone: a video -> its `ReleaseInputs` (resized uint8 frames, log-mel chunks), no
+    weights (what a Serve decode worker runs, infer/decode_pool.py)."""
 
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
-        features = cfg.features
-        self.path = _need_release_path(features)
+        self.path = _need_release_path(cfg.features)
         self.cfg = cfg
         self.storage_options = storage_options
-        self.frontend = FrontendConfig.from_features(features)
-        self.online = features.release_features == "online"
+        self.frontend = FrontendConfig.from_features(cfg.features)
         self.extractor = whisper_extractor()
+
+    def __call__(self, uri: str) -> ReleaseInputs:
+        f = self.cfg.features
+        return read_release_inputs(uri, self.frontend, self.storage_options, f.max_media_bytes, f.decode_threads,
+                                   self.extractor)
+
+
+class ReleaseFeaturizer:
+    """A video (+ annotation) -> schema-2 Sample (stored) or ReleaseVideo (online); see the module doc.
+    `inputs(uri)` is the front end (`ReleaseReader`), `encode(inputs, annotation)` the rest."""
+
+    def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None, reader: ReleaseReader | None = None):
+        features = cfg.features
+        self.reader = reader or ReleaseReader(cfg, storage_options)
+        self.path = self.reader.path
+        self.cfg = cfg
+        self.online = features.release_features == "online"
         self.feature_hash = section_hash(features)
         self.visual = self.audio = None
         if not self.online:
@@ -165,12 +185,13 @@ class ReleaseFeaturizer:
             self.audio = ReleaseAudioEncoder(features)
 
     def inputs(self, uri: str) -> ReleaseInputs:
-        f = self.cfg.features
-        return read_release_inputs(uri, self.frontend, self.storage_options, f.max_media_bytes, f.decode_threads,
-                                   self.extractor)
+        return self.reader(uri)
 
     def __call__(self, uri: str, annotation: Any):
-        inputs = self.inputs(uri)
+        return self.encode(self.inputs(uri), annotation)
+
+    def encode(self, inputs: ReleaseInputs, annotation: Any):
+        """The front end's output -> a ReleaseVideo (online) or a schema-2 Sample through the towers (stored)."""
         if self.online:
             return inputs_video(inputs, annotation.video_id)
         events = align_events(annotation.events, inputs.length_s, self.cfg.features.duration_tolerance_s,

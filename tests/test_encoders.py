@@ -22,6 +22,7 @@ from preprocess.encoders import (
 )
 from preprocess.media import DecodedVideo, decode_video, frame_schedule
 from preprocess.synthetic_media import _shape_mask
+from tests.support.hf_towers import tiny_vision_dirs, tiny_whisper_dir
 from tests.support.mp4 import moving_square, solid_frames, tone, write_mp4
 
 
@@ -198,29 +199,9 @@ def test_mel_long_audio_is_chunked_consistently():
 # --------------------------------------------------------------------------- HF towers
 
 
-def _tiny_vision_dirs(root):
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, SiglipConfig,
-                              SiglipImageProcessor, SiglipModel, SiglipVisionConfig, SiglipVisionModel)
-
-    torch.manual_seed(0)
-    small = dict(hidden_size=32, image_size=32, patch_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-    dirs = {}
-    SiglipVisionModel(SiglipVisionConfig(**small)).save_pretrained(root / "siglip")
-    SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(root / "siglip")
-    dirs["siglip"] = root / "siglip"
-    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64)
-    SiglipModel(SiglipConfig(text_config=text, vision_config=small)).save_pretrained(root / "siglip_full")
-    SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(root / "siglip_full")
-    dirs["siglip_full"] = root / "siglip_full"
-    CLIPVisionModel(CLIPVisionConfig(**small)).save_pretrained(root / "clip")
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(root / "clip")
-    dirs["clip"] = root / "clip"
-    return {k: str(v) for k, v in dirs.items()}
-
-
 @pytest.fixture(scope="module")
 def vision_dirs(tmp_path_factory):
-    return _tiny_vision_dirs(tmp_path_factory.mktemp("vision"))
+    return tiny_vision_dirs(tmp_path_factory.mktemp("vision"))
 
 
 @pytest.mark.parametrize("kind", ["siglip", "siglip_full", "clip"])
@@ -248,16 +229,7 @@ def test_hf_vision_loads_and_pools(vision_dirs, clips, kind):
 
 @pytest.fixture(scope="module")
 def whisper_dir(tmp_path_factory):
-    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
-
-    torch.manual_seed(0)
-    root = tmp_path_factory.mktemp("whisper")
-    cfg = WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80,
-                        max_source_positions=1500, max_target_positions=64)
-    WhisperForConditionalGeneration(cfg).save_pretrained(root)
-    WhisperFeatureExtractor(feature_size=80).save_pretrained(root)
-    return str(root)
+    return tiny_whisper_dir(tmp_path_factory.mktemp("whisper"))
 
 
 def test_whisper_loads_and_pools(whisper_dir, clips):
@@ -302,3 +274,22 @@ def test_encoders_on_cuda_match_cpu(vision_dirs, whisper_dir):
             on_cpu = get(cpu_cfg).encode(decoded).astype(np.float32)
             assert on_gpu.shape == on_cpu.shape, name
             np.testing.assert_allclose(on_gpu, on_cpu, atol=3e-2, rtol=3e-2, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["siglip", "siglip_full", "clip"])
+def test_tower_dims_come_from_the_configs_without_loading_weights(vision_dirs, whisper_dir, kind, monkeypatch):
+    # what infer/loading.py feature_dims reads when a caption actor or a replica sizes its model
+    from preprocess.encoders import encoder_dims
+    from preprocess.hf_encoders import HFVisionEncoder, WhisperAudioEncoder
+
+    cfg = dataclasses.replace(FeaturesConfig(), visual_encoder="hf_vision", vision_path=vision_dirs[kind],
+                              audio_encoder="whisper", audio_path=whisper_dir)
+    built = (get_visual_encoder(cfg).dim, get_audio_encoder(cfg).dim)
+
+    def refuse(self, cfg):
+        raise AssertionError("a tower was built (its weights loaded) to read its width")
+
+    monkeypatch.setattr(HFVisionEncoder, "__init__", refuse)
+    monkeypatch.setattr(WhisperAudioEncoder, "__init__", refuse)
+    assert encoder_dims(cfg) == built == (32, 32)
+    assert encoder_dims(FeaturesConfig()) == (14, FeaturesConfig().n_mels + 2)  # pixels / mel: built, no weights

@@ -23,7 +23,7 @@ from infer.service import CaptionService, ModelCard
 from pipeline.config import Config
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import SchemaError, decode, encode
-from preprocess.encoders import encoder_versions, get_audio_encoder, get_visual_encoder
+from preprocess.encoders import encoder_dims, encoder_versions, get_audio_encoder, get_visual_encoder
 from preprocess.featurize import Featurizer
 from preprocess.release_encoders import ReleaseFeaturizer, release_model, release_video
 from tests.support.mp4 import solid_frames, tone, write_mp4
@@ -72,6 +72,7 @@ def test_registered_and_built_without_loading_weights():
     vis, aud = get_visual_encoder(cfg.features), get_audio_encoder(cfg.features)
     assert (vis.name, aud.name, vis.dim, aud.dim) == ("release", "release", 16, 16)  # width from config.json
     assert encoder_versions(cfg.features) == {"visual": "release@1", "audio": "release@1"}
+    assert encoder_dims(cfg.features) == (16, 16)  # what a model is sized by, from config.json too
 
 
 @pytest.mark.parametrize("changes, needle", [({"audio_encoder": "mel"}, "work as a pair"),
@@ -150,29 +151,60 @@ def test_a_serve_replica_runs_the_release_front_end_online(videos, model):
                              ModelCard(model_id="tiny-release", source=str(CHECKPOINT), device="cpu"))
     try:
         body = asyncio.run(service.caption_file(videos["av"], "clip one.mp4", None))
+        # the decode worker sends the front end's arrays back; the replica makes the ReleaseVideo
+        served = service._featurize(videos["av"], Ann("av"))
     finally:
         service.close()
+    alone = Featurizer(cfg)(videos["av"], Ann("av"))
+    assert torch.equal(served.pixel_values, alone.pixel_values) and torch.equal(served.mel, alone.mel)
+    assert (served.grid_thw, served.duration, served.seconds_per_step) == (alone.grid_thw, alone.duration,
+                                                                          alone.seconds_per_step)
     assert body["video_id"] == "clip_one" and body["duration"] == pytest.approx(5.0)
     assert body["model"] == "tiny-release" and body["timings"]["features_s"] > 0
     assert body["segments_total"] == 20 and body["events"] == []  # the random tiny model plans no event (K = 0)
 
 
 @pytest.mark.parametrize("mode", ["online", "stored"])
-def test_caption_actor_rows_feed_the_release_engine(videos, model, mode):
+def test_caption_actor_rows_feed_the_release_engine(videos, model, mode, monkeypatch):
     from infer.batch import RELEASE_INPUTS, FeaturizeForCaption, engine_input
+    from preprocess import release_encoders
 
+    monkeypatch.setattr(release_encoders, "_MODELS", {})  # this process's loaded towers, from none
     cfg = release_config(mode)
     stage = FeaturizeForCaption(cfg.to_json(indent=None))
     batch = {"video_id": np.array(["av", "gone"]), "uri": np.array([videos["av"], videos["av"] + ".missing"]),
              "chunk": np.array(["c0", "c0"])}
     out = stage(batch)
     assert out["status"] == ["ok", "error"] and "missing" in out["error"][1]
+    loaded = list(release_encoders._MODELS.values())  # online: the front end alone; stored: the towers alone
+    assert len(loaded) == (mode == "stored") and all(m.decoder.embed_tokens.weight.is_meta for m in loaded)
     row = {c: out[c][0] for c in out}
     assert bool(row[RELEASE_INPUTS]) == (mode == "online")  # online: the front end's output, not features
     video = as_release_video(engine_input(row, "av"))  # a stored sample is converted by the engine itself
     assert isinstance(video, ReleaseVideo) and video.grid_thw == (20, 4, 6)
     result = CaptionEngine(model, cfg.infer).caption([video], controls=[DecodeControl(num_events=1, lengths=[2])])[0]
     assert result.error is None and len(result.events) == 1 and result.duration == pytest.approx(5.0)
+
+
+def test_a_caption_actor_loads_the_whole_model_once_and_no_other_towers(videos, monkeypatch):
+    import infer.loading as loading
+    from infer.batch import CaptionVideos, FeaturizeForCaption
+    from preprocess import release_encoders
+
+    monkeypatch.setattr(release_encoders, "_MODELS", {})
+    loads, real = [], loading.load_model
+    monkeypatch.setattr(loading, "load_model", lambda cfg, model_dir: loads.append(model_dir) or real(cfg, model_dir))
+    cfg = release_config("online")
+    rows = FeaturizeForCaption(cfg.to_json(indent=None))({"video_id": np.array(["av"]), "uri": np.array([videos["av"]]),
+                                                          "chunk": np.array(["c0"])})
+    actor = CaptionVideos(cfg.to_json(indent=None), str(CHECKPOINT))
+    batch = {c: np.array(v, dtype=object) for c, v in rows.items()}
+    first, again = actor(batch), actor(batch)
+    assert first["status"] == again["status"] == ["ok"] and first["events"] == again["events"]
+    assert first["segments_total"] == [20]
+    assert loads == [str(CHECKPOINT)]  # once per actor, whatever the batches
+    assert not any(p.is_meta for p in actor.engine.model.parameters())  # the LLM and the towers, in one model
+    assert release_encoders._MODELS == {}  # no second copy of the towers, in either actor
 
 
 @pytest.mark.integration

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -45,7 +46,8 @@ def test_a_bf16_checkpoint_becomes_the_bf16_weights_without_a_copy(tmp_path, mon
     import pipeline.release.model as release_model
 
     read = {}
-    monkeypatch.setattr(release_model, "read_state_dict", lambda path: read.setdefault(str(path), read_state_dict(path)))
+    monkeypatch.setattr(release_model, "read_state_dict",
+                        lambda path, prefixes=None: read.setdefault(str(path), read_state_dict(path, prefixes)))
     for fmt in ("bin", "safetensors"):
         d, f = _bf16_copy(tmp_path, fmt)
         model = ReleaseCaptioner.from_release(d, ReleaseSettings(dtype="bfloat16"))
@@ -93,3 +95,51 @@ def test_a_towers_only_load_reads_the_towers_and_leaves_the_llm_unread():
     grid = torch.tensor([list(v.grid_thw)])
     assert torch.equal(towers.encode_video(v.pixel_values, grid), full.encode_video(v.pixel_values, grid))
     assert torch.equal(towers.encode_audio(v.mel), full.encode_audio(v.mel))
+
+
+def _sharded_copy(tmp_path):
+    """The checkpoint as two safetensors shards + index: the LLM and heads in one, the towers in the other."""
+    import json
+
+    d = tmp_path / "sharded"
+    shutil.copytree(CHECKPOINT, d, ignore=shutil.ignore_patterns("pytorch_model.bin"))
+    state = {k: v.contiguous() for k, v in read_state_dict(CHECKPOINT).items()}
+    shards = {"towers.safetensors": {k: v for k, v in state.items() if k.startswith(("visual.", "audio."))}}
+    shards["llm.safetensors"] = {k: v for k, v in state.items() if k not in shards["towers.safetensors"]}
+    for name, part in shards.items():
+        save_file(part, str(d / name))
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d, state
+
+
+@pytest.mark.parametrize("fmt", ["bin", "safetensors", "sharded"])
+def test_a_towers_only_load_takes_only_the_tower_tensors_from_the_file(tmp_path, fmt, monkeypatch):
+    handed: dict[str, torch.Tensor] = {}
+    real = ReleaseCaptioner.load_release_state
+
+    def spy(self, state, **kw):
+        handed.update(state)
+        return real(self, state, **kw)
+
+    monkeypatch.setattr(ReleaseCaptioner, "load_release_state", spy)
+    if fmt == "sharded":
+        d, state = _sharded_copy(tmp_path)
+        (d / "llm.safetensors").write_bytes(b"not read")  # the LLM's shard is never opened
+    elif fmt == "safetensors":
+        d = tmp_path / fmt
+        shutil.copytree(CHECKPOINT, d, ignore=shutil.ignore_patterns("pytorch_model.bin"))
+        state = {k: v.contiguous() for k, v in read_state_dict(CHECKPOINT).items()}
+        save_file(state, str(d / "model.safetensors"))
+    else:
+        d, state = CHECKPOINT, read_state_dict(CHECKPOINT)
+    towers = ReleaseCaptioner.from_release(d, device="cpu", towers_only=True)
+    tower_keys = {k for k in state if k.startswith(("visual.", "audio."))}
+    assert tower_keys and set(handed) == tower_keys  # no LLM or head tensor in the loaded state
+    held = sum(v.nbytes for v in handed.values())
+    assert held < 0.8 * sum(v.nbytes for v in state.values())  # the LLM is most of the file's bytes
+    assert all(p.is_meta for p in towers.decoder.parameters())
+    assert torch.equal(towers.visual.blocks[0].attn.qkv.weight, state["visual.blocks.0.attn.qkv.weight"])
+    if fmt == "sharded":
+        with pytest.raises(Exception):  # the whole model does need that shard
+            ReleaseCaptioner.from_release(d)

@@ -218,13 +218,13 @@ def test_stuck_decodes_are_killed_and_the_replica_keeps_serving(parts, tree, tmp
     import os
     import shutil
 
-    from tests.support.serve_cases import hanging_featurizer
+    from tests.support.serve_cases import hanging_reader
 
     factory, card, cfg = parts
     cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, decode_timeout_s=3.0, decode_workers=2))
     hang = tmp_path / "hang.mp4"
     shutil.copy(tree.good, hang)
-    svc = CaptionService(cfg, factory, card, featurizer_factory=hanging_featurizer)
+    svc = CaptionService(cfg, factory, card, reader_factory=hanging_reader)
     try:
         async def good():
             t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 
     files = weight_files(dir)                  # pytorch_model.bin | model.safetensors | sharded (+ index)
     state = read_state_dict(dir)               # {release key: tensor}
+    towers = read_state_dict(dir, prefixes=("visual.", "audio."))   # only those keys (and their shards)
     plan = map_state_dict(state, targets, ignore=IGNORED)   # release key -> (module key) or raise
 
 The public PadCaptioner release saves one `pytorch_model.bin` (tied `lm_head.weight`
@@ -10,7 +11,10 @@ layouts are read here. Mapping is strict: every tensor in the file is used by ex
 one target parameter or buffer, or named in an explicit ignore list; a missing target,
 an unknown key or a wrong shape is a `ReleaseError` that names the key.
 Weights are memory-mapped (`torch.load(mmap=True)`, safetensors read as views of
-one private map). Pure torch; no ray.
+one private map). With `prefixes` only the keys that start with one are kept: safetensors
+get views of those tensors alone, and of a sharded checkpoint only the shards that hold
+such a key are opened (a featurize actor's towers-only load never maps the LLM's shards).
+Pure torch; no ray.
 """
 
 from __future__ import annotations
@@ -42,12 +46,18 @@ def is_release_dir(path: str | Path) -> bool:
     return cfg.get("model_type") == "qwen2_5_vl" and "evi_token_id" in cfg
 
 
-def weight_files(path: str | Path) -> list[Path]:
-    """The weight files of a release directory, in load order (raises when there are none)."""
+def _wanted(key: str, prefixes: tuple[str, ...] | None) -> bool:
+    return prefixes is None or key.startswith(prefixes)
+
+
+def weight_files(path: str | Path, prefixes: tuple[str, ...] | None = None) -> list[Path]:
+    """The weight files of a release directory, in load order (raises when there are none); of a
+    sharded one with `prefixes`, only the shards its index lists for keys with those prefixes."""
     path = Path(path)
     for index in INDEXES:
         if (path / index).is_file():
-            shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            weight_map = json.loads((path / index).read_text())["weight_map"]
+            shards = sorted({f for k, f in weight_map.items() if _wanted(k, prefixes)})
             missing = [s for s in shards if not (path / s).is_file()]
             if missing:
                 raise ReleaseError(f"{path / index} lists shards that are not there: {missing[:3]}")
@@ -63,10 +73,11 @@ SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                "BOOL": torch.bool}
 
 
-def mapped_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """A .safetensors file's tensors as views of one private memory map of it (pages read when
-    touched, written pages copied: the file never changes). A tensor whose offset is not a
-    multiple of its element size (the format does not promise it) is copied out instead."""
+def mapped_safetensors(path: str | Path, prefixes: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """A .safetensors file's tensors (those whose keys start with one of `prefixes`, when given) as
+    views of one private memory map of it (pages read when touched, written pages copied: the file
+    never changes). A tensor whose offset is not a multiple of its element size (the format does
+    not promise it) is copied out instead."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as fh:
@@ -78,6 +89,8 @@ def mapped_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     base = 8 + n
     out = {}
     for key, info in header.items():
+        if not _wanted(key, prefixes):
+            continue
         if info["dtype"] not in SAFE_DTYPES:
             raise ReleaseError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which the loader does not read")
         dtype, (begin, end) = SAFE_DTYPES[info["dtype"]], info["data_offsets"]
@@ -89,12 +102,16 @@ def mapped_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a release directory on the CPU, keyed as the release names them."""
+def read_state_dict(path: str | Path, prefixes: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a release directory on the CPU, keyed as the release names them: all of them, or
+    those whose keys start with one of `prefixes` (module doc)."""
     state: dict[str, torch.Tensor] = {}
-    for f in weight_files(path):
-        part = mapped_safetensors(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu",
-                                                                                     weights_only=True, mmap=True)
+    for f in weight_files(path, prefixes):
+        if f.suffix == ".safetensors":
+            part = mapped_safetensors(f, prefixes)
+        else:  # mapped, not read: the tensors left out are dropped unread
+            part = {k: v for k, v in torch.load(f, map_location="cpu", weights_only=True, mmap=True).items()
+                    if _wanted(k, prefixes)}
         dup = state.keys() & part.keys()
         if dup:
             raise ReleaseError(f"{f}: tensor {sorted(dup)[0]!r} appears in more than one shard")

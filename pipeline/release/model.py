@@ -50,6 +50,7 @@ CONFIG_IDS = {"video": "video_token_id", "vision_start": "vision_start_token_id"
               "im_end": "eos_token_id"}
 IGNORED_SUFFIXES = ("audio.qformer.bert.embeddings.position_ids",)
 TOWERS = ("hf.model.visual.", "audio.")  # the model keys of the two media towers
+RELEASE_TOWERS = ("visual.", "audio.")  # theirs in the release's file
 DEFAULT_INSTRUCTION = "Could you outline the incidents that happened during different time periods in the video?"
 
 
@@ -155,8 +156,9 @@ class ReleaseCaptioner(nn.Module):
         settings' dtype and on `device` (default CPU): the modules are built with their parameters on
         the meta device and the file's tensors (memory-mapped) become the parameters, cast only when
         the file's dtype differs, so host memory peaks near the checkpoint's size. towers_only: only the
-        vision tower and the audio tower are loaded (what a featurize actor runs); the LLM and the heads
-        stay on the meta device, never read nor moved to `device` (decoding with such a model fails)."""
+        vision tower and the audio tower are loaded (what a featurize actor runs): only their keys are
+        taken from the file (only their shards opened), the LLM and the heads stay on the meta device,
+        never read nor moved to `device` (decoding with such a model fails)."""
         path = Path(path)
         if not is_release_dir(path):
             raise ReleaseError(f"{path} is not a PadCaptioner release directory (config.json of model_type "
@@ -165,7 +167,8 @@ class ReleaseCaptioner(nn.Module):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         with init_empty_weights(include_buffers=False):  # parameters on the meta device: no random init
             model = cls(hf_config, tokenizer, settings)
-        model.load_release_state(read_state_dict(path), device=device, towers_only=towers_only)
+        state = read_state_dict(path, prefixes=RELEASE_TOWERS if towers_only else None)  # towers: their keys alone
+        model.load_release_state(state, device=device, towers_only=towers_only)
         model.source = str(path.resolve())
         return model
 
@@ -185,7 +188,7 @@ class ReleaseCaptioner(nn.Module):
         optional = ["hf.lm_head.weight"] if self.tied else []
         if towers_only:
             targets = {k: v for k, v in targets.items() if k.startswith(TOWERS)}
-            ignore += [k for k in state if not k.startswith(("visual.", "audio."))]
+            ignore += [k for k in state if not k.startswith(RELEASE_TOWERS)]
         mapped = map_state_dict(state, self.release_rules(), targets, ignore=ignore, optional=optional)
         here = self.tower_device if towers_only else self.device
         dev = torch.device(device) if device is not None else (None if here.type == "meta" else here)

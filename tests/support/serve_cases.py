@@ -301,19 +301,37 @@ def bad_requests(tree: VideoTree) -> list[BadRequest]:
     ]
 
 
-def hanging_featurizer(cfg: Config):
-    """A decode-worker featurizer (infer/decode_pool.py) that never returns for files named
+def hanging_reader(cfg: Config):
+    """A decode-worker reader (infer/decode_pool.py) that never returns for files named
     hang*: a decode stuck in C code, as a hostile file can make one. Other files get the
-    real featurizer. Module-level, so the spawned workers can unpickle it."""
-    import time
+    real reader. Module-level, so the spawned workers can unpickle it."""
+    from infer.service import default_reader
 
-    from infer.service import default_featurizer
+    real = default_reader(cfg)
 
-    real = default_featurizer(cfg)
-
-    def featurize(path: str, annotation):
+    def read(path: str, annotation):
         if Path(path).name.startswith("hang"):
             threading.Event().wait()  # a decode that never returns: the pool must kill its worker
         return real(path, annotation)
 
-    return featurize
+    return read
+
+
+def module_counting_reader(cfg: Config):
+    """A decode-worker reader that sends back, with each result, how many model parameters the
+    torch modules of its worker process hold (a worker that had built an encoder would hold its
+    tower's). The real reader otherwise. Module-level, so the spawned workers can unpickle it."""
+    import gc
+
+    import torch
+
+    from infer.service import default_reader
+
+    real = default_reader(cfg)
+
+    def read(path: str, annotation):
+        media = real(path, annotation)
+        modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
+        return media, sum(p.numel() for m in modules for p in m.parameters(recurse=False))
+
+    return read
