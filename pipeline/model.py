@@ -270,7 +270,7 @@ class PadCaptioner(nn.Module):
         """`model.anchor_feature_scale`: "raw" keeps the aggregated states as they are (the scale of
         the middle layer's residual stream); "embedding" rescales each to the RMS of the input
         embedding rows, so the anchor (<G> row + feature) is on the scale of the tokens around it."""
-        if self.cfg.anchor_feature_scale == "raw" or feats.numel() == 0 or feats.shape[0] == 0:
+        if self.cfg.anchor_feature_scale == "raw" or feats.numel() == 0:
             return feats
         table = self.decoder.embed_tokens.weight.detach()
         target = table.float().pow(2).mean().sqrt()
