@@ -15,7 +15,7 @@ evaluate stage's metrics (pipeline.metrics, padcaptioner protocol: F1, CIDEr, ..
 Per seed, bench/attr_probe.py records every `--probe-every` steps the per-group gradient
 norms, each branch token's attention mass on its own anchor, and the branch loss split into
 attribute-word and grammar tokens; with the periodic teacher-forced validation they make the
-learning curves in `<out>/default_seeds<tag>.png`. Written: `<out>/default_seeds<tag>.json`
+learning curves in `<out>/default_seeds<tag>.png`. Written: `<out>/default_seeds<tag>.json` (`--name`: another stem)
 with `seeds` ({seed: colour, shape, sound, motion, planning, f1, cider, ...}), the spread
 (max - min) of each number and the targets of issue #27. Seeds run in `--jobs` processes.
 """
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "default"), help="where make run's shards are")
     ap.add_argument("--work", default=str(ROOT / "runs" / "default_seeds"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--tag", default="", help="suffix of the output names")
+    ap.add_argument("--tag", default="", help="suffix of the per-seed work dirs (and of the output names unless --name)")
+    ap.add_argument("--name", default="", help="stem of the output files (default: default_seeds<tag>)")
     ap.add_argument("--probe-every", type=int, default=100)
     ap.add_argument("--jobs", type=int, default=1, help="seeds at a time (one process each)")
     ap.add_argument("--reuse", action="store_true", help="score the seeds already trained under --work (no training)")
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"default_seeds{args.tag}"
+    stem = args.name or f"default_seeds{args.tag}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     plot_seeds({s: r.get("history", []) for s, r in records.items()}, rows, out / f"{stem}.png")
     print(json.dumps({k: result[k] for k in ("seeds", "spread", "met", "timing_s")}, indent=1))
