@@ -58,12 +58,17 @@ def _decode_all(model, cfg: Config, samples: list) -> tuple[dict[str, dict], lis
     return outputs, costs, name
 
 
-def run_variant(cfg: Config, shards: dict[str, str], out_dir: str | Path, eval_videos: int = 0) -> dict[str, Any]:
-    """Train + decode one variant (module doc); returns the record written to out_dir/run.json."""
+def run_variant(cfg: Config, shards: dict[str, str] | None, out_dir: str | Path, eval_videos: int = 0,
+                data: tuple[list, list] | None = None, probe=None) -> dict[str, Any]:
+    """Train + decode one variant (module doc); returns the record written to out_dir/run.json.
+
+    data: (training records, held-out samples) already read (instead of `shards`); probe: the
+    loop's probe hook (train/loop.py), whose history then goes into the record."""
     from infer.ordered import output_events
     from pipeline.model import PadCaptioner
     from train.data import InMemoryEpochs, read_samples, read_shard_records
     from train.evaluate import caption_parser, engine_counts, summary
+    from train import checkpoint as ckpt
     from train.loop import LocalContext, train_loop
 
     torch.set_num_threads(1)
@@ -71,8 +76,10 @@ def run_variant(cfg: Config, shards: dict[str, str], out_dir: str | Path, eval_v
     if out.exists():
         shutil.rmtree(out)  # a rerun trains from step 0, never resumes an older run
     out.mkdir(parents=True)
-    records = list(read_shard_records([shards["train"]]))
-    test = read_samples([shards["test"]], limit=eval_videos)
+    if data is None:
+        records, test = list(read_shard_records([shards["train"]])), read_samples([shards["test"]], limit=eval_videos)
+    else:
+        records, test = data
     if not records or not test:
         raise RuntimeError(f"no training records ({len(records)}) or held-out videos ({len(test)}) in {shards}")
     dims = test[0].visual.shape[2], test[0].audio.shape[2]
@@ -80,9 +87,11 @@ def run_variant(cfg: Config, shards: dict[str, str], out_dir: str | Path, eval_v
     parse = caption_parser(cfg)
     t0 = time.perf_counter()
     trained = train_loop(cfg, ctx, InMemoryEpochs(records, seed=cfg.train.seed), test, visual_dim=dims[0],
-                         audio_dim=dims[1], parse=parse)
+                         audio_dim=dims[1], parse=parse, probe=probe)
     train_s = time.perf_counter() - t0
-    model = PadCaptioner.from_pretrained(Path(ctx.latest_checkpoint()) / "model").eval()
+    final = Path(ctx.latest_checkpoint())
+    history = ckpt.read_history(final) if probe is not None else None
+    model = PadCaptioner.from_pretrained(final / "model").eval()
     t1 = time.perf_counter()
     outputs, costs, decoder = _decode_all(model, cfg, test)
     decode_s = time.perf_counter() - t1
@@ -100,6 +109,8 @@ def run_variant(cfg: Config, shards: dict[str, str], out_dir: str | Path, eval_v
         "costs": costs,
         "outputs": outputs,
     }
+    if history is not None:
+        record["history"] = history
     shutil.rmtree(out / "ckpt", ignore_errors=True)  # models are not kept: the record is the result
     (out / "run.json").write_text(json.dumps(record, indent=1))
     return record

@@ -44,8 +44,9 @@ class BackboneError(ValueError):
     """The backbone cannot be built or is not supported; the message says why."""
 
 
-def preset_config(name: str, vocab_size: int) -> Qwen2Config:
-    """A Qwen2Config for a preset; the vocabulary grows to hold `vocab_size` ids."""
+def preset_config(name: str, vocab_size: int, init_std: float = 0.0) -> Qwen2Config:
+    """A Qwen2Config for a preset; the vocabulary grows to hold `vocab_size` ids; `init_std`: the
+    std of its random weights (0 = HF's initializer_range, 0.02)."""
     if name not in PRESETS:
         raise BackboneError(f"unknown backbone preset {name!r} (presets: {sorted(PRESETS)}; or give a local path)")
     p = dict(PRESETS[name])
@@ -54,7 +55,7 @@ def preset_config(name: str, vocab_size: int) -> Qwen2Config:
     return Qwen2Config(
         **p, vocab_size=vocab, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": theta}, use_sliding_window=False,
-        hidden_act="silu", attention_dropout=0.0,
+        hidden_act="silu", attention_dropout=0.0, **({"initializer_range": init_std} if init_std > 0 else {}),
     )
 
 
@@ -63,7 +64,7 @@ def load_backbone(model_cfg, vocab_size: int) -> tuple[PreTrainedModel, dict]:
     dtype = DTYPES[model_cfg.dtype]
     name = model_cfg.backbone
     if name in PRESETS:
-        config = preset_config(name, vocab_size)
+        config = preset_config(name, vocab_size, model_cfg.backbone_init_std)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(model_cfg.backbone_seed)
             # from_config(attn_implementation=...) mutates the config it is given: pass a copy

@@ -122,8 +122,12 @@ class ModelConfig:
     aggregation: Literal["attention", "mean", "scoring_head", "none"] = "attention"
     aggregation_layer: int = -1  # -1: the middle layer
     aggregation_jitter: float = 0.1
+    # raw: anchor = <G> row + the aggregated middle-layer states as they are; embedding: the
+    # aggregated feature rescaled to the RMS of the embedding rows (PadCaptioner.scale_anchor_features)
+    anchor_feature_scale: Literal["raw", "embedding"] = "raw"
     grounding_layer: int = -2  # hidden states of the second-to-last layer
     grounding_loss_weight: float = 5.0
+    branch_loss_weight: float = 1.0  # weight of the caption-branch cross-entropy in the total
     grounding_threshold: float = 0.5  # relative to the max (0.7 ChronusAV, 0.5 LongVALE)
     grounding_max_gap: int = 2  # bridge gaps of at most this many segments
     lora_r: int = 16
@@ -133,6 +137,9 @@ class ModelConfig:
     train_backbone_embeddings: bool = False  # the new <G>/<S> rows always train; random-init presets need this to learn text
     max_seq_len: int = 4096
     backbone_seed: int = 0  # random init of preset backbones and of the new modules
+    # the <G>/<S> rows start at the mean embedding row plus noise of this many embedding stds
+    new_token_noise: float = 0.1
+    backbone_init_std: float = 0.0  # std of a preset backbone's random weights; 0 = HF's initializer_range (0.02)
     visual_dim: int = 0  # Dv of the shard features; 0 = taken from the data when the model is built
     audio_dim: int = 0  # Da of the shard features; 0 = likewise
     max_segments: int = 512  # size of the segment-index (time) embedding
@@ -154,6 +161,9 @@ class TrainConfig:
     batch_size: int = 2  # per worker
     grad_accum: int = 1
     lr: float = 2e-3
+    # lr multipliers by parameter name: the first key found in a trainable parameter's name
+    # (e.g. {"lora_B": 16.0}: LoRA+), else 1; the schedule scales every group alike
+    lr_scales: dict[str, float] = field(default_factory=dict)
     min_lr_ratio: float = 0.1  # cosine decays to lr * this at max_steps
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

@@ -119,7 +119,7 @@ class PadCaptioner(nn.Module):
         dtype = DTYPES[cfg.dtype]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.backbone_seed + 1)
-            noise = in_w.detach().float().std().item() * 0.1
+            noise = in_w.detach().float().std().item() * cfg.new_token_noise
 
             def rows(w: torch.Tensor) -> nn.Parameter:
                 return nn.Parameter(w.detach().float().mean(0).repeat(2, 1) + noise * torch.randn(2, d))
@@ -262,8 +262,20 @@ class PadCaptioner(nn.Module):
         if self.cfg.aggregation == "attention":
             row = attention_row(self.decoder, self.aggregation_layer, self.adapter, hidden_in, position_ids,
                                 layout.instruction_end, key_visible)
-        return self.aggregator(hidden_in, layout.visual_index.to(hidden_in.device),
-                               layout.audio_index.to(hidden_in.device), inside, row)
+        feats, weights = self.aggregator(hidden_in, layout.visual_index.to(hidden_in.device),
+                                         layout.audio_index.to(hidden_in.device), inside, row)
+        return self.scale_anchor_features(feats), weights
+
+    def scale_anchor_features(self, feats: torch.Tensor) -> torch.Tensor:
+        """`model.anchor_feature_scale`: "raw" keeps the aggregated states as they are (the scale of
+        the middle layer's residual stream); "embedding" rescales each to the RMS of the input
+        embedding rows, so the anchor (<G> row + feature) is on the scale of the tokens around it."""
+        if self.cfg.anchor_feature_scale == "raw" or feats.numel() == 0:
+            return feats
+        table = self.decoder.embed_tokens.weight.detach()
+        target = table.float().pow(2).mean().sqrt()
+        rms = feats.float().pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-12)
+        return (feats.float() * (target / rms)).to(feats.dtype)
 
     def anchor_embeddings(self, hidden_in, layout, segment_times, intervals, position_ids, key_visible) -> torch.Tensor:
         """[K, d]: <G> embedding + aggregated feature (see `anchor_features`)."""

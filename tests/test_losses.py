@@ -24,6 +24,9 @@ def test_components_are_finite_and_total_is_their_sum():
     # untrained: about log(vocab) per token
     assert abs(c["lm"] - math.log(len(m.tokenizer))) < 1.0
     assert "branch_eos_pad_lm" in c  # the two captions differ in length: one branch is padded
+    m.cfg.branch_loss_weight = 3.0
+    c3 = compute_losses(out, m.cfg).components
+    assert math.isclose(c3["total"], c["lm"] + 3.0 * c["branch_lm"] + 5.0 * c["grounding"], rel_tol=1e-5)
 
 
 def test_eos_padding_loss_switch_changes_only_padding_rows():

@@ -168,3 +168,23 @@ def test_log_every_zero_logs_first_and_last_step_only(tmp_path, capsys):
     logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train] step ")]
     assert [line.split()[2] for line in logged] == ["1", "3"]
     assert [r["step"] for r in ctx.reports] == [3]  # the final checkpoint only
+
+
+def test_probe_sees_gradients_records_into_history_and_changes_nothing(tmp_path):
+    from bench.attr_probe import AttributeProbe
+    from preprocess.synthetic import parse_caption
+
+    cfg = config(max_steps=4, checkpoint_every=0, grad_accum=1)
+    probe = AttributeProbe(corpus(2), parse_caption, every=2)
+    ctx = LocalContext(str(tmp_path / "probed"))
+    train_loop(cfg, ctx, InMemoryEpochs(corpus(), seed=0), corpus(2), visual_dim=DV, audio_dim=DA,
+               parse=parse_caption, probe=probe)
+    probed = ckpt.read_history(ctx.latest_checkpoint())
+    _, plain_ctx = run(cfg, tmp_path / "plain")
+    plain = ckpt.read_history(plain_ctx.latest_checkpoint())
+    assert [h["total"] for h in probed] == [h["total"] for h in plain]  # the probe draws no random numbers
+    rows = [h for h in probed if "probe_anchor_mass" in h]
+    assert [h["step"] for h in rows] == [1, 2, 4]
+    for h in rows:
+        assert 0.0 < h["probe_anchor_mass"] < 1.0 and h["probe_grad_lora_vo"] > 0.0
+        assert h["probe_branch_attr_lm"] > 0.0 and h["probe_branch_other_lm"] > 0.0

@@ -78,3 +78,21 @@ def test_zero_stage_3_is_refused_before_any_worker_starts(tmp_path):
     cfg.train.backend, cfg.train.zero_stage = "deepspeed", 3
     with pytest.raises(ValueError, match="zero_stage=3 is not supported"):  # before the manifest is even read
         build_trainer(cfg, str(tmp_path / "no shards here"), str(tmp_path / "out"))
+
+
+def test_lr_scales_give_groups_their_own_lr_under_the_same_schedule():
+    params = {"layer.lora_A.w": torch.nn.Parameter(torch.zeros(4, 2)), "layer.lora_B.w": torch.nn.Parameter(torch.zeros(2, 4)),
+              "new_embed": torch.nn.Parameter(torch.zeros(2, 4))}
+    cfg = TrainConfig(lr=1e-2, warmup_steps=2, max_steps=6, lr_scales={"lora_B": 16.0})
+    opt = build_optimizer(params, cfg)
+    by_param = {id(p): g for g in opt.param_groups for p in g["params"]}
+    assert by_param[id(params["layer.lora_B.w"])]["lr"] == pytest.approx(1e-2 * 16)
+    sched = build_scheduler(opt, cfg)
+    assert by_param[id(params["layer.lora_B.w"])]["lr"] == pytest.approx(1e-2 / 2 * 16)  # warmup step 0: 1/2
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    base = by_param[id(params["layer.lora_A.w"])]["lr"]
+    assert by_param[id(params["layer.lora_B.w"])]["lr"] == pytest.approx(16 * base)
+    assert by_param[id(params["new_embed"])]["lr"] == pytest.approx(base)
+    assert by_param[id(params["new_embed"])]["weight_decay"] == 0.0

@@ -95,6 +95,8 @@ def evaluate_heldout(cfg: Config, model_dir: str | Path, shard_paths) -> dict[st
     else:
         model = PadCaptioner.from_pretrained(model_dir).eval()
     parse = caption_parser(cfg)
+    if cfg.infer.cpu_threads > 0 and model.device.type == "cpu":
+        torch.set_num_threads(cfg.infer.cpu_threads)  # the engine's count for both modes: same numbers on any core count
     tf = teacher_forced(model, samples, parse)
     try:
         fr = free_running(model, cfg, samples, parse)

@@ -383,8 +383,12 @@ def _log_line(rec: dict[str, Any]) -> str:
 
 
 def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual_dim: int, audio_dim: int,
-               parse=None) -> dict[str, Any]:
-    """Train to `cfg.train.max_steps` (resuming from ctx.latest_checkpoint()); returns rank-local summary."""
+               parse=None, probe=None) -> dict[str, Any]:
+    """Train to `cfg.train.max_steps` (resuming from ctx.latest_checkpoint()); returns rank-local summary.
+
+    probe: optional `probe(step, model) -> dict`, called after the step's backward and before its
+    update (gradients in place); what it returns goes into that step's history record
+    (bench/attr_probe.py measures how the caption branches learn with it)."""
     tc = cfg.train
     _threads(cfg)
     t_start = time.perf_counter()
@@ -428,6 +432,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
             sums[:-1] += torch.tensor([comps[k] for k in LOSS_KEYS], dtype=torch.float64) / tc.grad_accum
             sums[-1] += _tokens(batch)
         lr = backend.lr()
+        probed = probe(state.step + 1, model) if probe is not None else {}
         grad_norm = backend.optimizer_step()
         state.step += 1
         sums = all_reduce(sums, ctx)
@@ -435,7 +440,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
         rec = {"step": state.step, **{k: float(sums[i]) / ctx.world_size for i, k in enumerate(LOSS_KEYS)},
                "lr": lr, "grad_norm": grad_norm, "tokens": float(sums[-1]), "tokens_per_s": float(sums[-1]) / dt,
                "step_s": dt, "epoch": state.epoch, "resumes": state.resumes, "elapsed_s": time.perf_counter() - t_start,
-               "samples": gather_ids(step_ids, ctx)}
+               "samples": gather_ids(step_ids, ctx), **probed}
         state.history.append(rec)
         last = state.step == tc.max_steps
         if (tc.val_every and state.step % tc.val_every == 0) or last:

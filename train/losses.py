@@ -12,7 +12,7 @@ by thousands of caption tokens):
              when `model.eos_padding_loss` (the layout already set their labels)
   grounding  BCE-with-logits of event/segment similarities against the soft targets,
              weighted by `model.grounding_loss_weight` (default 5) in the total
-total = lm + branch_lm + grounding_loss_weight * grounding. A component without rows in
+total = lm + branch_loss_weight * branch_lm + grounding_loss_weight * grounding. A component without rows in
 the batch is 0 (and is still reported). Pure torch; no ray.
 """
 
@@ -48,7 +48,7 @@ def compute_losses(out: dict, model_cfg) -> LossOutput:
         grounding = grounding_bce(logits, targets)
     else:
         grounding = out["text_logits"].sum() * 0.0
-    total = lm + branch + model_cfg.grounding_loss_weight * grounding
+    total = lm + model_cfg.branch_loss_weight * branch + model_cfg.grounding_loss_weight * grounding
     comps = {"total": total, "lm": lm, "branch_lm": branch, "grounding": grounding}
     components = {k: float(v.detach()) for k, v in comps.items()}
     pad = out.get("branch_pad")

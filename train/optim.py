@@ -1,6 +1,7 @@
 """Optimizer and learning-rate schedule of the training loop.
 
-    opt = build_optimizer(model.trainable_parameters(), cfg.train)      # AdamW, decay on matrices only
+    opt = build_optimizer(model.trainable_parameters(), cfg.train)      # AdamW, decay on matrices only,
+                                                                          # lr multipliers per name (train.lr_scales)
     sched = build_scheduler(opt, cfg.train)                               # linear warmup, cosine decay
     lr_factor(step, warmup=20, total=300, min_ratio=0.1)                  # the multiplier at a step
 
@@ -27,25 +28,38 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float = 0.0) -> flo
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(params: dict[str, nn.Parameter], weight_decay: float) -> list[dict]:
+def lr_scale(name: str, scales: dict[str, float] | None) -> float:
+    """The lr multiplier of parameter `name`: the first of `scales` (name substring -> multiplier,
+    `train.lr_scales`) whose key is in the name, else 1."""
+    for key, scale in (scales or {}).items():
+        if key in name:
+            return float(scale)
+    return 1.0
+
+
+def param_groups(params: dict[str, nn.Parameter], weight_decay: float, lr: float | None = None,
+                 scales: dict[str, float] | None = None) -> list[dict]:
     """Weight decay on matrices (LoRA A/B, projector and head weights); none on biases,
-    norms and the new-token rows / embeddings' 1-D parts."""
-    decay = [p for n, p in params.items() if p.ndim >= 2 and "new_embed" not in n and "new_out" not in n]
-    ids = {id(p) for p in decay}
-    rest = [p for p in params.values() if id(p) not in ids]
-    groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if rest:
-        groups.append({"params": rest, "weight_decay": 0.0})
-    return groups
+    norms and the new-token rows / embeddings' 1-D parts. With `lr`, each group also gets
+    `lr * lr_scale(name, scales)` (one group per decay x multiplier)."""
+    groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
+    for n, p in params.items():
+        decay = p.ndim >= 2 and "new_embed" not in n and "new_out" not in n
+        groups.setdefault((decay, lr_scale(n, scales)), []).append(p)
+    out = []
+    for (decay, scale), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
+        group = {"params": ps, "weight_decay": weight_decay if decay else 0.0}
+        if lr is not None:
+            group["lr"] = lr * scale
+        out.append(group)
+    return out
 
 
 def build_optimizer(params: dict[str, nn.Parameter], train_cfg) -> torch.optim.Optimizer:
     if not params:
         raise ValueError("the model has no trainable parameters")
-    return torch.optim.AdamW(param_groups(params, train_cfg.weight_decay), lr=train_cfg.lr,
-                             betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=1e-8)
+    groups = param_groups(params, train_cfg.weight_decay, train_cfg.lr, train_cfg.lr_scales)
+    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=1e-8)
 
 
 def schedule_fn(train_cfg):
