@@ -91,6 +91,7 @@ class LossSettings:
     """What train/losses.py reads of a model config."""
 
     grounding_loss_weight: float = 5.0
+    branch_loss_weight: float = 1.0
 
 
 def timestep_interval(start: float, end: float, d: float, timesteps: int) -> tuple[int, int]:
