@@ -45,6 +45,15 @@ def service(parts):
     svc.close()
 
 
+async def until(condition, what: str, timeout: float = 60.0):
+    """Yield to the loop until `condition()` holds; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -102,6 +111,7 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
     factory, card, cfg = parts
     spans_per_step: list[int] = []
     engines = []
+    second_step, late_queued = threading.Event(), threading.Event()
 
     def recording_factory(infer_cfg):
         eng = factory(infer_cfg)
@@ -109,8 +119,9 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
 
         def counting(batch):
             spans_per_step.append(len(eng.stats["step_log"]))
-            if len(spans_per_step) == 2:
-                time.sleep(0.3)  # a slow step: the late request arrives while the batch runs
+            if len(spans_per_step) == 2:  # the batch is running: it waits here until the late request is queued
+                second_step.set()
+                late_queued.wait(60)
             return forward(batch)
 
         eng.runner.forward = counting
@@ -124,8 +135,10 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
         async def scenario():
             first = [asyncio.ensure_future(svc.caption_file(str(tree.good), n, {"max_events": 2} if n == "b.mp4" else None))
                      for n in names]
-            await asyncio.sleep(0.2)
+            await until(second_step.is_set, "the first three's second decode step")
             late = asyncio.ensure_future(svc.caption_file(str(tree.good), "late.mp4"))
+            await until(lambda: svc._batcher._pending, "the late request queued for the engine")
+            late_queued.set()
             return await asyncio.gather(*first, late)
 
         bodies = run(scenario())
@@ -136,7 +149,7 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
     assert [b["video_id"] for b in bodies] == ["a", "b", "c", "late"]
     assert [_events(b) for b in bodies] == [alone, alone_b, alone, alone]  # b's own options, in the same batch
     assert len(engines) == 1 and max(r.videos for r in engines[0].stats["step_log"]) >= 2  # videos share steps
-    assert svc._batcher.max_in_flight >= 2
+    assert svc._batcher.max_in_flight == min(4, svc._batcher.max_batch)  # the late one joined the running batch
 
 
 @pytest.mark.parametrize("options,fragment", [
