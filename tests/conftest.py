@@ -72,7 +72,7 @@ def s3_server(tmp_path_factory):
 # cluster of another shape (`own_ray_cluster`) and started again by the next `ray_local`, and at
 # the end of the session. One cluster at a time: nothing here starts one while another runs.
 LOCAL_RAY = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "_node_ip_address": "127.0.0.1"}
-_shared = {"id": None}  # the shared instance's (GCS address, driver's node id) while it runs
+_shared = {"id": None, "env": None}  # the shared instance's (GCS address, driver's node id), its AWS_* env
 RELEASE_S = 30.0  # a module's CPUs come back to the shared instance within this, or it is restarted
 
 
@@ -84,18 +84,28 @@ def _connected(ray) -> tuple[str, str] | None:
     return ctx.gcs_address, ctx.get_node_id()
 
 
+def _storage_env() -> tuple:
+    """The AWS_* variables of this process: processes Ray starts inherit them from the raylet (the
+    Ray Train controller builds its S3 storage with them), so an instance started before
+    `s3_server` set them lacks them."""
+    from pipeline.storage import FORWARDED_ENV_PREFIXES
+
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)))
+
+
 def shared_ray():
-    """The shared local instance, started if it is not running (any other connection is closed first)."""
+    """The shared local instance, started if it is not running (any other connection is closed
+    first), or restarted if the AWS_* variables changed since it started."""
     import ray
 
-    if _shared["id"] is not None and _connected(ray) == _shared["id"]:
+    if _shared["id"] is not None and _connected(ray) == _shared["id"] and _shared["env"] == _storage_env():
         return ray
     stop_ray()
     # Serve's controller and replicas import the project like the driver does.
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths if str(ROOT) in paths else [str(ROOT), *paths])
     ray.init(**LOCAL_RAY)
-    _shared["id"] = _connected(ray)
+    _shared["id"], _shared["env"] = _connected(ray), _storage_env()
     return ray
 
 
