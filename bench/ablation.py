@@ -1,6 +1,6 @@
 """The paper's ablation, reproduced on data this repo generates: every variant, same budget, one table.
 
-    .venv/bin/python bench/ablation.py                 # the full table (64 min measured on a loaded 2-core box, about 30 idle: README)
+    .venv/bin/python bench/ablation.py                 # the full table (64 min, two runs at a time on a loaded 2-core box: README)
     .venv/bin/python bench/ablation.py --smoke         # a tiny budget, every variant (CI: tests/test_ablation.py)
 
 Variants (the rows of the paper's ChronusAV ablation; `model.*` settings on the embedded
@@ -16,7 +16,8 @@ default config, cluster/configs/default.yaml):
   agg_none / agg_mean / agg_scoring_head   model.aggregation (attention = full)
 Every variant trains on the same shards (bench/ablation_data.py), with the same steps,
 optimiser settings and seeds (seed s sets train.seed and model.backbone_seed), one
-process per run without Ray (`--jobs` at a time, `nice`), and is evaluated on the same
+process per run without Ray (`--jobs` at a time, `nice`; the decode ms are wall clock with
+`--jobs` runs sharing the box, latencies only with `--jobs 1` on an idle one), and is evaluated on the same
 held-out videos with the same decoder settings (bench/ablation_run.py). The parent then
 scores every run with one `Scorers` (pipeline.metrics, protocol padcaptioner: F1 / Sim
 E.T.Bench, SODA_c, CIDEr, METEOR; a text output is parsed by pipeline/textual.py, an
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     header = (f"Ablation ({budget_name} budget: {result['corpus']['train_videos']} training / {len(refs)} held-out "
               f"synthetic videos, {budget.steps} steps x {budget.batch} samples, {budget.seeds} seeds; mean ± sd; "
+              f"{result['timing_s']['jobs']} run(s) at a time, decode ms measured so; "
               f"`{result['command']}`)")
     write_markdown(rows, out / f"{stem}.md", header)
     write_plot(rows, out / f"{stem}.png")

@@ -5,7 +5,9 @@
 
 Per variant and number: the mean over seeds and the spread as the sample standard
 deviation (n - 1), plus min and max in the JSON. Caption metrics are shown x100 like the
-paper's table; ms are wall-clock decode latencies of one video decoded alone.
+paper's table; ms are the wall clock of one video decoded alone in its run's process, with
+other runs sharing the box when bench/ablation.py runs `--jobs` > 1 (latencies only with
+`--jobs 1` on an idle box).
 """
 
 from __future__ import annotations

@@ -67,11 +67,92 @@ def s3_server(tmp_path_factory):
             os.environ[k] = v
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local 2-CPU Ray instance on 127.0.0.1 for one test module, shut down after it."""
+# The plain local Ray instance (2 CPUs, 127.0.0.1) that every module asking for `ray_local`
+# shares: started by the first of them, kept for the next, stopped by a module that needs a
+# cluster of another shape (`own_ray_cluster`) and started again by the next `ray_local`, and at
+# the end of the session. One cluster at a time: nothing here starts one while another runs.
+LOCAL_RAY = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "_node_ip_address": "127.0.0.1"}
+_shared = {"id": None, "env": None}  # the shared instance's (GCS address, driver's node id), its AWS_* env
+RELEASE_S = 30.0  # a module's CPUs come back to the shared instance within this, or it is restarted
+
+
+def _connected(ray) -> tuple[str, str] | None:
+    """Which instance this process is connected to (a restarted one has a new node id)."""
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    return ctx.gcs_address, ctx.get_node_id()
+
+
+def _storage_env() -> tuple:
+    """The AWS_* variables of this process: processes Ray starts inherit them from the raylet (the
+    Ray Train controller builds its S3 storage with them), so an instance started before
+    `s3_server` set them lacks them."""
+    from pipeline.storage import FORWARDED_ENV_PREFIXES
+
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)))
+
+
+def shared_ray():
+    """The shared local instance, started if it is not running (any other connection is closed
+    first), or restarted if the AWS_* variables changed since it started."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    if _shared["id"] is not None and _connected(ray) == _shared["id"] and _shared["env"] == _storage_env():
+        return ray
+    stop_ray()
+    # Serve's controller and replicas import the project like the driver does.
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths if str(ROOT) in paths else [str(ROOT), *paths])
+    ray.init(**LOCAL_RAY)
+    _shared["id"], _shared["env"] = _connected(ray), _storage_env()
+    return ray
+
+
+def stop_ray() -> None:
+    """Shut down whatever instance this process runs or is connected to (the shared one included)."""
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    _shared["id"] = None
+
+
+def _cpus_back(ray, timeout: float) -> bool:
+    """True once every CPU of the instance is free again (a module's actors and tasks are gone)."""
+    import time
+
+    total = ray.cluster_resources().get("CPU", 0.0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0.0) >= total:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """The shared local 2-CPU Ray instance on 127.0.0.1 (see `shared_ray`). After the module, it is
+    kept for the next one only if the module gave back every CPU; else it is shut down."""
+    ray = shared_ray()
     yield ray
-    ray.shutdown()
+    if _connected(ray) != _shared["id"] or not _cpus_back(ray, RELEASE_S):
+        stop_ray()
+
+
+@pytest.fixture(scope="module")
+def own_ray_cluster():
+    """For a module that starts a cluster of its own shape: the shared instance is shut down
+    first (one cluster at a time), and whatever the module left connected is shut down after."""
+    stop_ray()
+    yield
+    stop_ray()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_stopped_at_the_end():
+    yield
+    stop_ray()

@@ -31,5 +31,6 @@ def test_smoke_run_writes_the_table(tmp_path):
     assert [r["label"] for r in rows] == [r["label"] for r in ROWS]
     assert all(r["stats"]["F1"]["n"] == 2 for r in rows)
     table = (tmp_path / "out" / "ablation_smoke.md").read_text()
+    assert "1 run(s) at a time" in table.splitlines()[0]  # how the decode ms were measured
     assert "| ++ parallel decoding (full) | 61.8 / 38.8 |" in table and table.count("\n| ") == len(ROWS) + 1
     assert (tmp_path / "out" / "ablation_smoke.png").stat().st_size > 10_000

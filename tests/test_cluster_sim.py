@@ -56,7 +56,7 @@ def sim_cfg(*extra):
 
 
 @pytest.fixture(scope="module")
-def sim():
+def sim(own_ray_cluster):  # the shared local instance is stopped first: one cluster at a time
     cluster = sc.SimCluster.start()
     yield cluster
     cluster.shutdown()

@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def head(tmp_path):
+def head(own_ray_cluster, tmp_path):  # the shared local instance is stopped first (`ray stop` would kill it)
     # The job's `python` must be this venv's, as for a user who activated it.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {**os.environ, "PATH": path, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",

@@ -1,5 +1,6 @@
 """The driver with the published model's format: preprocess with the release encoders, fine-tune the
-tiny release-format checkpoint with Ray Train, caption with the result, evaluate (local Ray); and
+tiny release-format checkpoint with Ray Train, caption with the result, evaluate (on the shared local Ray instance of tests/conftest.py, which the
+driver's `init_ray` finds connected); and
 preprocess + train with every training option of cluster/configs/release-3b.yaml."""
 
 from __future__ import annotations
@@ -34,16 +35,7 @@ def release_run_config(run_dir: Path) -> Config:
     ])
 
 
-@pytest.fixture
-def local_ray():
-    """The driver starts a local Ray instance; stop it after the test (later tests start their own)."""
-    import ray
-
-    yield
-    ray.shutdown()
-
-
-def test_finetune_and_caption_with_the_release_format_model(tmp_path, local_ray):
+def test_finetune_and_caption_with_the_release_format_model(tmp_path, ray_local):
     from pipeline.run import run
 
     cfg = release_run_config(tmp_path / "run")
@@ -75,7 +67,7 @@ def _flat(section, prefix: str) -> dict:
     return {f"{prefix}.{k}": v for k, v in asdict(section).items()}
 
 
-def test_the_3b_preset_fine_tunes_with_all_its_training_options(tmp_path, local_ray):
+def test_the_3b_preset_fine_tunes_with_all_its_training_options(tmp_path, ray_local):
     from pipeline.run import run
 
     preset = load_config(PRESET)

@@ -32,6 +32,22 @@ class Recorder:
         return [(self.tag, s) for s in samples]
 
 
+async def until(condition, what: str, timeout: float = 30.0):
+    """Yield to the loop (and the engine thread) until `condition()` holds; fail naming `what`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.001)
+
+
+def pending(batcher: EngineBatcher) -> int:
+    """Requests queued for the engine (not yet taken into a run)."""
+    with batcher._lock:
+        return len(batcher._pending)
+
+
+
 def test_waiting_requests_are_batched_by_key():
     gate = threading.Event()
     a, b = Recorder("a", gate), Recorder("b")
@@ -39,9 +55,9 @@ def test_waiting_requests_are_batched_by_key():
 
     async def scenario():
         first = asyncio.ensure_future(batcher.submit("A", a, 0))
-        await asyncio.sleep(0.05)  # the engine is now busy with [0]
+        await until(lambda: a.calls, "the engine to be busy with [0]")
         rest = [asyncio.ensure_future(batcher.submit("A" if i % 3 else "B", a if i % 3 else b, i)) for i in range(1, 8)]
-        await asyncio.sleep(0.05)
+        await until(lambda: pending(batcher) == 7, "the other seven to be queued")
         gate.set()
         return await first, await asyncio.gather(*rest)
 
@@ -70,12 +86,12 @@ def test_engine_error_fails_only_its_request_and_cancelled_requests_are_dropped(
 
     async def scenario():
         first = asyncio.ensure_future(batcher.submit("k", eng, 0))
-        await asyncio.sleep(0.05)
+        await until(lambda: eng.calls, "the engine to be busy with 0")
         gone = asyncio.ensure_future(batcher.submit("k", eng, 1))
         bad = asyncio.ensure_future(batcher.submit("k", eng, 2))
         late = asyncio.ensure_future(batcher.submit("k", eng, 3))
         good = asyncio.ensure_future(batcher.submit("k", eng, 4))
-        await asyncio.sleep(0.01)
+        await until(lambda: pending(batcher) == 4, "the other four to be queued")
         gone.cancel()
         gate.set()
         out = await asyncio.gather(first, bad, late, good, return_exceptions=True)
@@ -98,9 +114,9 @@ def test_one_bad_video_does_not_fail_the_others_in_its_batch():
 
     async def scenario():
         first = asyncio.ensure_future(batcher.submit("k", eng, "first"))
-        await asyncio.sleep(0.05)  # the engine is busy: the next four wait and go in together
+        await until(lambda: eng.calls, "the engine to be busy with the first")  # the next four wait and go in together
         rest = [asyncio.ensure_future(batcher.submit("k", eng, s)) for s in ("a", "bad", "b", "c")]
-        await asyncio.sleep(0.01)
+        await until(lambda: pending(batcher) == 4, "the other four to be queued")
         gate.set()
         return await first, await asyncio.gather(*rest, return_exceptions=True)
 

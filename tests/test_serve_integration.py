@@ -1,4 +1,5 @@
-"""The Ray Serve endpoint over real HTTP on 127.0.0.1: one local Serve app for the module.
+"""The Ray Serve endpoint over real HTTP on 127.0.0.1: one local Serve app for the module, on the
+shared local Ray instance (tests/conftest.py `ray_local`).
 
 Run under the Ray lock:
     flock /tmp/padcap-ray.lock .venv/bin/python -m pytest tests/test_serve_integration.py -q
@@ -14,7 +15,6 @@ request completes.
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,7 +27,6 @@ from tests.support.serve_cases import (bad_requests, free_port, make_video_tree,
 from tests.support.serve_engine import direct_caption, synthetic_videos, tiny_engine
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[1]
 MAX_ONGOING = 2
 MAX_QUEUED = 2
 
@@ -40,8 +39,7 @@ def tree(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def app_url(tree, tmp_path_factory):
-    import ray
+def app_url(ray_local, tree, tmp_path_factory):
     from ray import serve
 
     from infer.serve import app_builder
@@ -52,8 +50,6 @@ def app_url(tree, tmp_path_factory):
     data = cfg.to_dict()
     data["infer"]["max_events"] = 30  # lowered again by the override below: both paths of app_builder
     preset.write_text(yaml.safe_dump(data))
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -63,8 +59,7 @@ def app_url(tree, tmp_path_factory):
         wait_healthy(url, 120)
         yield url, cfg
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.shutdown()  # the shared local instance (tests/conftest.py) stays for the next module
 
 
 def _events(body: dict) -> list[tuple[float, float, str]]:
