@@ -347,7 +347,8 @@ def _rayservice_serve_config() -> dict:
     return yaml.safe_load(_manifest(RAYSERVICE, "RayService")["spec"]["serveConfigV2"])
 
 
-def test_serve_yaml_validates_against_serve_schema():
+def test_serve_yaml_validates_against_serve_schema(own_ray_cluster):
+    """(own_ray_cluster: no Ray instance is up, so the last line checks validating starts none.)"""
     data = _yaml(SERVE_YAML)
     schema = _serve_schema(data)
     assert len(schema.applications) == 1
