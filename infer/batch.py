@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeline import faults, storage  # noqa: E402
-from pipeline.cluster import init_ray, placement  # noqa: E402
+from pipeline.cluster import init_ray, node_id, placement  # noqa: E402
 from pipeline.config import Config, load_config, section_hash  # noqa: E402
 from pipeline.schema import FIELDS, KEY, decode, encode  # noqa: E402
 
@@ -165,7 +165,7 @@ class FeaturizeForCaption:
             try:
                 if not uri:
                     raise FileNotFoundError("no uri for this video")
-                with faults.in_flight("caption-featurize", [vid]):
+                with faults.in_flight("caption-featurize", [vid], node_id()):
                     if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
                         fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
                     else:
@@ -220,7 +220,7 @@ class CaptionVideos:
                  "capped": "[]", "segments_kept": 0, "segments_total": 0,
                  "error_kind": "input" if str(batch["status"][i]) != "ok" else ""}
                 for i in range(n)]
-        with faults.in_flight("caption", [r["video_id"] for r in rows]):
+        with faults.in_flight("caption", [r["video_id"] for r in rows], node_id()):
             self._caption(batch, rows)
         return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
 

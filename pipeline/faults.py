@@ -33,15 +33,6 @@ def forwarded_env() -> dict[str, str]:
     return {k: os.environ[k] for k in ENV if k in os.environ}
 
 
-def _node_id() -> str:
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-    except Exception:  # outside a Ray worker
-        return ""
-
-
 def _mark(path: Path, info: dict) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(info))
@@ -61,8 +52,9 @@ def _hold_once(root: Path, stage: str) -> bool:
 
 
 @contextlib.contextmanager
-def in_flight(stage: str, video_ids: Sequence[str]) -> Iterator[None]:
-    """Mark `video_ids` started (and maybe hold, see the module doc) on entry, done on exit (an exception too)."""
+def in_flight(stage: str, video_ids: Sequence[str], node_id: str = "") -> Iterator[None]:
+    """Mark `video_ids` started (and maybe hold, see the module doc) on entry, done on exit (an exception too).
+    node_id: the Ray node the caller runs on (the Ray wrapper passes it; this module imports no Ray)."""
     root = os.environ.get(DIR_ENV)
     if not root:
         yield
@@ -70,7 +62,7 @@ def in_flight(stage: str, video_ids: Sequence[str]) -> Iterator[None]:
     where = Path(root) / stage
     where.mkdir(parents=True, exist_ok=True)
     hold = _hold_once(Path(root), stage)
-    info = {"node_id": _node_id(), "pid": os.getpid(), "held": hold}
+    info = {"node_id": node_id, "pid": os.getpid(), "held": hold}
     for vid in video_ids:
         _mark(where / f"{quote(vid, safe='')}~{os.getpid()}.start", info)
     if hold:

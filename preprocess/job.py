@@ -28,7 +28,7 @@ import numpy as np
 import ray
 
 from pipeline import faults, storage
-from pipeline.cluster import init_ray, placement
+from pipeline.cluster import init_ray, node_id, placement
 from pipeline.config import Config, load_config, section_hash
 from pipeline.schema import FIELDS, KEY, encode
 from preprocess import manifest as mf
@@ -72,7 +72,7 @@ class FeaturizeVideos:
                                clipped_events=ann.clipped, num_events=len(ann.events), duration=ann.duration)
             fields: dict[str, Any] = {KEY: "", **{c: b"" for c in FIELDS}}  # typed empties for error rows
             try:
-                with faults.in_flight("preprocess", [ann.video_id]):
+                with faults.in_flight("preprocess", [ann.video_id], node_id()):
                     sample = self.featurizer(row["uri"], ann)
                     fields = encode(sample)
                 row.update(status="ok", error="", key=fields[KEY], num_segments=sample.num_segments,
