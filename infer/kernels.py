@@ -14,20 +14,20 @@ branch. One softmax over both: no log-sum-exp merge is needed, and the shared pr
 are read once per query block, not once per branch (the cascade, without copies).
 
 Query blocks. The scheduler cuts the step's tokens into blocks of one video each (its decode
-rows, a planning row, a prefill piece), and `pack_blocks` repacks them into blocks of at most F
-tokens (F chosen per step; blocks of several videos share one, each token still seeing only its
-own sequences) so that a gathering kernel's call, which pads every block to the fullest and the
-widest, does little padded work (flex reads only the listed pages: its blocks are not packed). A block lists the pages its tokens may see (`pages` [Qb, B], padded with
-the scratch page 0, `npages` [Qb]). That is FlexAttention's block-sparse description (BlockMask.from_kv_blocks
-with BLOCK_SIZE = (q_block, page_size)), and the reference and the SDPA kernel gather exactly
-those pages. The visibility above is the mask_mod.
+rows, a planning row, a prefill piece); a block lists the pages its tokens may see. For flex
+that is FlexAttention's block-sparse description (BlockMask.from_kv_blocks with BLOCK_SIZE =
+(q_block, page_size)) and the visibility above is the mask_mod: flex reads only the listed
+pages. A gathering kernel (reference, sdpa) copies the pages of a call's blocks side by side and
+runs one dense attention over them, which pads every block to the call's fullest and widest:
+infer/packing.py repacks the blocks into bins and cuts them into a few calls of similar width,
+so the padded work stays close to the work needed, with a fixed number of ops per layer.
 
 Kernels (`infer.kernel`; chosen explicitly, never a silent fallback):
   "reference"  pure torch: gather the blocks' pages, fp32 scores, mask, softmax, fp32 sum;
                the oracle. It enforces the contract of the kernel it stands in for
                (`contract=`), so CPU tests drive the exact glue a GPU kernel runs.
   "sdpa"       the same gather, then torch.nn.functional.scaled_dot_product_attention with
-               the boolean mask (public API; CPU default).
+               the additive mask, one call per width class (public API; CPU default).
   "flex"       torch.nn.attention.flex_attention over the whole pool with the BlockMask
                (public API; compiled through Triton on CUDA, the CUDA default; eager on the
                CPU, for tests on small pools).
@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from infer.packing import SIZES, BlockPlan, plan_calls
 
 log = logging.getLogger("padcap.infer")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -88,187 +90,188 @@ class Contract:
 
 
 @dataclass
-class BlockPlan:
-    """One query block as the scheduler describes it (host): its step tokens and the pages they may see."""
+class GatherCall:
+    """One call of a gathering kernel, valid for one step: `bins` blocks of `q_block` padded queries, each
+    over `width` gathered pages. k, v [bins, Hkv, width*S, D]: views into the step's gathered pages
+    (AttnMeta.kv_out, refilled at every layer); visible [bins, 1, q_block*g, width*S]: the additive mask
+    (0 visible, -inf hidden) in the pool's dtype, rows (query, head in its KV group) as q is laid out."""
 
-    tokens: Sequence[int]
-    pages: Sequence[int]
+    bins: int
+    q_block: int
+    width: int
+    k: torch.Tensor
+    v: torch.Tensor
+    visible: torch.Tensor
 
 
 @dataclass
 class AttnMeta:
     """A step's attention metadata (module doc); device tensors, built once per step.
 
-    tokens: N; q_block: BM; page_size: S;
-    q_gather [Qb*BM]: step token of each padded query slot (N = padding); q_gather_clamped: the same
-    with padding pointing at token 0 (a query whose output nobody reads);
-    q_out [N]: padded slot of each step token;
-    pages [Qb, B] long, npages [Qb] int32: the pages each block may see (padded with page 0); pages_flat:
-    pages as [Qb*B];
-    seq_a, lim_a, seq_b, lim_b [Qb*BM]: per padded query slot, the two (sequence, limit) pairs;
-    visible [Qb, 1, BM*g, B*S]: the mask over the gathered keys as an additive mask in the pool's dtype
-    (0 visible, -inf hidden), rows as the kernels lay out the queries (query, head in its KV group)
-    (reference / sdpa kernels);
-    block_mask: the FlexAttention BlockMask (flex kernel only).
+    tokens: N; q_block: BM (the largest of the calls'); page_size: S.
+    Gathering kernels (reference, sdpa): calls: their GatherCalls (infer/packing.py decides them);
+    pages_flat [P]: every call's pages, call after call, bin after bin (padded with page 0);
+    kv_out [P, S*2*Hkv*D]: where a layer's pages are gathered (the kernel's workspace; the calls' k, v
+    view it); q_tok, q_head [R]: the step token and query head of each row of the calls' folded queries
+    (R = sum of bins x Hkv x BM x g; padding rows repeat token 0, their outputs are never read);
+    q_split: each call's rows; out_rows [N*Hq]: where (token, head) sits among the calls' outputs.
+    Flex: pages [Qb, B] long, npages [Qb] int32: the pages each block may see; q_gather_clamped
+    [Qb*BM]: step token of each padded query slot (padding: token 0); q_out [N]: padded slot of each
+    step token; seq_a, lim_a, seq_b, lim_b [Qb*BM]: per slot, the two (sequence, limit) pairs;
+    block_mask: the FlexAttention BlockMask.
     """
 
     tokens: int
     q_block: int
     page_size: int
-    q_gather: torch.Tensor
-    q_gather_clamped: torch.Tensor
-    q_out: torch.Tensor
-    pages: torch.Tensor
-    pages_flat: torch.Tensor
-    npages: torch.Tensor
-    seq_a: torch.Tensor
-    lim_a: torch.Tensor
-    seq_b: torch.Tensor
-    lim_b: torch.Tensor
-    visible: torch.Tensor | None = None
+    calls: tuple[GatherCall, ...] = ()
+    pages_flat: torch.Tensor | None = None
+    kv_out: torch.Tensor | None = None
+    q_tok: torch.Tensor | None = None
+    q_head: torch.Tensor | None = None
+    q_split: tuple[int, ...] = ()
+    out_rows: torch.Tensor | None = None
+    pages: torch.Tensor | None = None
+    npages: torch.Tensor | None = None
+    q_gather_clamped: torch.Tensor | None = None
+    q_out: torch.Tensor | None = None
+    seq_a: torch.Tensor | None = None
+    lim_a: torch.Tensor | None = None
+    seq_b: torch.Tensor | None = None
+    lim_b: torch.Tensor | None = None
     block_mask: object | None = None
 
     @property
     def blocks(self) -> int:
-        return int(self.pages.shape[0])
+        """Query blocks (flex) or bins (gathering kernels)."""
+        return int(self.pages.shape[0]) if self.pages is not None else sum(c.bins for c in self.calls)
 
     @staticmethod
     def build(blocks: Sequence[BlockPlan], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
               lim_b: Sequence[int], *, q_block: int, pool, kernel: "Kernel", group: int = 1,
               workspace: "Workspace | None" = None) -> "AttnMeta":
-        """Host description of a step -> AttnMeta on the pool's device (one copy per tensor).
+        """Host description of a step -> AttnMeta on the pool's device (a few copies in all).
 
         seq_*/lim_* are per step token (N of them); a token with no second sequence has
         seq_b = -1 (FREE: matches no page a sequence holds) and lim_b = 0. workspace: where the
-        additive mask is written (the caller's buffer, reused step after step; the meta is valid
+        additive masks are written (the caller's buffer, reused step after step; the meta is valid
         until the next build into it); None = a fresh tensor.
         """
-        from infer.paged import SCRATCH_SEQ
-
-        n, S = len(seq_a), pool.page_size
+        rules = [torch.as_tensor(list(x), dtype=torch.long) for x in (seq_a, lim_a, seq_b, lim_b)]
         if kernel.name == "flex":
-            # compiled FlexAttention specialises on shapes: a fixed query block and the number of blocks
-            # rounded up to a power of two keep a decode to a handful of compiled variants
-            # no packing: flex reads only the listed pages of each block (no padding to the widest), so
-            # several videos in one block would compute as much and in fewer parallel tiles
-            if max(len(b.tokens) for b in blocks) > q_block:
-                raise ValueError(f"a query block of {max(len(b.tokens) for b in blocks)} tokens over q_block {q_block}")
-            qb = len(blocks)
-            blocks = list(blocks) + [BlockPlan((), ())] * ((1 << (qb - 1).bit_length()) - qb)
-        else:
-            mult = kernel.contract.q_block_multiple
-            sizes = sorted({-(-f // mult) * mult for f in _SIZES if f < q_block} | {q_block})
-            blocks = pack_blocks(blocks, tuple(sizes), group)
-            fill = max(1, max(len(b.tokens) for b in blocks))
-            q_block = -(-fill // mult) * mult
-        qb = len(blocks)
-        width = max(1, max(len(b.pages) for b in blocks))
-        gather = torch.full((qb, q_block), n, dtype=torch.long)
-        page_t = torch.zeros((qb, width), dtype=torch.long)
-        npages = torch.zeros(qb, dtype=torch.int32)
-        for i, b in enumerate(blocks):
-            gather[i, : len(b.tokens)] = torch.as_tensor(list(b.tokens), dtype=torch.long)
-            page_t[i, : len(b.pages)] = torch.as_tensor(list(b.pages), dtype=torch.long)
-            npages[i] = len(b.pages)
-        gather = gather.flatten()
-        out = torch.empty(n, dtype=torch.long)
-        real = gather < n
-        out[gather[real]] = torch.arange(qb * q_block)[real]
-        pad = lambda vals, fill: torch.cat([torch.as_tensor(list(vals), dtype=torch.long),  # noqa: E731
-                                            torch.tensor([fill])])[gather]
-        dev = pool.device
-        page_t = page_t.to(dev)
-        meta = AttnMeta(tokens=n, q_block=q_block, page_size=S, q_gather=gather.to(dev),
-                        q_gather_clamped=torch.where(gather < n, gather, 0).to(dev), q_out=out.to(dev),
-                        pages=page_t, pages_flat=page_t.flatten(), npages=npages.to(dev),
-                        seq_a=pad(seq_a, SCRATCH_SEQ).to(dev),
-                        lim_a=pad(lim_a, 1).to(dev), seq_b=pad(seq_b, -1).to(dev), lim_b=pad(lim_b, 0).to(dev))
-        if kernel.name == "flex":
-            meta.block_mask = flex_block_mask(meta, pool)
-        else:
-            vis = gathered_visibility(meta, pool)  # [Qb, BM, T]
-            # as an additive mask in the model's dtype, once per step (a bool mask is converted in every call),
-            # rows (query, head in group) as the kernels lay out the queries
-            qb_, bm, t = vis.shape
-            out = (workspace or Workspace()).take(qb_ * bm * group, t, pool.layer[0]).view(qb_, bm, group, t)
-            zero = torch.zeros((), dtype=pool.dtype, device=dev)
-            torch.where(vis[:, :, None].expand(qb_, bm, group, t), zero, zero - float("inf"), out=out)
-            meta.visible = out.view(qb_, 1, bm * group, t)
-        return meta
+            return _flex_meta(blocks, rules, q_block, pool, kernel)
+        return _gather_meta(blocks, rules, pool, kernel, group, workspace)
 
 
-_SIZES = (4, 8, 16, 32, 64)  # the query-block sizes pack_blocks tries for a gathering kernel
-# gathering a key costs about what 16 query rows attending to it cost (fp32 on the 2-core CPU box: 0.15 us a
-# key gathered, 0.009 us a key per query row in SDPA; both scale with Hkv x D, so the ratio holds across shapes)
-GATHER_ROWS = 16
+def _slots(blocks: Sequence[BlockPlan], n: int, q_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks -> gather [Qb, BM] (step token of each slot, n = padding), pages [Qb, B] (padded with
+    page 0), npages [Qb] int32."""
+    width = max(1, max(len(b.pages) for b in blocks))
+    gather = torch.full((len(blocks), q_block), n, dtype=torch.long)
+    page_t = torch.zeros((len(blocks), width), dtype=torch.long)
+    npages = torch.zeros(len(blocks), dtype=torch.int32)
+    for i, b in enumerate(blocks):
+        gather[i, : len(b.tokens)] = torch.as_tensor(list(b.tokens), dtype=torch.long)
+        page_t[i, : len(b.pages)] = torch.as_tensor(list(b.pages), dtype=torch.long)
+        npages[i] = len(b.pages)
+    return gather, page_t, npages
 
 
-def pack_blocks(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int) -> list[BlockPlan]:
-    """The step's query blocks repacked to cost the kernel least: -> blocks of at most F tokens, F one of `sizes`.
+def _per_slot(rules: list[torch.Tensor], gather: torch.Tensor) -> list[torch.Tensor]:
+    """The per-token (seq_a, lim_a, seq_b, lim_b) at each padded slot (padding: the scratch sequence,
+    limit 1, so it sees its block's first key and no row is all -inf)."""
+    from infer.paged import SCRATCH_SEQ
 
-    A step's blocks are cut per video (decode rows, a planning row, prefill pieces), so their token
-    counts and page counts differ widely, while a kernel call pads every block to the fullest block's
-    tokens (F) and widest block's pages (W): a block of 3 decode rows beside one of 16, or a planning row
-    beside a prefill piece of 64, would compute as much as the full ones. For each F, blocks longer
-    than F are split (each piece sees the block's pages) and the pieces are packed first-fit-decreasing
-    into bins of at most F tokens whose pages (a union: pieces of one sequence share pages) stay within
-    W, the widest single piece; the F with the least cost, bins x W x (F * group + GATHER_ROWS) (query
-    rows times keys, plus the gather of the keys), wins. Exact: each token still sees only its own sequences
-    (the visibility rule is per token); packing only changes which tokens share a block.
-    """
-    real = [b for b in blocks if len(b.tokens)]
-    if not real:
-        return list(blocks)
-    best: tuple[float, list[list[tuple[list[int], list[int]]]]] | None = None
-    for F in sizes:
-        pieces = [(list(b.tokens[lo:lo + F]), list(b.pages)) for b in real for lo in range(0, len(b.tokens), F)]
-        W = max(1, max(len(p) for _, p in pieces))
-        pieces.sort(key=lambda t: (-len(t[1]), -len(t[0])))
-        # a bin: [tokens, {first page: widest piece starting there}, pages]; pieces that start on the same
-        # page are one sequence's (a prefix and its prefixes): their union is the widest of them
-        bins: list[list] = []
-        open_: list[list] = []  # bins with tokens to spare (a full one is never scanned again)
-        for toks, pages in pieces:
-            head = pages[0] if pages else -1
-            for b in open_:
-                old = b[1].get(head, 0)
-                if b[0] + len(toks) <= F and b[2] - old + max(old, len(pages)) <= W:
-                    b[0] += len(toks)
-                    b[1][head] = max(old, len(pages))
-                    b[2] += max(old, len(pages)) - old
-                    b[3].append((toks, pages))
-                    if b[0] == F:
-                        open_.remove(b)
-                    break
-            else:
-                bins.append([len(toks), {head: len(pages)}, len(pages), [(toks, pages)]])
-                if len(toks) < F:
-                    open_.append(bins[-1])
-        cost = len(bins) * W * (F * group + GATHER_ROWS)
-        if best is None or cost < best[0]:
-            best = (cost, [b[3] for b in bins])
-    # the exact union of each bin's pages (the estimate above only sizes the bins)
-    return [BlockPlan([t for toks, _ in members for t in toks],
-                      list(dict.fromkeys(p for _, pages in members for p in pages))) for members in best[1]]
+    fills = (SCRATCH_SEQ, 1, -1, 0)
+    return [torch.cat([r, torch.tensor([f])])[gather] for r, f in zip(rules, fills)]
 
 
-def gathered_visibility(meta: AttnMeta, pool) -> torch.Tensor:
-    """[Qb, BM, B*S] bool: which gathered key each padded query sees (module doc's rule); a padding
-    query sees the block's first key (its output is dropped; no row is all -inf)."""
-    S = meta.page_size
-    owner = pool.owner[meta.pages]  # [Qb, B]
-    first = pool.start[meta.pages]  # [Qb, B]
-    real = torch.arange(meta.pages.shape[1], device=owner.device)[None] < meta.npages[:, None].long()
+def _visibility(page_t: torch.Tensor, npages: torch.Tensor, slot_rules: list[torch.Tensor], pool) -> torch.Tensor:
+    """[Qb, BM, B*S] bool: which gathered key each padded query slot sees (module doc's rule); all on
+    the pool's device."""
+    S = pool.page_size
+    qb, width = page_t.shape
+    owner = pool.owner[page_t]  # [Qb, B]
+    first = pool.start[page_t]
+    real = torch.arange(width, device=owner.device)[None] < npages[:, None].long()
     owner = owner.masked_fill(~real, -3)  # padding page slots: nobody's
-    kseq = owner.repeat_interleave(S, dim=1)  # [Qb, T]
-    kidx = (first[:, :, None] + torch.arange(S, device=owner.device)).flatten(1)  # [Qb, T]
-    shape = (meta.blocks, meta.q_block, 1)
-    sa, la = meta.seq_a.view(shape), meta.lim_a.view(shape)
-    sb, lb = meta.seq_b.view(shape), meta.lim_b.view(shape)
-    ks, ki = kseq[:, None], kidx[:, None]
-    vis = ((ks == sa) & (ki < la)) | ((ks == sb) & (ki < lb))
-    vis[..., 0] |= (meta.q_gather == meta.tokens).view(meta.blocks, meta.q_block)
-    return vis
+    kseq = owner.repeat_interleave(S, dim=1)[:, None]  # [Qb, 1, T]
+    kidx = (first[:, :, None] + torch.arange(S, device=owner.device)).flatten(1)[:, None]
+    sa, la, sb, lb = (r.view(qb, -1, 1) for r in slot_rules)
+    return ((kseq == sa) & (kidx < la)) | ((kseq == sb) & (kidx < lb))
+
+
+def _gather_meta(blocks, rules, pool, kernel: "Kernel", group: int, workspace: "Workspace | None") -> AttnMeta:
+    """A gathering kernel's meta: the blocks planned into calls (infer/packing.py), each call's queries,
+    pages and mask laid out once, for every layer of the step."""
+    n, S, mult = len(rules[0]), pool.page_size, kernel.contract.q_block_multiple
+    kv = pool.layer[0]
+    _, _, hkv, d = kv.shape
+    hq = hkv * group
+    sizes = sorted({-(-f // mult) * mult for f in SIZES})
+    calls = plan_calls(blocks, sizes, group, S)
+    q_tok, q_head, pages, masks, shapes = [], [], [], [], []
+    out_rows = torch.zeros(n * hq, dtype=torch.long)
+    heads = torch.arange(hq).view(1, hkv, 1, group)
+    row, dev = 0, pool.device
+    for c in calls:
+        bm = -(-max(1, max(len(b.tokens) for b in c.bins)) // mult) * mult
+        gather, page_t, npages = _slots(c.bins, n, bm)
+        vis = _visibility(page_t.to(dev), npages.to(dev), [r.to(dev) for r in _per_slot(rules, gather)], pool)
+        vis[..., 0] |= (gather == n).to(dev)  # a padding slot sees its block's first key; vis [bins, BM, W*S]
+        bins, width = page_t.shape
+        tok = gather.view(bins, 1, bm, 1).expand(bins, hkv, bm, group)
+        head = heads.expand(bins, hkv, bm, group)
+        at = row + torch.arange(tok.numel()).view(tok.shape)
+        real = tok < n
+        out_rows[(tok * hq + head)[real]] = at[real]
+        q_tok.append(torch.where(real, tok, 0).flatten())
+        q_head.append(head.flatten())
+        pages.append(page_t.flatten())
+        masks.append(vis[:, :, None].expand(bins, bm, group, width * S))
+        shapes.append((bins, bm, width))
+        row += tok.numel()
+    pages_flat = torch.cat(pages).to(dev)
+    src = pool.layer_pages[0]
+    kv_out = kernel.workspace.take(pages_flat.numel(), src.shape[1], src)
+    mask_all = (workspace or Workspace()).take(1, sum(m.numel() for m in masks), kv)[0]
+    zero = torch.zeros((), dtype=pool.dtype, device=dev)
+    built, p_at, m_at = [], 0, 0
+    for (bins, bm, width), m in zip(shapes, masks):
+        vis = mask_all[m_at:m_at + m.numel()].view(m.shape)
+        torch.where(m, zero, zero - float("inf"), out=vis)
+        g = kv_out[p_at:p_at + bins * width].view(bins, width * S, 2, hkv, d).permute(2, 0, 3, 1, 4)
+        k, v = g.unbind(0)
+        built.append(GatherCall(bins, bm, width, k, v, vis.view(bins, 1, bm * group, width * S)))
+        p_at, m_at = p_at + bins * width, m_at + m.numel()
+    return AttnMeta(tokens=n, q_block=max(c.q_block for c in built), page_size=S, calls=tuple(built),
+                    pages_flat=pages_flat, kv_out=kv_out, q_tok=torch.cat(q_tok).to(dev),
+                    q_head=torch.cat(q_head).to(dev), q_split=tuple(c.bins * hkv * c.q_block * group for c in built),
+                    out_rows=out_rows.to(dev))
+
+
+def _flex_meta(blocks, rules, q_block: int, pool, kernel: "Kernel") -> AttnMeta:
+    """FlexAttention's meta: one block per scheduler block (no packing: flex reads only the listed pages
+    of each block, so several videos in one block would compute as much and in fewer parallel tiles),
+    their number rounded up to a power of two and a fixed query block (compiled flex specialises on
+    shapes: a decode stays within a handful of compiled variants)."""
+    n = len(rules[0])
+    if max(len(b.tokens) for b in blocks) > q_block:
+        raise ValueError(f"a query block of {max(len(b.tokens) for b in blocks)} tokens over q_block {q_block}")
+    qb = len(blocks)
+    blocks = list(blocks) + [BlockPlan((), ())] * ((1 << (qb - 1).bit_length()) - qb)
+    gather, page_t, npages = _slots(blocks, n, q_block)
+    gather = gather.flatten()
+    out = torch.empty(n, dtype=torch.long)
+    real = gather < n
+    out[gather[real]] = torch.arange(gather.numel())[real]
+    dev = pool.device
+    sa, la, sb, lb = (r.to(dev) for r in _per_slot(rules, gather))
+    meta = AttnMeta(tokens=n, q_block=q_block, page_size=pool.page_size, pages=page_t.to(dev),
+                    npages=npages.to(dev), q_gather_clamped=torch.where(real, gather, 0).to(dev), q_out=out.to(dev),
+                    seq_a=sa, lim_a=la, seq_b=sb, lim_b=lb)
+    meta.block_mask = flex_block_mask(meta, pool)
+    return meta
 
 
 def flex_block_mask(meta: AttnMeta, pool):
@@ -296,16 +299,10 @@ def flex_block_mask(meta: AttnMeta, pool):
 # ----------------------------------------------------------------------------------- kernels
 
 
-def _padded_queries(q: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """q [N, Hq, D] -> [Qb*BM, Hq, D] in block order (padding slots repeat a real query; their
-    outputs are never read)."""
-    return q[meta.q_gather_clamped]
-
-
 class Workspace:
-    """A reusable buffer for the gathered pages (grown, never shrunk). A fresh tensor per layer per step
-    would be a new large allocation each time: on the CPU that is fresh memory from the OS, page faults
-    and zeroing that cost 3x the copy itself."""
+    """A reusable buffer (grown, never shrunk) for the gathered pages or the step's masks. A fresh tensor
+    per step would be a new large allocation each time: on the CPU that is fresh memory from the OS, page
+    faults and zeroing that cost 3x the copy itself."""
 
     def __init__(self):
         self.buf: torch.Tensor | None = None
@@ -316,29 +313,6 @@ class Workspace:
         if b is None or b.numel() < need or b.dtype != like.dtype or b.device != like.device:
             self.buf = b = torch.empty(need, dtype=like.dtype, device=like.device)
         return b[:need].view(rows, width)
-
-
-def _gather(pool, layer: int, meta: AttnMeta, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks' pages of one layer -> k, v [Qb, Hkv, B*S, D] (one gather of whole pages, K and V at
-    once, into the kernel's workspace: valid until the next call)."""
-    _, _, hkv, d = pool.layer[layer].shape
-    src = pool.layer_pages[layer]  # [P, S*2*Hkv*D]
-    g = torch.index_select(src, 0, meta.pages_flat, out=ws.take(meta.pages_flat.numel(), src.shape[1], src))
-    return g.view(meta.blocks, -1, 2, hkv, d).permute(2, 0, 3, 1, 4).unbind(0)
-
-
-def _blocked(q: torch.Tensor, meta: AttnMeta, hkv: int) -> torch.Tensor:
-    """q [N, Hq, D] -> [Qb, Hkv, BM*g, D]: a block's queries of one KV head, rows (query, head in group)."""
-    hq, d = q.shape[1:]
-    qp = _padded_queries(q, meta).view(meta.blocks, meta.q_block, hkv, hq // hkv, d)
-    return qp.permute(0, 2, 1, 3, 4).flatten(2, 3)
-
-
-def _unblocked(o: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-    """[Qb, Hkv, BM*g, D] -> [N, Hq*D] in step order (the o_proj input)."""
-    qb, hkv, _, d = o.shape
-    o = o.view(qb, hkv, meta.q_block, -1, d).permute(0, 2, 1, 3, 4).reshape(qb * meta.q_block, -1)
-    return o[meta.q_out]
 
 
 class Kernel:
@@ -364,28 +338,41 @@ class Kernel:
         raise NotImplementedError
 
 
-class ReferenceKernel(Kernel):
+class GatheringKernel(Kernel):
+    """Gathers each layer's pages for the step's calls (AttnMeta.calls), runs `call` on each, and puts the
+    outputs back in step order: a fixed handful of ops per layer plus two per call, whatever the videos."""
+
+    def attend(self, q, pool, layer, meta, scale):
+        torch.index_select(pool.layer_pages[layer], 0, meta.pages_flat, out=meta.kv_out)
+        hkv, d = pool.layer[layer].shape[2:]
+        rows = q[meta.q_tok, meta.q_head]  # [R, D]: every call's queries, folded per KV head
+        parts = rows.split(meta.q_split) if len(meta.calls) > 1 else (rows,)
+        outs = [self.call(qc.view(c.bins, hkv, -1, d), c, scale).view(-1, d) for c, qc in zip(meta.calls, parts)]
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return o.index_select(0, meta.out_rows).view(meta.tokens, -1)
+
+    def call(self, q: torch.Tensor, c: GatherCall, scale: float) -> torch.Tensor:
+        """q [bins, Hkv, BM*g, D] over c.k, c.v with c.visible -> [bins, Hkv, BM*g, D] in q's dtype."""
+        raise NotImplementedError
+
+
+class ReferenceKernel(GatheringKernel):
     """Pure torch, fp32 scores and sums (the oracle); `contract` is that of the kernel it stands in for."""
 
     name = "reference"
 
-    def attend(self, q, pool, layer, meta, scale):
-        k, v = _gather(pool, layer, meta, self.workspace)
-        qb = _blocked(q, meta, k.shape[1]).float()
-        s = torch.matmul(qb, k.float().transpose(-1, -2)) * scale + meta.visible
-        o = torch.matmul(torch.softmax(s, dim=-1), v.float())
-        return _unblocked(o, meta).to(q.dtype)
+    def call(self, q, c, scale):
+        s = torch.matmul(q.float(), c.k.float().transpose(-1, -2)) * scale + c.visible
+        return torch.matmul(torch.softmax(s, dim=-1), c.v.float()).to(q.dtype)
 
 
-class SdpaKernel(Kernel):
-    """The gathered pages through torch's public scaled_dot_product_attention (boolean mask)."""
+class SdpaKernel(GatheringKernel):
+    """The gathered pages through torch's public scaled_dot_product_attention (additive mask)."""
 
     name = "sdpa"
 
-    def attend(self, q, pool, layer, meta, scale):
-        k, v = _gather(pool, layer, meta, self.workspace)
-        o = F.scaled_dot_product_attention(_blocked(q, meta, k.shape[1]), k, v, attn_mask=meta.visible, scale=scale)
-        return _unblocked(o, meta)
+    def call(self, q, c, scale):
+        return F.scaled_dot_product_attention(q, c.k, c.v, attn_mask=c.visible, scale=scale)
 
 
 @functools.cache
@@ -424,7 +411,7 @@ class FlexKernel(Kernel):
 
         fn = _compiled_flex() if self.compiled else flex_attention
         kv = pool.layer[layer]
-        qf = _padded_queries(q, meta).transpose(0, 1)[None]  # [1, Hq, Qb*BM, D]
+        qf = q[meta.q_gather_clamped].transpose(0, 1)[None]  # [1, Hq, Qb*BM, D]
         kf, vf = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]  # [1, Hkv, P*S, D] views
         o = fn(qf, kf, vf, block_mask=meta.block_mask, scale=scale, enable_gqa=q.shape[1] != kv.shape[2])
         return o[0].transpose(0, 1)[meta.q_out].flatten(1)

@@ -102,6 +102,24 @@ def test_kernel_equals_dense_sdpa_on_random_paged_layouts(name, seed, page_size,
     torch.testing.assert_close(got.double(), _oracle(q, dense, scale).flatten(1), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["reference", "sdpa"])
+@pytest.mark.parametrize("seed,page_size,q_block", [(0, 4, 2), (1, 16, 16), (3, 16, 4), (6, 2, 8)])
+def test_gathering_kernels_over_several_calls_equal_dense_sdpa(name, seed, page_size, q_block, monkeypatch):
+    """With calls free (CALL_COST 0), the planner cuts the step into calls of different widths and bin
+    sizes: each call's queries, pages and mask, and the outputs put back in step order, still give every
+    token exactly its own attention."""
+    from infer import packing
+
+    monkeypatch.setattr(packing, "CALL_COST", 0)
+    kernel = choose_kernel(name, torch.float32, torch.device("cpu"))
+    pool, q, meta, dense = _layout(seed, page_size, q_block, kernel)
+    assert len(meta.calls) > 1
+    assert len({(c.q_block, c.width) for c in meta.calls}) == len(meta.calls)
+    scale = D ** -0.5
+    got = kernel(q, pool, 0, meta, scale)
+    torch.testing.assert_close(got.double(), _oracle(q, dense, scale).flatten(1), atol=1e-5, rtol=0)
+
+
 def test_compiled_flex_equals_dense_sdpa():
     """FlexAttention compiled (inductor; its C++ backend here, Triton on CUDA) on the step's BlockMask:
     the same lowering a GPU runs, and what the eager tests cannot check (block lists as wide as the
@@ -191,30 +209,44 @@ def test_pool_reservations_pages_and_fresh_owners():
     assert pool.free_pages == pool.usable and pool.peak_pages == 3
 
 
-def test_pack_blocks_keeps_every_token_once_with_its_pages_and_pads_less():
-    """Decode-like blocks of unequal rows and pages (a video each) and a planning row: packed, every
-    token sits in exactly one bin of at most F tokens whose pages hold all its block's pages, and the
-    padded work (bins x F x widest) is less than one block per video padded to the fullest."""
-    from infer.kernels import pack_blocks
+def test_plan_calls_keeps_every_token_once_with_its_pages_and_pads_less():
+    """Decode-like blocks of unequal rows and pages (a video each) and a planning row: planned into at most
+    MAX_CALLS calls, every token sits in exactly one bin of at most F tokens whose pages hold all its
+    block's pages; the padded work is less than one call of one block per video, and less than the best
+    single call; blocks of one width (one video) make one call."""
+    from infer.packing import GATHER_ROWS, MAX_CALLS, padded_work, plan_calls
 
     rnd = random.Random(0)
     blocks, n, first = [], 0, 1
     for rows, pages in [(rnd.randint(1, 16), rnd.randint(60, 250)) for _ in range(16)] + [(1, 90)]:
         blocks.append(BlockPlan(range(n, n + rows), list(range(first, first + pages))))
         n, first = n + rows, first + pages
-    packed = pack_blocks(blocks, (4, 8, 16), group=4)
+    calls = plan_calls(blocks, (4, 8, 16), group=4, page_size=16)
+    assert 1 < len(calls) <= MAX_CALLS
     owner = {t: b for b in blocks for t in b.tokens}
-    seen = [t for b in packed for t in b.tokens]
+    seen = [t for c in calls for b in c.bins for t in b.tokens]
     assert sorted(seen) == list(range(n))
-    F = max(len(b.tokens) for b in packed)
-    assert F <= 16
-    for b in packed:
-        for t in b.tokens:
-            assert set(owner[t].pages) <= set(b.pages)
-    width = lambda bs: max(len(b.pages) for b in bs)  # noqa: E731
-    assert len(packed) * F * width(packed) < len(blocks) * 16 * width(blocks)
-    # blocks of one sequence (prefill pieces over a prefix and its prefixes) share their pages
+    for c in calls:
+        assert c.q_block <= 16
+        for b in c.bins:
+            assert len(b.tokens) <= c.q_block
+            for t in b.tokens:
+                assert set(owner[t].pages) <= set(b.pages)
+    unpacked = len(blocks) * 16 * 4 * max(len(b.pages) for b in blocks)
+    one = plan_calls(blocks, (4, 8, 16), group=4, page_size=16, max_calls=1)
+    assert len(one) == 1
+    assert padded_work(calls, 4) < padded_work(one, 4) < unpacked
+    # against the work needed (each token against its block's pages) and one gather of each block's pages
+    needed = sum(len(b.tokens) * 4 * len(b.pages) for b in blocks)
+    gathers = lambda cs: sum(len(b.pages) for c in cs for b in c.bins)  # noqa: E731
+    cost = lambda cs: padded_work(cs, 4) + GATHER_ROWS * gathers(cs)  # noqa: E731
+    assert cost(calls) < 1.6 * (needed + GATHER_ROWS * sum(len(b.pages) for b in blocks))
+    # blocks of one sequence (prefill pieces over a prefix and its prefixes) share their pages: one bin
     pre = list(range(1, 41))
     same = [BlockPlan(range(0, 4), pre[:10]), BlockPlan(range(4, 8), pre[:25]), BlockPlan(range(8, 12), pre)]
-    one = pack_blocks(same, (16,), group=1)
-    assert len(one) == 1 and one[0].pages == pre and sorted(one[0].tokens) == list(range(12))
+    got = plan_calls(same, (16,), group=1, page_size=16)
+    assert len(got) == 1 and len(got[0].bins) == 1
+    assert got[0].bins[0].pages == pre and sorted(got[0].bins[0].tokens) == list(range(12))
+    # one video's decode rows (one width): one call
+    video = [BlockPlan(range(lo, lo + 4), list(range(1, 200))) for lo in range(0, 16, 4)]
+    assert len(plan_calls(video, (4, 8, 16), group=4, page_size=16)) == 1

@@ -1,0 +1,190 @@
+"""How a step's query blocks become a gathering kernel's calls: few calls, little padded work.
+
+    calls = plan_calls(blocks, sizes=(4, 8, 16), group=4, page_size=16)   # -> [Call(q_block, bins), ...]
+
+The scheduler cuts a step's tokens into blocks of one video each (its decode rows, a planning
+row, a prefill piece), so their token counts and page counts differ widely. A gathering kernel
+(infer/kernels.py: gather the pages, one dense SDPA) pads every block of one call to the call's
+fullest block (F tokens) and widest block (W pages): 16 videos with prefixes of 1k to 4k keys in
+one call compute every row against 4k keys, twice the attention they need. Two levers:
+
+  packing   blocks longer than F are split into pieces (each sees its block's pages), and the
+            pieces are packed first-fit-decreasing into bins of at most F tokens whose pages (a
+            union: pieces of one sequence share pages) stay within W: a planning row rides in
+            the spare rows of another video's block instead of a block of its own.
+  calls     the pieces, sorted by width, are cut into at most `max_calls` runs of similar
+            width, one call each, W per call: a 1k-key video is no longer padded to 4k. A call
+            costs a fixed few host ops per layer, so their number is bounded whatever the number
+            of videos, and a cut is made only where the padded work it saves outweighs that.
+
+Cost model, per layer, in units of one key seen by one query row of SDPA: a call's bins x W x S x
+(max(F * group, MIN_ROWS) + GATHER_ROWS) (the query rows, no fewer than SDPA's GEMMs run at full
+speed with, plus the gather of the keys) + CALL_COST. Exact
+either way: each token still sees only its own sequences (the kernels' visibility rule is per
+token); packing and cutting only change which tokens share a block. Python and numpy; no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# gathering a key costs about what 24 query rows attending to it cost (fp32 on the 2-core CPU box: 0.12-0.14 us a
+# key gathered, 0.0045-0.005 us a key per query row in SDPA; both scale with Hkv x D, so the ratio holds across
+# shapes), and SDPA over fewer than 32 query rows a head runs no faster than over 32 (its small GEMMs)
+GATHER_ROWS = 24
+MIN_ROWS = 32
+# a call's fixed cost per layer (its SDPA set-up, the views around it: ~25 us on that box) in the same units
+CALL_COST = 2800
+SIZES = (4, 8, 16, 32, 64)  # the query-block sizes tried
+MAX_CALLS = 3
+_CUT_CANDIDATES = 12  # width boundaries tried for the cuts (the distinct widths, thinned evenly)
+
+
+@dataclass
+class BlockPlan:
+    """One query block as the scheduler describes it (host): its step tokens and the pages they may see."""
+
+    tokens: Sequence[int]
+    pages: Sequence[int]
+
+
+@dataclass
+class Call:
+    """One kernel call: `bins` of at most `q_block` tokens each, all padded to the widest bin's pages."""
+
+    q_block: int
+    bins: list[BlockPlan]
+
+    @property
+    def width(self) -> int:
+        return max(1, max(len(b.pages) for b in self.bins))
+
+
+Piece = tuple[list[int], list[int]]  # (tokens, pages)
+
+
+def _per_page(F: int, group: int, page_size: int) -> int:
+    """The cost of a page of keys in a bin of F tokens (module doc)."""
+    return page_size * (max(F * group, MIN_ROWS) + GATHER_ROWS)
+
+
+def _pieces(blocks: Sequence[BlockPlan], F: int) -> list[Piece]:
+    """Blocks split into pieces of at most F tokens, widest first (then fullest)."""
+    out = []
+    for b in blocks:
+        pages = list(b.pages)  # one list per block: its pieces share it (plan_calls' cuts rely on that)
+        out += [(list(b.tokens[lo:lo + F]), pages) for lo in range(0, len(b.tokens), F)]
+    out.sort(key=lambda t: (-len(t[1]), -len(t[0])))
+    return out
+
+
+def _pack(pieces: Sequence[Piece], F: int, W: int) -> list[list[Piece]]:
+    """First-fit-decreasing into bins of at most F tokens and W pages (pieces sorted widest first)."""
+    # a bin: [tokens, {first page: widest piece starting there}, pages, members]; pieces that start on the same
+    # page are one sequence's (a prefix and its prefixes): their union is the widest of them
+    bins: list[list] = []
+    open_: list[list] = []  # bins with tokens to spare (a full one is never scanned again)
+    for toks, pages in pieces:
+        head = pages[0] if pages else -1
+        for b in open_:
+            old = b[1].get(head, 0)
+            if b[0] + len(toks) <= F and b[2] - old + max(old, len(pages)) <= W:
+                b[0] += len(toks)
+                b[1][head] = max(old, len(pages))
+                b[2] += max(old, len(pages)) - old
+                b[3].append((toks, pages))
+                if b[0] == F:
+                    open_.remove(b)
+                break
+        else:
+            bins.append([len(toks), {head: len(pages)}, len(pages), [(toks, pages)]])
+            if len(toks) < F:
+                open_.append(bins[-1])
+    return [b[3] for b in bins]
+
+
+def _cuts(pieces: Sequence[Piece], F: int, group: int, page_size: int, max_calls: int) -> list[int]:
+    """Where to cut the width-sorted pieces into calls: indices (exclusive ends). A run's bins are estimated
+    as the sum over its pieces of the larger of their share of a bin's tokens (t / F) and of its pages
+    (w / W, W the run's widest; a piece after the first of its block shares the block's pages: 0), each
+    run costing bins x W x S x (max(F * group, MIN_ROWS) + GATHER_ROWS) + CALL_COST."""
+    n = len(pieces)
+    widths = np.array([len(p) for _, p in pieces], dtype=np.float64)
+    tok = np.array([len(t) for t, _ in pieces], dtype=np.float64) / F
+    # pieces of one block are adjacent (same pages, sorted together): only the first one's pages count
+    same = np.array([i > 0 and pieces[i][1] is pieces[i - 1][1] for i in range(n)])
+    own = np.where(same, 0.0, widths)
+    starts = [i for i in range(1, n) if widths[i] != widths[i - 1]]
+    if len(starts) > _CUT_CANDIDATES:
+        starts = [starts[round(j * (len(starts) - 1) / (_CUT_CANDIDATES - 1))] for j in range(_CUT_CANDIDATES)]
+    per_row = _per_page(F, group, page_size)
+    cost = {}  # (lo, hi) -> estimated cost of one call over pieces[lo:hi]
+    ends = [*starts, n]
+    for lo in [0, *starts]:
+        W = max(1.0, widths[lo])
+        bins = np.ceil(np.cumsum(np.maximum(tok[lo:], own[lo:] / W)) - 1e-9)
+        for hi in ends:
+            if hi > lo:
+                cost[lo, hi] = bins[hi - lo - 1] * W * per_row + CALL_COST
+    best = (cost[0, n], [n])
+    for k in range(1, max_calls):
+        for cut in itertools.combinations(starts, k):
+            bounds = [0, *cut, n]
+            c = sum(cost[lo, hi] for lo, hi in zip(bounds, bounds[1:]))
+            if c < best[0]:
+                best = (c, bounds[1:])
+    return best[1]
+
+
+def plan_calls(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int, page_size: int,
+               max_calls: int = MAX_CALLS) -> list[Call]:
+    """The step's blocks -> at most `max_calls` calls of packed bins (module doc): for each bin size F of
+    `sizes`, the cuts that cost least, then each call's own bin size; the plan that costs least wins. Every token is in exactly one bin, whose pages hold all its block's pages."""
+    real = [b for b in blocks if len(b.tokens)]
+    if not real:
+        return [Call(1, list(blocks) or [BlockPlan((), ())])]
+    best: tuple[float, list[tuple[int, list[list[Piece]]]]] | None = None
+    for F in sizes:
+        pieces = _pieces(real, F)
+        runs, lo, cost = [], 0, 0.0
+        for hi in _cuts(pieces, F, group, page_size, max_calls):
+            # each run (a width class) then takes the bin size that suits its own blocks best
+            run = [BlockPlan(t, p) for t, p in pieces[lo:hi]]
+            W = max(1, len(pieces[lo][1]))
+            options = []
+            for Fc in sizes:
+                bins = _pack(_pieces(_merged(run), Fc), Fc, W)
+                options.append((len(bins) * W * _per_page(Fc, group, page_size), Fc, bins))
+            c, Fc, bins = min(options, key=lambda o: o[0])
+            runs.append((Fc, bins))
+            cost += c + CALL_COST
+            lo = hi
+        if best is None or cost < best[0]:
+            best = (cost, runs)
+    # the exact union of each bin's pages (the estimate above only sizes the bins)
+    return [Call(Fc, [BlockPlan([t for toks, _ in members for t in toks],
+                                list(dict.fromkeys(p for _, pages in members for p in pages))) for members in bins])
+            for Fc, bins in best[1]]
+
+
+def _merged(pieces: Sequence[BlockPlan]) -> list[BlockPlan]:
+    """Pieces of one block (the same pages object) joined back into the block."""
+    out: dict[int, BlockPlan] = {}
+    for b in pieces:
+        if id(b.pages) in out:
+            out[id(b.pages)].tokens.extend(b.tokens)
+        else:
+            out[id(b.pages)] = BlockPlan(list(b.tokens), b.pages)
+    return list(out.values())
+
+
+def padded_work(calls: Sequence[Call], group: int) -> int:
+    """Query rows x keys (in pages) the calls compute, padding included (for tests and benchmarks)."""
+    return sum(len(c.bins) * c.q_block * group * c.width for c in calls)
+
+
+__all__ = ["BlockPlan", "Call", "plan_calls", "padded_work", "SIZES", "MAX_CALLS", "GATHER_ROWS", "CALL_COST"]
