@@ -8,6 +8,9 @@ VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
+# two workers: the Ray tests (one xdist group, one worker) beside the rest (tests/conftest.py);
+# XDIST= runs everything in one process
+XDIST   ?= -n 2 --dist loadgroup
 
 .PHONY: run test bench venv clean-venv
 
@@ -22,7 +25,7 @@ run: $(STAMP)
 	$(PYTHON) pipeline/run.py $(ARGS)
 
 test: $(STAMP)
-	$(PYTHON) -m pytest tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PYTHON) bench/decode.py

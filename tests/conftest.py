@@ -31,7 +31,22 @@ def pytest_configure(config):
         pass
 
 
+# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup). Every test that starts
+# Ray, Ray Serve or the S3 server is in one xdist group, so one worker runs them all, one after
+# another (one Ray cluster at a time, as on a shared box), while the other worker runs the rest:
+# the Ray tests' waiting (start-up, deployments, node loss) overlaps with CPU-bound unit tests.
+RAY_GROUP = "ray"
+_RAY_FIXTURES = {"ray_local", "own_ray_cluster", "s3_server"}
+
+
+def _in_ray_group(item) -> bool:
+    return "integration" in item.keywords or bool(_RAY_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _in_ray_group(item):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
     try:
         import torch
 
@@ -44,6 +59,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_in_its_group(request, monkeypatch):
+    """Under xdist, a test outside the Ray group that starts Ray fails, naming why (two workers would
+    otherwise run two clusters at once): mark it `integration` or give it a Ray fixture."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or _in_ray_group(request.node):
+        return
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid} starts Ray but is not in the xdist group {RAY_GROUP!r}: "
+                           "mark it integration or use the ray_local / own_ray_cluster fixture")
+
+    monkeypatch.setattr(ray, "init", refuse)
 
 
 @pytest.fixture(scope="session")
