@@ -300,6 +300,7 @@ class CaptionEngine:
 
     def _absorb(self, plan: StepPlan, hidden, states, videos: list[VideoState], emit) -> None:
         """The step's outputs back into each video: prefill states, decisions, branch tokens."""
+        decisions: list[tuple[VideoState, torch.Tensor, torch.Tensor]] = []  # (video, final state, grounding state)
         for v, first, lo, hi in plan.prefill:
             for i in v.prog.capture:
                 v.chunks[i].append(states[i][first:first + hi - lo])
@@ -308,7 +309,7 @@ class CaptionEngine:
                 v.prog.prefilled({i: torch.cat(c) for i, c in v.chunks.items()})
                 v.chunks = {}
                 v.times["prefilled"] = time.perf_counter()
-                self._decide(v, hidden[first + hi - lo - 1], states[v.prog.ground_layer][first + hi - lo - 1])
+                decisions.append((v, hidden[first + hi - lo - 1], states[v.prog.ground_layer][first + hi - lo - 1]))
         for v, job in plan.jobs:
             if job.hidden is None:
                 continue  # more layers to go
@@ -320,9 +321,12 @@ class CaptionEngine:
                 v.prog.prefilled({i: torch.cat(c) for i, c in v.chunks.items()})
                 v.chunks = {}
                 v.times["prefilled"] = time.perf_counter()
-                self._decide(v, job.hidden[-1], job.states[v.prog.ground_layer][-1])
-        for v, row in plan.plan:
-            self._decide(v, hidden[row], states[v.prog.ground_layer][row])
+                decisions.append((v, job.hidden[-1], job.states[v.prog.ground_layer][-1]))
+        decisions += [(v, hidden[row], states[v.prog.ground_layer][row]) for v, row in plan.plan]
+        if decisions:  # every decision row's (<G>, <S>) logits in one product, one copy to the host
+            restricted = self.model.plan_logits(torch.stack([h for _, h, _ in decisions])).float().cpu()
+            for (v, _, ground), r in zip(decisions, restricted):
+                self._decide(v, r, ground)
         if plan.n_branch:
             self._branch_tokens(plan, hidden[: plan.n_branch], emit)
         for v in [v for v in videos if v.phase is Phase.BRANCH and not v.branches] + \
@@ -331,10 +335,11 @@ class CaptionEngine:
             self._release(v)
             emit(v.request, self._finish(v))
 
-    def _decide(self, v: VideoState, hidden: torch.Tensor, ground: torch.Tensor) -> None:
-        """A decision row of v: another serial <G> next step, or the end of planning."""
+    def _decide(self, v: VideoState, restricted: torch.Tensor, ground: torch.Tensor) -> None:
+        """A decision row of v (its (<G>, <S>) logits on the host): another serial <G> next step, or the
+        end of planning."""
         v.phase = Phase.PLAN
-        v.feed_g = v.prog.decide(hidden, ground)
+        v.feed_g = v.prog.decide(restricted, ground)
         if v.feed_g:
             return
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@
     prog = ReleaseProgram(model, video, opts, control)   # the published release model
     prog.embeds [P, d], prog.positions [3, P], prog.limits [P], prog.cuts   # the prefix to prefill
     prog.prefilled(h_states)                              # the prefix's captured states, once
-    want_g = prog.decide(hidden, ground)                  # at every decision row
+    want_g = prog.decide(restricted, ground)              # at every decision row ((<G>, <S>) logits)
     x, pos = prog.plan_input()                            # the serial <G> to feed next
     prog.finish() -> Anchors                              # intervals, anchors [K, d], position A
 
@@ -109,11 +109,11 @@ class PadProgram:
     def prefilled(self, states: dict[int, torch.Tensor]) -> None:
         self.h_ground, self.h_agg = states[self.ground_layer], states[self.agg_layer]
 
-    def decide(self, hidden: torch.Tensor, ground: torch.Tensor) -> bool:
-        """At a decision row (final-norm state, grounding-layer state): feed another <G>?"""
+    def decide(self, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
+        """At a decision row (its (<G>, <S>) logits [2] fp32 on the host, its grounding-layer state):
+        feed another <G>?"""
         if planning_capped(self.k, self.opts.max_events, self.control):
             return False
-        restricted = self.model.lm_logits(hidden[None])[0, [self.model.g_id, self.model.s_id]].float()
         self.plan_logits.append(restricted)
         if not plan_decision(restricted, self.k, self.opts.max_events, self.control):
             return False
@@ -190,7 +190,7 @@ class ReleaseProgram:
         s = self.model.settings
         return aggregate(self.attn_row, self.h_agg, self.lay, step, s.aggregation, self.model.audio_mean_weight)
 
-    def decide(self, hidden: torch.Tensor, ground: torch.Tensor) -> bool:
+    def decide(self, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
         from pipeline.release.grounding import find_and_merge
 
         s = self.model.settings
@@ -199,7 +199,6 @@ class ReleaseProgram:
         step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
         if planning_capped(self.k, self.opts.max_events, self.control):
             return False
-        restricted = self.model.lm_logits(hidden[None])[0, [self.model.g_id, self.model.s_id]].float()
         self.plan_logits.append(restricted)
         if not plan_decision(restricted, self.k, self.opts.max_events, self.control, min_events=0):
             return False

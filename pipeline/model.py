@@ -181,9 +181,13 @@ class PadCaptioner(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> [N, V]: frozen LM head, with the <G>/<S> columns from the new rows."""
         base = self.backbone.get_base_model().lm_head(hidden)
+        return base.index_copy(-1, self.new_ids, self.plan_logits(hidden))
+
+    def plan_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] -> [N, 2]: the (<G>, <S>) logits alone, the columns of `lm_logits` a planning
+        decision reads (the engine takes them for every decision row of a step at once)."""
         out_rows = self.new_embed if self.new_out is None else self.new_out
-        new = hidden @ out_rows.to(hidden.dtype).T
-        return base.index_copy(-1, self.new_ids, new)
+        return hidden @ out_rows.to(hidden.dtype).T
 
     def additive(self, mask: torch.Tensor) -> torch.Tensor:
         """A layout mask (0 / hidden) -> the same mask in the model dtype with finfo(dtype).min."""

@@ -407,3 +407,11 @@ def test_preset_init_std():
     m = PadCaptioner(tiny_cfg(backbone_init_std=0.125))
     w = m.decoder.layers[0].self_attn.q_proj.base_layer.weight
     assert float(w.std()) == pytest.approx(0.125, rel=0.1)
+
+
+def test_plan_logits_are_the_g_and_s_columns_of_lm_logits(model):
+    """What the engine reads for a planning decision (plan_logits, two columns) is lm_logits' <G>, <S>."""
+    with torch.no_grad():
+        h = torch.randn(4, model.new_embed.shape[1], generator=torch.Generator().manual_seed(0))
+        full = model.lm_logits(h)[:, [model.g_id, model.s_id]]
+        torch.testing.assert_close(model.plan_logits(h), full, atol=1e-6, rtol=1e-6)

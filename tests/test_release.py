@@ -235,3 +235,12 @@ def test_renormalised_aggregation_is_an_option(model):
     base = release_reference(model, fixture_video(), model.max_events, model.max_branch_tokens)
     assert not torch.allclose(ref.front.serial_inputs[:1], base.front.serial_inputs[:1])
     assert engine_for(m).decode(fixture_video()).tokens == ref.decoded.tokens
+
+
+def test_plan_logits_are_the_g_and_s_columns_of_the_lm_head(model):
+    """The engine reads a planning decision from plan_logits (two columns, every decision row of a step
+    at once): they are lm_logits' <G> and <S> columns."""
+    h = torch.randn(3, model.hf.config.get_text_config().hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model.lm_logits(h)[:, [model.g_id, model.s_id]]
+        torch.testing.assert_close(model.plan_logits(h), full, atol=1e-5, rtol=1e-5)

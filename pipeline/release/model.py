@@ -270,6 +270,13 @@ class ReleaseCaptioner(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(hidden)
 
+    def plan_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] -> [N, 2]: the (<G>, <S>) columns of `lm_logits` alone (a planning decision's)."""
+        head = self.hf.lm_head
+        ids = [self.g_id, self.s_id]
+        bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
+        return torch.nn.functional.linear(hidden, head.weight[ids], bias)
+
     def segment_vectors(self, hidden: torch.Tensor, lay) -> torch.Tensor:
         """Grounding-layer states [L, d] -> per-timestep keys [T, d] (RELEASE.md 4.4).
 
