@@ -33,11 +33,21 @@ def storage_options(path: str) -> dict[str, Any]:
     return {}
 
 
-def filesystem(path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, path inside it) for a local path or URI."""
+def filesystem(path: str, carry_credentials: bool = False) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, path inside it) for a local path or URI.
+
+    carry_credentials: an s3:// filesystem holds this process's AWS_ACCESS_KEY_ID /
+    AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN as explicit options, so a pickled copy works in a
+    process whose environment lacks them (Ray Train's controller inherits the raylet's environment,
+    not the driver's). Without them in the environment it changes nothing (instance roles, profiles:
+    the remote side's own credential chain)."""
     path = _strip_file(path)
     if is_remote(path):
-        fs, inner = fsspec.core.url_to_fs(path, **storage_options(path))
+        opts = storage_options(path)
+        if carry_credentials and path.startswith("s3://"):
+            named = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}
+            opts.update({k: os.environ[v] for k, v in named.items() if os.environ.get(v)})
+        fs, inner = fsspec.core.url_to_fs(path, **opts)
         return fs, inner
     return fsspec.filesystem("file"), os.path.abspath(path)
 

@@ -27,3 +27,29 @@ def test_s3_round_trip_and_upload(s3_server, tmp_path):
     storage.write_json("s3://test/x/stamp.json", {"ok": True})
     assert storage.exists("s3://test/x/stamp.json") and storage.read_json("s3://test/x/stamp.json") == {"ok": True}
     assert not storage.exists("s3://test/x/none.json")
+
+
+def test_a_filesystem_carrying_credentials_works_where_the_environment_has_none(s3_server, tmp_path):
+    """Ray Train's controller unpickles the checkpoint filesystem in a process started by the raylet,
+    whose environment may lack the driver's AWS_* variables: with carry_credentials the pickled
+    filesystem holds them (and the endpoint), and reads and writes there."""
+    import json
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    storage.write_json("s3://test/cred/in.json", {"n": 1})
+    fs, inner = storage.filesystem("s3://test/cred", carry_credentials=True)
+    assert fs.storage_options.get("key") == os.environ["AWS_ACCESS_KEY_ID"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    script = ("import pickle, sys; fs = pickle.loads(sys.stdin.buffer.read()); "
+              "sys.stdout.write(fs.cat_file(sys.argv[1] + '/in.json').decode()); "
+              "fs.pipe_file(sys.argv[1] + '/out.json', b'{\"n\": 2}')")
+    out = subprocess.run([sys.executable, "-c", script, inner], input=pickle.dumps(fs), env=env,
+                         capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert json.loads(out.stdout.decode()) == {"n": 1}
+    assert storage.read_json("s3://test/cred/out.json") == {"n": 2}
+    plain, _ = storage.filesystem("s3://test/cred")
+    assert "key" not in plain.storage_options and "secret" not in plain.storage_options

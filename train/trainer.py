@@ -171,12 +171,13 @@ def train_worker(config: dict[str, Any]) -> None:
 
 def _pyarrow_fs(path: str):
     """(pyarrow filesystem or None, path for it): s3:// goes through our fsspec filesystem
-    (so AWS_ENDPOINT_URL reaches it); local paths need none."""
+    (so AWS_ENDPOINT_URL reaches it), carrying the driver's AWS credentials (the Ray Train
+    controller that writes the checkpoints runs with the raylet's environment); local paths need none."""
     if not storage.is_remote(path):
         return None, os.path.abspath(path)
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-    fs, inner = storage.filesystem(path)
+    fs, inner = storage.filesystem(path, carry_credentials=True)
     return PyFileSystem(FSSpecHandler(fs)), inner
 
 
