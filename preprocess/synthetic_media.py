@@ -10,7 +10,10 @@ an mp4. Used by `preprocess/synthetic.py`; not run on its own.
 
 Every visual pattern is a large shape (about half the frame) in a saturated colour
 over a dark-grey noisy background, so colour survives a 32x32 downsample and
-mean pooling; every sound occupies its own frequency band or texture.
+mean pooling; every sound occupies its own frequency band or texture. In the hard
+regime an event has a lane (half size, top-left or bottom-right quadrant) so two
+concurrent events are both visible, concurrent sounds add, and a plan's distractors
+(`SoundSpec`, sounds that belong to no event) are mixed in after the events.
 """
 
 from __future__ import annotations
