@@ -18,6 +18,7 @@ from preprocess import synthetic as syn
 from preprocess import synthetic_hard as hard
 from preprocess import synthetic_media as media
 from preprocess.media import decode_video
+from preprocess.synthetic_media import SoundSpec
 from preprocess.synthetic_stats import plan_statistics
 
 HARD = SyntheticConfig(regime="hard", num_videos=50, seed=0)
@@ -130,11 +131,18 @@ def _lane_colour(frame: np.ndarray, lane: int) -> str | None:
     return Counter(min(media.COLOUR_RGB, key=lambda n: np.linalg.norm(px - media.COLOUR_RGB[n])) for px in far).most_common(1)[0][0]
 
 
-def test_a_hard_video_renders_and_reads_back_through_the_media_reader(tmp_path):
-    cfg = dataclasses.replace(HARD, num_videos=1, test_fraction=0.0, num_workers=1,
-                              hard=dataclasses.replace(HARD.hard, min_events=8, max_events=8,
-                                                       min_duration=40.0, max_duration=40.0))
-    info = syn.generate_corpus(tmp_path, cfg, progress=False)
+SMALL = dataclasses.replace(HARD, num_videos=1, test_fraction=0.0, num_workers=1,
+                            hard=dataclasses.replace(HARD.hard, min_events=8, max_events=8,
+                                                     min_duration=40.0, max_duration=40.0))
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> syn.CorpusInfo:
+    return syn.generate_corpus(tmp_path_factory.mktemp("synth_hard"), SMALL, progress=False)
+
+
+def test_a_hard_video_renders_and_reads_back_through_the_media_reader(rendered):
+    cfg, info = SMALL, rendered
     video = json.loads(Path(info.manifest).read_text())["videos"][0]
     plan = syn.plan_corpus(cfg)[0]
     ann = json.loads(Path(info.longvale["train"]).read_text())[video["id"]]
@@ -156,6 +164,9 @@ def test_a_hard_video_renders_and_reads_back_through_the_media_reader(tmp_path):
         if ev.motion != "blinks" and not any(_overlap(ev, o) for o in plan.events if o is not ev):
             assert _lane_colour(frame_at(t), ev.lane) == ev.colour, ev
             assert _lane_colour(frame_at(t), 1 - ev.lane) is None, ev
+            mid = SoundSpec(int(t * plan.fps) - 2, int(t * plan.fps) + 2, "")
+            if not any(_overlap(mid, d) for d in plan.distractors):  # the event's own sound alone
+                assert (rms(t) > 0.03) == (ev.sound != "silence"), ev
             checked += 1
     assert checked >= 2
     both = [(a, b) for a, b in zip(plan.events, plan.events[1:]) if _overlap(a, b)
@@ -168,3 +179,17 @@ def test_a_hard_video_renders_and_reads_back_through_the_media_reader(tmp_path):
         t = (d.start_frame + d.end_frame) / 2 / plan.fps
         assert rms(t) > 0.03 and _lane_colour(frame_at(t), 0) is None and _lane_colour(frame_at(t), 1) is None
     assert both and alone  # this seed's video has both (3 overlapping pairs, 1 lone distractor)
+
+
+def test_a_hard_video_goes_through_the_preprocess_featurizer(rendered):
+    from preprocess.annotations import read_annotations
+    from preprocess.featurize import Featurizer
+
+    cfg = load_config("cluster/configs/default.yaml", ["data.synthetic.regime=hard", "features.min_frames=8"])
+    anns, bad = read_annotations(rendered.longvale["train"], "longvale", "train")
+    assert len(anns) == 1 and not bad
+    sample = Featurizer(cfg)(rendered.videos[anns[0].video_id], anns[0])
+    plan = syn.plan_corpus(SMALL)[0]
+    want = [t for e in plan.events for t in (e.start_frame / plan.fps, e.end_frame / plan.fps)]
+    assert [t for e in sample.events for t in (e.start, e.end)] == pytest.approx(want)  # overlaps kept as annotated
+    assert sample.has_audio and sample.visual.shape[0] == sample.audio.shape[0] == 20  # 40 s of 2 s segments
