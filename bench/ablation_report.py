@@ -19,6 +19,11 @@ METRICS = ("F1", "Sim", "SODA_c", "CIDEr", "METEOR")
 COSTS = ("ms_per_video", "ms_per_token")
 HELD = ("attr_acc", "planning_acc", "grounding_f1@0.5")
 COLUMNS = METRICS + COSTS + HELD
+# held-out numbers a run has only when its corpus has them (train/evaluate.py: repeated attributes,
+# overlapping events) and a text baseline's parse failures (pipeline/textual.py): in the JSON stats
+HELD_SPLIT = ("attr_acc_unique", "attr_acc_repeated", "colour_acc_unique", "colour_acc_repeated", "sound_acc_unique",
+              "sound_acc_repeated", "overlap_grounding_f1@0.5", "overlap_events")
+PARSE = ("parse_unparsable_videos", "parse_problems", "parse_unparsable_share")
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -33,7 +38,8 @@ def summarize(rows: list[dict], scored: dict[str, list[dict]]) -> list[dict]:
     out = []
     for row in rows:
         runs = scored.get(row["variant"], [])
-        stats = {c: spread([r[c] for r in runs]) for c in COLUMNS if runs and all(c in r for r in runs)}
+        stats = {c: spread([r[c] for r in runs]) for c in COLUMNS + HELD_SPLIT + PARSE
+                 if runs and all(c in r for r in runs)}
         out.append({**row, "seeds": [r["seed"] for r in runs], "stats": stats})
     return out
 

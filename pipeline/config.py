@@ -28,32 +28,14 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from pipeline.config_synthetic import HardOptions, SyntheticConfig  # noqa: F401  (re-exported)
+
 
 class ConfigError(ValueError):
     """A config key is unknown, missing or of the wrong type; the message names it."""
 
 
 # --------------------------------------------------------------------------- sections
-
-
-@dataclass
-class SyntheticConfig:
-    """The generated omni-modal corpus used by the embedded default."""
-
-    num_videos: int = 48
-    test_fraction: float = 0.25
-    seed: int = 0
-    min_duration: float = 20.0
-    max_duration: float = 40.0
-    min_events: int = 2
-    max_events: int = 5
-    width: int = 96
-    height: int = 96
-    fps: int = 8
-    sample_rate: int = 16000  # AAC audio track (16000, 22050, 44100 or 48000)
-    min_event_seconds: float = 2.0
-    min_gap_seconds: float = 1.0  # background between (and before/after) events
-    num_workers: int = 0  # processes for rendering; 0 = one per core (max 8)
 
 
 @dataclass

@@ -3,6 +3,7 @@
     text = format_sequential(events)        # "3.0-7.5 seconds: caption" per event, one a line
     text = format_textual_planning(events)  # "events: 3.0-7.5, 9.0-12.0 seconds" then "event 1: caption" ...
     events, problems = parse_events_text(text)
+    failures = parse_failures(texts)        # how a run's text outputs failed to parse
 
 The sequential baseline (`model.layout=sequential`, video-SALMONN 2+ / LongVALE-LLM
 style) writes every event in one causal chain with textual timestamps; the textual
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 NUMBER = r"(\d+(?:\.\d+)?)"
 SPAN = NUMBER + r"\s*-\s*" + NUMBER
@@ -109,3 +111,37 @@ def parse_events_text(text: str) -> tuple[list[tuple[float, float, str]], list[s
     for i in sorted(numbered):
         problems.append(f"event {i} has a caption but no planned interval; dropped")
     return events, problems
+
+
+@dataclass(frozen=True)
+class ParseFailures:
+    """How a sequential baseline's text outputs failed to parse (the metrics parse them the same
+    way): the held-out cost of writing timestamps as text, which the latent layouts cannot pay."""
+
+    videos: int = 0  # text outputs
+    unparsable_videos: int = 0  # no valid event (an empty text included): the video scores nothing
+    lines: int = 0  # non-empty lines
+    problems: int = 0  # parse problems (each dropped line, interval or caption, or a caption given twice)
+    events: int = 0  # events parsed
+
+    @property
+    def unparsable_share(self) -> float:
+        return self.unparsable_videos / self.videos if self.videos else 0.0
+
+    def numbers(self) -> dict[str, float]:
+        """The flat `parse_*` numbers a held-out summary reports."""
+        return {"parse_unparsable_videos": self.unparsable_videos, "parse_problems": self.problems,
+                "parse_unparsable_share": self.unparsable_share}
+
+
+def parse_failures(texts: Iterable[str]) -> ParseFailures:
+    """Count `parse_events_text`'s results over texts (a run's raw outputs)."""
+    videos = unparsable = lines = problems = events = 0
+    for text in texts:
+        parsed, found = parse_events_text(text)
+        videos += 1
+        unparsable += int(not parsed)
+        lines += sum(1 for line in text.splitlines() if line.strip())
+        problems += len(found)
+        events += len(parsed)
+    return ParseFailures(videos, unparsable, lines, problems, events)

@@ -7,7 +7,10 @@ sound, and its caption names both:
     "Visual: a red circle moves to the left. Audio: a high beep."
 
 8 colours x 4 shapes x 8 motions x 8 sounds = 2,048 captions; within a video the
-colours and the sounds of the events are all different. Event bounds are snapped
+colours and the sounds of the events are all different. That is the default regime;
+`regime="hard"` (preprocess/synthetic_hard.py) plans 8-16 events per video, some
+overlapping, some back to back, with repeated colours and sounds and distractor sounds
+that belong to no event, in the same grammar and files. Event bounds are snapped
 to frame boundaries, so annotations match the media to the sample. The same seed
 gives the same annotation bytes and the same decoded frames (and, with the pinned
 PyAV/x264, the same mp4 bytes).
@@ -19,7 +22,7 @@ Written under DIR:
                                                "seg_time", "video_captions", "audio_captions"}]
     synthetic_manifest.json                  config + every event's attributes
 
-    python -m preprocess.synthetic --out runs/synth --num-videos 48 --seed 0 [--preview]
+    python -m preprocess.synthetic --out runs/synth --num-videos 48 --seed 0 [--preview] [--regime hard]
     info = generate_corpus(out_dir, cfg.data.synthetic)   # the driver's entry point
     parse_caption("Visual: a red circle ... Audio: a high beep.")  # -> attribute dict
 """
@@ -167,15 +170,19 @@ class CorpusInfo:
 
 
 def validate_config(cfg: SyntheticConfig) -> None:
-    """Raise ValueError naming the first impossible setting."""
+    """Raise ValueError naming the first impossible setting (the hard regime's: synthetic_hard.py)."""
+    if cfg.regime == "hard":
+        from preprocess.synthetic_hard import validate_hard
+
+        validate_hard(cfg)
     if cfg.num_videos < 1:
         raise ValueError(f"synthetic.num_videos must be >= 1, got {cfg.num_videos}")
     if not 0.0 <= cfg.test_fraction < 1.0:
         raise ValueError(f"synthetic.test_fraction must be in [0, 1), got {cfg.test_fraction}")
-    if not 1 <= cfg.min_events <= cfg.max_events <= MAX_EVENTS:
+    if cfg.regime == "default" and not 1 <= cfg.min_events <= cfg.max_events <= MAX_EVENTS:
         raise ValueError(f"synthetic events must satisfy 1 <= min_events <= max_events <= {MAX_EVENTS}, "
                          f"got {cfg.min_events}..{cfg.max_events}")
-    if not 0 < cfg.min_duration <= cfg.max_duration:
+    if cfg.regime == "default" and not 0 < cfg.min_duration <= cfg.max_duration:
         raise ValueError(f"synthetic durations must satisfy 0 < min <= max, got {cfg.min_duration}..{cfg.max_duration}")
     if cfg.width % 2 or cfg.height % 2 or min(cfg.width, cfg.height) < 16:
         raise ValueError(f"synthetic frame size must be even and >= 16, got {cfg.width}x{cfg.height}")
@@ -184,7 +191,7 @@ def validate_config(cfg: SyntheticConfig) -> None:
                          f"got {cfg.fps} / {cfg.sample_rate}")
     min_ev, min_gap = _min_frames(cfg)
     shortest = int(round(cfg.min_duration * cfg.fps))
-    if shortest < cfg.min_events * (min_ev + min_gap) + min_gap:
+    if cfg.regime == "default" and shortest < cfg.min_events * (min_ev + min_gap) + min_gap:
         raise ValueError(f"synthetic.min_duration {cfg.min_duration}s cannot hold {cfg.min_events} events of "
                          f">= {cfg.min_event_seconds}s with gaps of >= {cfg.min_gap_seconds}s")
 
@@ -194,7 +201,12 @@ def _min_frames(cfg: SyntheticConfig) -> tuple[int, int]:
 
 
 def plan_video(cfg: SyntheticConfig, index: int, split: str) -> VideoPlan:
-    """The deterministic plan of video `index`: length, event layout and attributes."""
+    """The deterministic plan of video `index`: length, event layout and attributes
+    (`cfg.regime == "hard"`: preprocess/synthetic_hard.py's planner)."""
+    if cfg.regime == "hard":
+        from preprocess.synthetic_hard import plan_hard_video
+
+        return plan_hard_video(cfg, index, split)
     rng = np.random.default_rng([cfg.seed, index, 0])
     fps = cfg.fps
     n = int(round(rng.uniform(cfg.min_duration, cfg.max_duration) * fps))
@@ -332,6 +344,8 @@ def _manifest(cfg: SyntheticConfig, plans: list[VideoPlan]) -> dict:
                 "width": p.width,
                 "height": p.height,
                 "events": _event_records(p),
+                "distractors": [{"start": _seconds(d.start_frame, p.fps), "end": _seconds(d.end_frame, p.fps),
+                                 "sound": d.sound} for d in p.distractors],
             }
             for p in plans
         ],
@@ -405,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--num-videos", type=int, default=d.num_videos)
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--regime", choices=("default", "hard"), default=d.regime,
+                    help="hard: 8-16 overlapping, look-alike events and distractor sounds (data.synthetic.hard's "
+                         "defaults; the duration and event options below then do not apply)")
     ap.add_argument("--min-duration", type=float, default=d.min_duration)
     ap.add_argument("--max-duration", type=float, default=d.max_duration)
     ap.add_argument("--min-events", type=int, default=d.min_events)
@@ -421,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dataclasses.replace(
         d, num_videos=a.num_videos, seed=a.seed, min_duration=a.min_duration, max_duration=a.max_duration,
         min_events=a.min_events, max_events=a.max_events, test_fraction=a.test_fraction, width=a.width,
-        height=a.height, fps=a.fps, sample_rate=a.sample_rate, num_workers=a.workers,
+        height=a.height, fps=a.fps, sample_rate=a.sample_rate, num_workers=a.workers, regime=a.regime,
     )
     t0 = time.perf_counter()
     try:

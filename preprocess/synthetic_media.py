@@ -10,7 +10,10 @@ an mp4. Used by `preprocess/synthetic.py`; not run on its own.
 
 Every visual pattern is a large shape (about half the frame) in a saturated colour
 over a dark-grey noisy background, so colour survives a 32x32 downsample and
-mean pooling; every sound occupies its own frequency band or texture.
+mean pooling; every sound occupies its own frequency band or texture. In the hard
+regime an event has a lane (half size, top-left or bottom-right quadrant) so two
+concurrent events are both visible, concurrent sounds add, and a plan's distractors
+(`SoundSpec`, sounds that belong to no event) are mixed in after the events.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ FADE_SECONDS = 0.005
 BLINK_PERIOD = 1.0  # seconds; the shape is visible for the half centred on the event midpoint
 BASE_SIZE = 0.55  # shape size as a fraction of min(width, height)
 MOVE_SPAN = 0.4  # centre travels this fraction of the frame
+# The hard regime's two lanes (an event's `lane` >= 0): the pattern at LANE_SCALE of its size
+# and travel, centred in the top-left or the bottom-right quadrant, so two concurrent events
+# land in different patches of the pixel encoder's 2x2 grid. lane -1: centred, full size.
+LANE_CENTRES: tuple[tuple[float, float], ...] = ((0.28, 0.28), (0.72, 0.72))
+LANE_SCALE = 0.5
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,17 @@ class EventSpec:
     colour: str
     shape: str
     motion: str
+    sound: str
+    lane: int = -1  # -1: centred, full size (default regime); 0 / 1: LANE_CENTRES (hard regime)
+
+
+@dataclass(frozen=True)
+class SoundSpec:
+    """An audio-only sound on frame interval [start_frame, end_frame): a distractor that
+    belongs to no event (hard regime), so it is in the audio track and in no annotation."""
+
+    start_frame: int
+    end_frame: int
     sound: str
 
 
@@ -78,6 +97,7 @@ class VideoPlan:
     height: int
     events: tuple[EventSpec, ...]
     entropy: tuple[int, ...]  # seeds the rendering noise: numpy SeedSequence entropy
+    distractors: tuple[SoundSpec, ...] = ()
 
     @property
     def duration(self) -> float:
@@ -135,26 +155,37 @@ def _placement(motion: str, progress: float, t: float, t_mid: float, w: int, h: 
     return cx, cy, size, visible
 
 
+def _in_lane(lane: int, cx: float, cy: float, size: float, w: int, h: int) -> tuple[float, float, float]:
+    """A full-frame placement moved into `lane` (scaled about the frame centre); lane -1 unchanged."""
+    if lane < 0:
+        return cx, cy, size
+    ax, ay = LANE_CENTRES[lane]
+    return ax * w + LANE_SCALE * (cx - w / 2.0), ay * h + LANE_SCALE * (cy - h / 2.0), LANE_SCALE * size
+
+
 def render_frames(plan: VideoPlan, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [N, H, W, 3]: noisy grey background, each event's shape drawn over it."""
+    """uint8 [N, H, W, 3]: noisy grey background, every active event's shape drawn over it
+    (in plan order; a later shape covers an earlier one where they meet)."""
     n, h, w = plan.num_frames, plan.height, plan.width
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32) + 0.5
-    owner = np.full(n, -1, dtype=np.int64)
+    active: list[list[int]] = [[] for _ in range(n)]
     for i, ev in enumerate(plan.events):
-        owner[ev.start_frame : ev.end_frame] = i
+        for f in range(ev.start_frame, ev.end_frame):
+            active[f].append(i)
     frames = np.empty((n, h, w, 3), dtype=np.uint8)
     bg = np.asarray(BACKGROUND_RGB, dtype=np.float32)
     for f in range(n):
         img = bg + rng.normal(0.0, BACKGROUND_NOISE, size=(h, w, 3)).astype(np.float32)
-        if owner[f] >= 0:
-            ev = plan.events[owner[f]]
+        base = img.copy()  # background + noise: every shape's pixels are its colour + this noise
+        for i in active[f]:
+            ev = plan.events[i]
             length = ev.end_frame - ev.start_frame
             progress = (f - ev.start_frame + 0.5) / length
             t, t_mid = (f + 0.5) / plan.fps, (ev.start_frame + ev.end_frame) / (2.0 * plan.fps)
             cx, cy, size, visible = _placement(ev.motion, progress, t, t_mid, w, h)
             if visible:
-                mask = _shape_mask(ev.shape, xx, yy, cx, cy, size)
-                img[mask] += np.asarray(COLOUR_RGB[ev.colour], dtype=np.float32) - bg
+                mask = _shape_mask(ev.shape, xx, yy, *_in_lane(ev.lane, cx, cy, size, w, h))
+                img[mask] = base[mask] + (np.asarray(COLOUR_RGB[ev.colour], dtype=np.float32) - bg)
         frames[f] = np.clip(np.rint(img), 0, 255).astype(np.uint8)
     return frames
 
@@ -199,10 +230,11 @@ def _fade(num: int, sr: int, period: float | None = None) -> np.ndarray:
 
 
 def render_audio(plan: VideoPlan, rng: np.random.Generator) -> np.ndarray:
-    """float32 [S] mono waveform: quiet noise, each event's sound over its exact interval."""
+    """float32 [S] mono waveform: quiet noise, each event's sound over its exact interval, then
+    each distractor's (concurrent sounds add)."""
     sr = plan.sample_rate
     audio = rng.normal(0.0, BACKGROUND_AUDIO_STD, size=plan.num_samples)
-    for ev in plan.events:
+    for ev in (*plan.events, *plan.distractors):
         a, b = plan.sample_index(ev.start_frame), plan.sample_index(ev.end_frame)
         audio[a:b] += _sound(ev.sound, b - a, sr, rng) * _fade(b - a, sr)
     return np.clip(audio, -1.0, 1.0).astype(np.float32)

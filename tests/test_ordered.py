@@ -125,3 +125,6 @@ def test_heldout_free_running_decodes_ablation_models_in_their_layout(over, name
     cfg.infer = CFG
     got = free_running(model, cfg, [sample(), sample(seed=1, video_id="v2")])
     assert got["decoder"] == name and got["videos"] == 2 and got["engine_errors"] == 0
+    assert ("parse_problems" in got) == (name == "text_chain")  # a text baseline reports its parse failures
+    if name == "text_chain":
+        assert 0 <= got["parse_unparsable_videos"] <= 2 and got["parse_problems"] >= 0

@@ -22,6 +22,18 @@ Definitions (all on held-out videos):
                     Free-running: the parsed attribute of the prediction with the highest tIoU
                     to the reference equals the reference's (none overlapping = wrong).
   attr_acc          mean of the colour, shape and sound accuracies.
+Free-running only (`engine_counts`; absent from a summary whose counts never saw one):
+  <attr>_acc_unique / <attr>_acc_repeated   <attr>_acc over the reference events whose
+                    value of that attribute occurs once / more than once among their video's
+                    references (in the hard synthetic regime colours and sounds repeat, and a
+                    model that captions by listing a video's attributes fails the repeated side).
+  attr_acc_unique / attr_acc_repeated   the same pooled over colour, shape and sound (hits
+                    over events, all three attributes together).
+  overlap_grounding_f1@0.5   grounding F1@0.5 of the reference events that overlap another
+                    reference of their video in time (intersection > 0): per video with such
+                    events, recall over them (any prediction, tIoU > 0.5) and precision over
+                    the predictions whose highest-tIoU reference (tIoU > 0) is one of them;
+                    the mean P and R over those videos give F1, as for grounding_f1@0.5.
 Counts are sums (`EvalCounts.tensor()` all-reduces across ranks). Pure torch; no ray.
 """
 
@@ -55,6 +67,27 @@ class EvalCounts:
     shape: float = 0.0
     motion: float = 0.0
     sound: float = 0.0
+    # free-running only: <attr>_unique / _repeated reference events and their hits (module doc)
+    colour_unique: float = 0.0
+    colour_unique_hits: float = 0.0
+    colour_repeated: float = 0.0
+    colour_repeated_hits: float = 0.0
+    shape_unique: float = 0.0
+    shape_unique_hits: float = 0.0
+    shape_repeated: float = 0.0
+    shape_repeated_hits: float = 0.0
+    motion_unique: float = 0.0
+    motion_unique_hits: float = 0.0
+    motion_repeated: float = 0.0
+    motion_repeated_hits: float = 0.0
+    sound_unique: float = 0.0
+    sound_unique_hits: float = 0.0
+    sound_repeated: float = 0.0
+    sound_repeated_hits: float = 0.0
+    overlap_videos: float = 0.0  # videos with at least one overlapping reference pair
+    overlap_events: float = 0.0
+    overlap_precision_sum: float = 0.0
+    overlap_recall_sum: float = 0.0
 
     def __iadd__(self, other: "EvalCounts") -> "EvalCounts":
         for f in fields(self):
@@ -93,6 +126,18 @@ def summary(c: EvalCounts, prefix: str = "") -> dict[str, float]:
         "events": c.events,
     }
     out["attr_acc"] = float(np.mean([out[f"{a}_acc"] for a in HEADLINE_ATTRIBUTES]))
+    for side in ("unique", "repeated"):
+        for a in ATTRIBUTES:
+            if getattr(c, f"{a}_{side}"):
+                out[f"{a}_acc_{side}"] = getattr(c, f"{a}_{side}_hits") / getattr(c, f"{a}_{side}")
+        n = sum(getattr(c, f"{a}_{side}") for a in HEADLINE_ATTRIBUTES)
+        if n:
+            out[f"attr_acc_{side}"] = sum(getattr(c, f"{a}_{side}_hits") for a in HEADLINE_ATTRIBUTES) / n
+    if c.overlap_videos:
+        p, r = c.overlap_precision_sum / c.overlap_videos, c.overlap_recall_sum / c.overlap_videos
+        out.update({"overlap_grounding_precision@0.5": p, "overlap_grounding_recall@0.5": r,
+                    "overlap_grounding_f1@0.5": 2 * p * r / (p + r) if p + r > 0 else 0.0,
+                    "overlap_videos": c.overlap_videos, "overlap_events": c.overlap_events})
     return {prefix + k: v for k, v in out.items()}
 
 
@@ -237,8 +282,10 @@ def engine_counts(samples: list, results: list[list[tuple[float, float, str]]],
         p, r, iou = detection(pred, ref)
         c.precision_sum += p
         c.recall_sum += r
+        _overlap_counts(c, ref, iou)
         if parse is None:
             continue
+        values = [parse(ev.caption) for ev in refs]
         for j, ev in enumerate(refs):
             best = None
             if iou.shape[0]:
@@ -248,7 +295,37 @@ def engine_counts(samples: list, results: list[list[tuple[float, float, str]]],
             c.events += 1
             for a, h in hits.items():
                 setattr(c, a, getattr(c, a) + h)
+                if values[j].get(a) is not None:
+                    side = "unique" if sum(v.get(a) == values[j][a] for v in values) == 1 else "repeated"
+                    setattr(c, f"{a}_{side}", getattr(c, f"{a}_{side}") + 1)
+                    setattr(c, f"{a}_{side}_hits", getattr(c, f"{a}_{side}_hits") + h)
     return c
+
+
+def overlapping_references(ref: np.ndarray) -> np.ndarray:
+    """bool [R]: the reference intervals [R, 2] that intersect another one (touching does not)."""
+    if len(ref) < 2:
+        return np.zeros(len(ref), dtype=bool)
+    inter = np.minimum(ref[:, None, 1], ref[None, :, 1]) - np.maximum(ref[:, None, 0], ref[None, :, 0])
+    np.fill_diagonal(inter, 0.0)
+    return (inter > 0).any(1)
+
+
+def _overlap_counts(c: EvalCounts, ref: np.ndarray, iou: np.ndarray, t: float = TIOU) -> None:
+    """Add one video's overlap-grounding precision / recall (module doc) to `c`."""
+    ov = overlapping_references(ref)
+    if not ov.any():
+        return
+    c.overlap_videos += 1
+    c.overlap_events += float(ov.sum())
+    if iou.shape[0] == 0:
+        return
+    hit = iou > t
+    c.overlap_recall_sum += float(hit[:, ov].any(0).mean())
+    owner = np.argmax(iou, axis=1)
+    mine = ov[owner] & (iou.max(axis=1) > 0)
+    if mine.any():
+        c.overlap_precision_sum += float(hit[mine][:, ov].any(1).mean())
 
 
 def engine_events(result: Any) -> list[tuple[float, float, str]]:

@@ -9,7 +9,9 @@ train/evaluate.py twice:
                   for the anchors); exact and fast;
   free_running    the real decoder (infer.engine.CaptionEngine: greedy planning,
                   grounding, parallel branch decoding; an ablation model decodes in its
-                  own training layout, infer/ordered.py `decoder_for`), compared with the references.
+                  own training layout, infer/ordered.py `decoder_for`), compared with the references
+                  (with the unique / repeated attribute split and the overlap grounding where the
+                  videos have them, and a text baseline's parse failures, pipeline/textual.py).
                   Used when infer/engine.py is importable; otherwise reported as
                   unavailable with the reason.
 `headline` names which of the two the top-level numbers come from (free-running when
@@ -66,12 +68,18 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     if ablation is None:
         results = CaptionEngine(model, infer_cfg).caption(samples)
         events, errors, name = [engine_events(r) for r in results], sum(1 for r in results if getattr(r, "error", None)), infer_cfg.decoder
+        texts: list[str] = []
     else:
-        events = [output_events(decode_events(model, ablation, s, infer_cfg)[0]) for s in samples]
+        outputs = [decode_events(model, ablation, s, infer_cfg)[0] for s in samples]
+        events, texts = [output_events(o) for o in outputs], [o["text"] for o in outputs if "text" in o]
         errors, name = 0, ablation.__name__
     seconds = time.perf_counter() - t0
     out: dict[str, Any] = summary(engine_counts(samples, events, parse))
     out.pop("token_acc")  # teacher-forced only
+    if texts:  # a text baseline: how its timestamps failed to parse
+        from pipeline.textual import parse_failures
+
+        out.update(parse_failures(texts).numbers())
     out["seconds_per_video"] = seconds / max(1, len(samples))
     out["decoder"] = name
     out["engine_errors"] = errors
