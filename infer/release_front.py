@@ -31,8 +31,9 @@ import torch
 from infer.front import DecodeError, StageTimer
 from infer.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_capped
 from pipeline.aggregation import attention_row
+from pipeline.layout import additive_mask, anchor_position, shared_position
 from pipeline.release.grounding import aggregate, find_and_merge
-from pipeline.release.layout import LayoutError, MRope, ReleaseLayout, build_layout, mrope_ids
+from pipeline.release.layout import LayoutError, MRope, ReleaseLayout, build_layout, mrope_ids, prompt_visible
 from pipeline.release.video import ReleaseVideo, as_release_video
 
 
@@ -78,12 +79,9 @@ class ReleaseFront:
 
 
 def prefill_mask(lay: ReleaseLayout, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, L, L] additive: causal, and the AV block bidirectional within itself."""
-    L = lay.length
-    allowed = torch.ones(L, L, dtype=torch.bool).tril()
-    b0, b1 = lay.p0, lay.p0 + lay.block_len
-    allowed[b0:b1, b0:b1] = True
-    return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+    """[1, 1, L, L] additive: causal, and the AV block bidirectional within itself (the project's
+    visibility rule over the prompt, pipeline/release/layout.py `prompt_visible`)."""
+    return additive_mask(prompt_visible(lay), dtype)[None, None]
 
 
 def media_tokens(model, video: ReleaseVideo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +194,7 @@ def release_front(model, video: ReleaseVideo, cache, max_events: int, control: D
         steps.append(step)
         x = g_emb + agg(step)
         serial.append(x)
-        p = lay.length + k + pre.delta
+        p = shared_position(lay.length + k, pre.delta)
         ids = torch.full((3, 1, 1), p, dtype=torch.long, device=model.device)
         out = model.decoder(inputs_embeds=x[None, None], position_ids=ids, cache=cache, use_cache=True,
                             output_hidden_states=True)
@@ -207,7 +205,7 @@ def release_front(model, video: ReleaseVideo, cache, max_events: int, control: D
     timer.lap("grounding_ms")
     d = float(video.seconds_per_step)
     return ReleaseFront(prefill=pre, cache=cache, intervals=[seconds(st, d) for st in steps], steps=steps,
-                        anchors=anchors, anchor_pos=lay.length + k + pre.delta,
+                        anchors=anchors, anchor_pos=anchor_position(lay.length, k, pre.delta),
                         planning_logits=torch.stack(plan_logits) if plan_logits else torch.zeros(0, 2),
                         grounding_logits=torch.stack(sims).float(),
                         serial_inputs=torch.stack(serial) if serial else anchors.new_zeros(0, anchors.shape[1]),

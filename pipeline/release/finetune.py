@@ -23,8 +23,10 @@ Labels: the last prompt row and each serial <G> row predict the next planning to
 (<G>, ..., <S>); each branch row predicts its next caption token, the last one
 <|im_end|>. Grounding: the event vector of the row that predicts <G>_k against the
 segment keys, BCE with the soft targets of pipeline/grounding.py. Intervals are mapped
-to timesteps [floor(s / d), ceil(e / d) - 1]. Two forwards per video: the prompt (its
-states feed aggregation), then the rest through its cache. Pure torch + HF + peft.
+to timesteps [floor(s / d), ceil(e / d) - 1]. Two forwards per video: the prompt (its states
+feed aggregation), then the rest through its cache, with the positions (`shared_position` /
+`anchor_position` / `branch_position` plus the rope delta) and the mask (`visible`) of
+pipeline/layout.py. Pure torch + HF + peft.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from transformers.cache_utils import DynamicCache
 from infer.step_weights import effective_linear
 from pipeline.aggregation import attention_row
 from pipeline.grounding import soft_targets
+from pipeline.layout import Role, TokenMeta, additive_mask, anchor_position, branch_position, shared_position
 from pipeline.release.grounding import aggregate, find_and_merge
-from pipeline.release.layout import MRope, build_layout, mrope_ids
+from pipeline.release.layout import (MRope, build_layout, cat_meta, event_meta, mrope_ids, prompt_meta, release_visible,
+                                    shared_meta)
 from pipeline.release.model import ReleaseCaptioner, settings_from
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event
@@ -249,22 +253,15 @@ class ReleaseFinetune(nn.Module):
             r_owner += [j] * (len(b) + 1)
             r_step += list(range(len(b) + 1))
         x2 = torch.cat([serial] + rows)[None]
-        n2 = x2.shape[1]
-        a_pos = L + k + delta
-        p2 = torch.tensor([L + i + delta for i in range(k)] + [a_pos + s for s in r_step], device=dev)
-        allowed = torch.zeros(n2, L + n2, dtype=torch.bool, device=dev)
-        allowed[:, :L] = True
-        allowed[:k, L:L + k] = torch.ones(k, k, dtype=torch.bool, device=dev).tril()
-        allowed[k:, L:L + k] = True
-        own = torch.tensor(r_owner, device=dev)
-        st = torch.tensor(r_step, device=dev)
-        same = (own[:, None] == own[None, :]) & (st[None, :] <= st[:, None])
-        allowed[k:, L + k:] = same
-        mask2 = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+        a_pos = anchor_position(L, k, delta)
+        p2 = torch.tensor([shared_position(L + i, delta) for i in range(k)] + [branch_position(a_pos, s) for s in r_step],
+                          device=dev)
+        # the project's visibility rule: serial <G>s shared and causal, branch j sees them and its own rows
+        meta = cat_meta(prompt_meta(lay), shared_meta(k, L, Role.SERIAL_G), event_meta(L + k, k, r_owner, r_step, "blocked"))
+        queries = meta if rerun else TokenMeta(meta.order[L:], meta.role[L:], meta.event[L:])
+        mask2 = additive_mask(release_visible(queries, meta).to(dev), dtype)[None, None]
         if rerun:  # HF drops caches under activation checkpointing: stage 2 reruns with the prompt in front
-            top = torch.cat([mask[0, 0], mask.new_full((L, n2), torch.finfo(dtype).min)], 1)
-            out2 = m.decoder(inputs_embeds=torch.cat([emb[None], x2], 1),
-                             attention_mask=torch.cat([top, mask2[0, 0]])[None, None],
+            out2 = m.decoder(inputs_embeds=torch.cat([emb[None], x2], 1), attention_mask=mask2,
                              position_ids=torch.cat([pos.to(dev), p2.expand(3, -1)], 1)[:, None], use_cache=False,
                              output_hidden_states=True)
             skip = L
