@@ -101,15 +101,18 @@ def media_tokens(model, video: ReleaseVideo) -> tuple[torch.Tensor, torch.Tensor
     return vis.to(model.device, model.dtype), aud.to(model.device, model.dtype)
 
 
-def prefill_inputs(model, video: ReleaseVideo) -> tuple[ReleaseLayout, torch.Tensor, torch.Tensor, int]:
+def prefill_inputs(model, video: ReleaseVideo, embed=None) -> tuple[ReleaseLayout, torch.Tensor, torch.Tensor, int]:
     """A video's prompt for prefill: (layout, input embeddings [L, d], M-RoPE ids [3, L], rope delta).
 
+    embed: ids -> embeddings (default the model's table; fine-tuning passes its own, with the
+    trained <G>/<S> rows); the media tokens come from the frozen towers, without gradients.
     Raises DecodeError for a video that cannot be decoded as given (the engine records it
     for that video alone): bad timing, features that do not match the grid, a prompt over
     the model's max_seq_len."""
     if not (video.duration > 0 and video.seconds_per_step > 0):
         raise DecodeError(f"{video.video_id}: duration and seconds per timestep must be positive")
-    vis, aud = media_tokens(model, video)
+    with torch.no_grad():
+        vis, aud = media_tokens(model, video)
     try:
         grid = video.grid(aud.shape[0])
         lay = build_layout(model.tokenizer, model.ids, grid, video.instruction or model.settings.instruction)
@@ -122,10 +125,10 @@ def prefill_inputs(model, video: ReleaseVideo) -> tuple[ReleaseLayout, torch.Ten
         raise DecodeError(f"{video.video_id}: prompt of {lay.length} tokens is over the model's {model.max_seq_len}")
     pos, delta = mrope_ids(lay, model.settings.positions)
     dev = model.device
-    emb = model.embed_tokens(lay.input_ids)
-    emb[lay.video_slots.to(dev)] = vis
+    emb = (model.embed_tokens if embed is None else embed)(lay.input_ids.to(dev))
+    emb = emb.index_copy(0, lay.video_slots.to(dev), vis)
     if aud.shape[0]:
-        emb[lay.audio_slots.to(dev)] = aud
+        emb = emb.index_copy(0, lay.audio_slots.to(dev), aud)
     return lay, emb, pos, delta
 
 
@@ -140,19 +143,26 @@ def aggregation_row(model, lay: ReleaseLayout, pos: torch.Tensor, h_agg: torch.T
                          probs_dtype=model.dtype)
 
 
-@torch.no_grad()
-def release_prefill(model, video: ReleaseVideo, cache) -> ReleasePrefill:
-    """Steps 1-3 of the module doc for one video (HF's forward; the reference front)."""
-    lay, emb, pos, delta = prefill_inputs(model, video)
+def prefill(model, video: ReleaseVideo, cache, embed=None, use_cache: bool = True) -> ReleasePrefill:
+    """Steps 1-3 of the module doc for one video (HF's forward), with gradients where the caller has
+    them: the one prefill of decoding and fine-tuning (pipeline/release/finetune.py passes its
+    `embed` and, when it reruns the prompt under activation checkpointing, no cache)."""
+    lay, emb, pos, delta = prefill_inputs(model, video, embed)
     dev = model.device
     out = model.decoder(inputs_embeds=emb[None], attention_mask=prefill_mask(lay, model.dtype).to(dev),
-                        position_ids=pos[:, None].to(dev), cache=cache, use_cache=True, output_hidden_states=True)
+                        position_ids=pos[:, None].to(dev), cache=cache, use_cache=use_cache, output_hidden_states=True)
     hs = out.hidden_states
     h_ground, h_agg = hs[-2][0], hs[model.aggregation_layer][0]
-    row = aggregation_row(model, lay, pos, h_agg)
+    row = aggregation_row(model, lay, pos, h_agg.detach())
     segments = model.segment_vectors(h_ground, lay)
     return ReleasePrefill(lay, pos, delta, emb, h_ground, h_agg, out.last_hidden_state[0, -1], h_ground[-1], row,
                           segments)
+
+
+@torch.no_grad()
+def release_prefill(model, video: ReleaseVideo, cache) -> ReleasePrefill:
+    """`prefill` without gradients (the reference front)."""
+    return prefill(model, video, cache)
 
 
 def seconds(step: tuple[int, int], d: float) -> tuple[float, float]:
