@@ -150,16 +150,11 @@ class ReleaseProgram:
     release = True
 
     def __init__(self, model, video, opts, control: DecodeControl):
-        from infer.release_front import prefill_inputs
+        from infer.release_front import decodable_video, prefill_inputs
         from pipeline.release.layout import prompt_visible
-        from pipeline.release.video import as_release_video
 
         self.model, self.opts, self.control = model, opts, control
-        try:
-            video = as_release_video(video, model.geometry)  # the checkpoint's media geometry
-        except ValueError as e:
-            raise DecodeError(str(e)) from e
-        self.video = video
+        self.video = video = decodable_video(model, video)  # the checkpoint's media geometry
         self.lay, self.embeds, pos, self.delta = prefill_inputs(model, video)
         self._pos = pos
         self.positions = pos.cpu()
@@ -191,17 +186,11 @@ class ReleaseProgram:
         return aggregate(self.attn_row, self.h_agg, self.lay, step, s.aggregation, self.model.audio_mean_weight)
 
     def decide(self, hidden: torch.Tensor, ground: torch.Tensor) -> bool:
-        from pipeline.release.grounding import find_and_merge
+        from infer.release_front import plan_row
 
-        s = self.model.settings
-        sim = self.model.similarity(ground, self.segments)
-        self.sims.append(sim)
-        step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
-        if planning_capped(self.k, self.opts.max_events, self.control):
-            return False
-        restricted = self.model.lm_logits(hidden[None])[0, [self.model.g_id, self.model.s_id]].float()
-        self.plan_logits.append(restricted)
-        if not plan_decision(restricted, self.k, self.opts.max_events, self.control, min_events=0):
+        step = plan_row(self.model, hidden, ground, self.segments, self.k, self.opts.max_events, self.control,
+                        self.sims, self.plan_logits)
+        if step is None:
             return False
         self.steps.append(step)
         self._next = step
@@ -214,10 +203,9 @@ class ReleaseProgram:
         return x, _plan_position(pos)
 
     def finish(self) -> Anchors:
-        from infer.release_front import seconds
+        from infer.release_front import anchor_inputs, seconds
 
-        anchors = torch.stack([self.g_emb + self._agg(st) for st in self.steps]) if self.steps else \
-            self.g_emb.new_zeros(0, self.g_emb.shape[0])
+        anchors = anchor_inputs(self.g_emb, self._agg, self.steps)
         d = float(self.video.seconds_per_step)
         return Anchors([seconds(st, d) for st in self.steps], anchors, anchor_position(self.length, self.k, self.delta),
                        _stack(self.plan_logits), torch.stack(self.sims).float(), self.lay.grid.timesteps)

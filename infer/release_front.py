@@ -170,15 +170,46 @@ def seconds(step: tuple[int, int], d: float) -> tuple[float, float]:
     return step[0] * d, (step[1] + 1) * d
 
 
+def decodable_video(model, video) -> ReleaseVideo:
+    """A ReleaseVideo (or a stored schema-2 sample) read with the checkpoint's media geometry;
+    DecodeError when it cannot be (the engine records that for the video alone)."""
+    try:
+        return as_release_video(video, model.geometry)
+    except ValueError as e:
+        raise DecodeError(str(e)) from e
+
+
+def plan_row(model, hidden: torch.Tensor, ground: torch.Tensor, segments: torch.Tensor, k: int, max_events: int,
+             control: DecodeControl, sims: list, plan_logits: list) -> tuple[int, int] | None:
+    """One planning decision row (module doc, step 4), for the reference front and the engine's program.
+
+    hidden: the row's final-norm state, ground: its hidden_states[-2]; k: <G>s fed so far. Appends
+    the row's similarities to `sims` and, unless planning is capped, its {<G>, <S>} logits to
+    `plan_logits`. Returns the interval grounded at this row when it picks <G>, None to stop."""
+    s = model.settings
+    sim = model.similarity(ground, segments)
+    sims.append(sim)
+    step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
+    if planning_capped(k, max_events, control):
+        return None
+    restricted = model.lm_logits(hidden[None])[0, [model.g_id, model.s_id]].float()
+    plan_logits.append(restricted)
+    if not plan_decision(restricted, k, max_events, control, min_events=0):
+        return None
+    return step
+
+
+def anchor_inputs(g_emb: torch.Tensor, agg, steps: list[tuple[int, int]]) -> torch.Tensor:
+    """[K, d] anchors E[<G>] + agg(interval of event j) (module doc, step 5); [0, d] when K = 0."""
+    return torch.stack([g_emb + agg(st) for st in steps]) if steps else g_emb.new_zeros(0, g_emb.shape[0])
+
+
 @torch.no_grad()
 def release_front(model, video: ReleaseVideo, cache, max_events: int, control: DecodeControl = NO_CONTROL,
                   timer: StageTimer | None = None) -> ReleaseFront:
     """Prefill + planning with step-by-step grounding + anchors for one video (module doc)."""
     timer = timer or StageTimer(model.device)
-    try:
-        video = as_release_video(video, model.geometry)  # the checkpoint's media geometry
-    except ValueError as e:
-        raise DecodeError(str(e)) from e
+    video = decodable_video(model, video)
     pre = release_prefill(model, video, cache)
     timer.lap("prefill_ms")
     s = model.settings
@@ -192,14 +223,8 @@ def release_front(model, video: ReleaseVideo, cache, max_events: int, control: D
     sims, plan_logits, steps, serial = [], [], [], []
     k = 0
     while True:
-        sim = model.similarity(last_ground, pre.segments)
-        sims.append(sim)
-        step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
-        if planning_capped(k, max_events, control):
-            break
-        restricted = model.lm_logits(last[None])[0, [model.g_id, model.s_id]].float()
-        plan_logits.append(restricted)
-        if not plan_decision(restricted, k, max_events, control, min_events=0):
+        step = plan_row(model, last, last_ground, pre.segments, k, max_events, control, sims, plan_logits)
+        if step is None:
             break
         steps.append(step)
         x = g_emb + agg(step)
@@ -211,7 +236,7 @@ def release_front(model, video: ReleaseVideo, cache, max_events: int, control: D
         last, last_ground = out.last_hidden_state[0, -1], out.hidden_states[-2][0, -1]
         k += 1
     timer.lap("planning_ms")
-    anchors = torch.stack([g_emb + agg(st) for st in steps]) if steps else g_emb.new_zeros(0, g_emb.shape[0])
+    anchors = anchor_inputs(g_emb, agg, steps)
     timer.lap("grounding_ms")
     d = float(video.seconds_per_step)
     return ReleaseFront(prefill=pre, cache=cache, intervals=[seconds(st, d) for st in steps], steps=steps,
