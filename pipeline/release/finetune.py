@@ -43,7 +43,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from infer.step_weights import effective_linear
-from pipeline.grounding import soft_targets
+from pipeline.grounding import similarity_logits, soft_targets
 from pipeline.layout import Role, TokenMeta, additive_mask, anchor_position, branch_position, shared_position
 from pipeline.release.grounding import aggregate, find_and_merge
 from pipeline.release.layout import cat_meta, event_meta, prompt_meta, release_visible, shared_meta
@@ -253,7 +253,7 @@ class ReleaseFinetune(nn.Module):
         evi = m.evi_head(torch.stack(event_rows))
         d = ex.video.seconds_per_step
         times = torch.tensor([seconds((t, t), d) for t in range(lay.grid.timesteps)])
-        logits = (evi @ segs.T).float() / math.sqrt(evi.shape[-1])
+        logits = similarity_logits(evi, segs, upcast=False)
         result["grounding_logits"].append(logits)
         with torch.no_grad():  # the read-out intervals, for the held-out numbers (train/evaluate.py loss_counts)
             s = m.settings
