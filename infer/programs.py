@@ -21,7 +21,9 @@ mask and positions; planning greedy over {<G>, <S>} from the last instruction ro
 Release (RELEASE.md 2-4): the release prompt with its M-RoPE ids, the AV block
 bidirectional; at every decision row the event vector is grounded; a <G> is fed as
 E[<G>] + agg(the interval grounded at the row that predicted it), at L + k + delta;
-K = 0 allowed; anchors E[<G>] + agg(interval) at L + K + delta.
+K = 0 allowed; anchors E[<G>] + agg(interval) at L + K + delta (pipeline/layout.py's
+`shared_position` / `anchor_position` with the rope delta); the prompt's mask is
+pipeline/release/layout.py `prompt_visible` (the project's visibility rule).
 
 Prefix visibility must be "keys [0, limit)" per row (causal, or a bidirectional block):
 `row_limits` reads the limits off the layout's own mask and refuses any other shape.
@@ -148,23 +150,16 @@ class ReleaseProgram:
     release = True
 
     def __init__(self, model, video, opts, control: DecodeControl):
-        from infer.release_front import prefill_inputs
-        from pipeline.release.video import as_release_video
+        from infer.release_front import decodable_video, prefill_inputs
+        from pipeline.release.layout import prompt_visible
 
         self.model, self.opts, self.control = model, opts, control
-        try:
-            video = as_release_video(video, model.geometry)  # the checkpoint's media geometry
-        except ValueError as e:
-            raise DecodeError(str(e)) from e
-        self.video = video
+        self.video = video = decodable_video(model, video)  # the checkpoint's media geometry
         self.lay, self.embeds, pos, self.delta = prefill_inputs(model, video)
         self._pos = pos
         self.positions = pos.cpu()
-        self.length = L = self.lay.length
-        visible = torch.ones(L, L, dtype=torch.bool).tril()
-        b0, b1 = self.lay.p0, self.lay.p0 + self.lay.block_len
-        visible[b0:b1, b0:b1] = True
-        self.limits = row_limits(visible)
+        self.length = self.lay.length
+        self.limits = row_limits(prompt_visible(self.lay))
         self.cuts = legal_cuts(self.limits)
         n_layers = model.hf_config.get_text_config(decoder=True).num_hidden_layers
         self.ground_layer = n_layers - 1  # hidden_states[-2]
@@ -191,16 +186,11 @@ class ReleaseProgram:
         return aggregate(self.attn_row, self.h_agg, self.lay, step, s.aggregation, self.model.audio_mean_weight)
 
     def decide(self, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
-        from pipeline.release.grounding import find_and_merge
+        from infer.release_front import plan_row
 
-        s = self.model.settings
-        sim = self.model.similarity(ground, self.segments)
-        self.sims.append(sim)
-        step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
-        if planning_capped(self.k, self.opts.max_events, self.control):
-            return False
-        self.plan_logits.append(restricted)
-        if not plan_decision(restricted, self.k, self.opts.max_events, self.control, min_events=0):
+        step = plan_row(self.model, restricted, ground, self.segments, self.k, self.opts.max_events, self.control,
+                        self.sims, self.plan_logits)
+        if step is None:
             return False
         self.steps.append(step)
         self._next = step
@@ -208,17 +198,16 @@ class ReleaseProgram:
 
     def plan_input(self) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.g_emb + self._agg(self._next)
-        pos = self.length + self.k + self.delta
+        pos = shared_position(self.length + self.k, self.delta)
         self.k += 1
         return x, _plan_position(pos)
 
     def finish(self) -> Anchors:
-        from infer.release_front import seconds
+        from infer.release_front import anchor_inputs, seconds
 
-        anchors = torch.stack([self.g_emb + self._agg(st) for st in self.steps]) if self.steps else \
-            self.g_emb.new_zeros(0, self.g_emb.shape[0])
+        anchors = anchor_inputs(self.g_emb, self._agg, self.steps)
         d = float(self.video.seconds_per_step)
-        return Anchors([seconds(st, d) for st in self.steps], anchors, self.length + self.k + self.delta,
+        return Anchors([seconds(st, d) for st in self.steps], anchors, anchor_position(self.length, self.k, self.delta),
                        _stack(self.plan_logits), torch.stack(self.sims).float(), self.lay.grid.timesteps)
 
 

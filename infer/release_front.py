@@ -31,8 +31,9 @@ import torch
 from infer.front import DecodeError, StageTimer
 from infer.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_capped
 from pipeline.aggregation import attention_row
+from pipeline.layout import additive_mask, anchor_position, shared_position
 from pipeline.release.grounding import aggregate, find_and_merge
-from pipeline.release.layout import LayoutError, MRope, ReleaseLayout, build_layout, mrope_ids
+from pipeline.release.layout import LayoutError, MRope, ReleaseLayout, build_layout, mrope_ids, prompt_visible
 from pipeline.release.video import ReleaseVideo, as_release_video
 
 
@@ -78,12 +79,9 @@ class ReleaseFront:
 
 
 def prefill_mask(lay: ReleaseLayout, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, L, L] additive: causal, and the AV block bidirectional within itself."""
-    L = lay.length
-    allowed = torch.ones(L, L, dtype=torch.bool).tril()
-    b0, b1 = lay.p0, lay.p0 + lay.block_len
-    allowed[b0:b1, b0:b1] = True
-    return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+    """[1, 1, L, L] additive: causal, and the AV block bidirectional within itself (the project's
+    visibility rule over the prompt, pipeline/release/layout.py `prompt_visible`)."""
+    return additive_mask(prompt_visible(lay), dtype)[None, None]
 
 
 def media_tokens(model, video: ReleaseVideo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,15 +101,18 @@ def media_tokens(model, video: ReleaseVideo) -> tuple[torch.Tensor, torch.Tensor
     return vis.to(model.device, model.dtype), aud.to(model.device, model.dtype)
 
 
-def prefill_inputs(model, video: ReleaseVideo) -> tuple[ReleaseLayout, torch.Tensor, torch.Tensor, int]:
+def prefill_inputs(model, video: ReleaseVideo, embed=None) -> tuple[ReleaseLayout, torch.Tensor, torch.Tensor, int]:
     """A video's prompt for prefill: (layout, input embeddings [L, d], M-RoPE ids [3, L], rope delta).
 
+    embed: ids -> embeddings (default the model's table; fine-tuning passes its own, with the
+    trained <G>/<S> rows); the media tokens come from the frozen towers, without gradients.
     Raises DecodeError for a video that cannot be decoded as given (the engine records it
     for that video alone): bad timing, features that do not match the grid, a prompt over
     the model's max_seq_len."""
     if not (video.duration > 0 and video.seconds_per_step > 0):
         raise DecodeError(f"{video.video_id}: duration and seconds per timestep must be positive")
-    vis, aud = media_tokens(model, video)
+    with torch.no_grad():
+        vis, aud = media_tokens(model, video)
     try:
         grid = video.grid(aud.shape[0])
         lay = build_layout(model.tokenizer, model.ids, grid, video.instruction or model.settings.instruction)
@@ -124,10 +125,10 @@ def prefill_inputs(model, video: ReleaseVideo) -> tuple[ReleaseLayout, torch.Ten
         raise DecodeError(f"{video.video_id}: prompt of {lay.length} tokens is over the model's {model.max_seq_len}")
     pos, delta = mrope_ids(lay, model.settings.positions)
     dev = model.device
-    emb = model.embed_tokens(lay.input_ids)
-    emb[lay.video_slots.to(dev)] = vis
+    emb = (model.embed_tokens if embed is None else embed)(lay.input_ids.to(dev))
+    emb = emb.index_copy(0, lay.video_slots.to(dev), vis)
     if aud.shape[0]:
-        emb[lay.audio_slots.to(dev)] = aud
+        emb = emb.index_copy(0, lay.audio_slots.to(dev), aud)
     return lay, emb, pos, delta
 
 
@@ -142,19 +143,26 @@ def aggregation_row(model, lay: ReleaseLayout, pos: torch.Tensor, h_agg: torch.T
                          probs_dtype=model.dtype)
 
 
-@torch.no_grad()
-def release_prefill(model, video: ReleaseVideo, cache) -> ReleasePrefill:
-    """Steps 1-3 of the module doc for one video (HF's forward; the reference front)."""
-    lay, emb, pos, delta = prefill_inputs(model, video)
+def prefill(model, video: ReleaseVideo, cache, embed=None, use_cache: bool = True) -> ReleasePrefill:
+    """Steps 1-3 of the module doc for one video (HF's forward), with gradients where the caller has
+    them: the one prefill of decoding and fine-tuning (pipeline/release/finetune.py passes its
+    `embed` and, when it reruns the prompt under activation checkpointing, no cache)."""
+    lay, emb, pos, delta = prefill_inputs(model, video, embed)
     dev = model.device
     out = model.decoder(inputs_embeds=emb[None], attention_mask=prefill_mask(lay, model.dtype).to(dev),
-                        position_ids=pos[:, None].to(dev), cache=cache, use_cache=True, output_hidden_states=True)
+                        position_ids=pos[:, None].to(dev), cache=cache, use_cache=use_cache, output_hidden_states=True)
     hs = out.hidden_states
     h_ground, h_agg = hs[-2][0], hs[model.aggregation_layer][0]
-    row = aggregation_row(model, lay, pos, h_agg)
+    row = aggregation_row(model, lay, pos, h_agg.detach())
     segments = model.segment_vectors(h_ground, lay)
     return ReleasePrefill(lay, pos, delta, emb, h_ground, h_agg, out.last_hidden_state[0, -1], h_ground[-1], row,
                           segments)
+
+
+@torch.no_grad()
+def release_prefill(model, video: ReleaseVideo, cache) -> ReleasePrefill:
+    """`prefill` without gradients (the reference front)."""
+    return prefill(model, video, cache)
 
 
 def seconds(step: tuple[int, int], d: float) -> tuple[float, float]:
@@ -162,15 +170,46 @@ def seconds(step: tuple[int, int], d: float) -> tuple[float, float]:
     return step[0] * d, (step[1] + 1) * d
 
 
+def decodable_video(model, video) -> ReleaseVideo:
+    """A ReleaseVideo (or a stored schema-2 sample) read with the checkpoint's media geometry;
+    DecodeError when it cannot be (the engine records that for the video alone)."""
+    try:
+        return as_release_video(video, model.geometry)
+    except ValueError as e:
+        raise DecodeError(str(e)) from e
+
+
+def plan_row(model, restricted: torch.Tensor, ground: torch.Tensor, segments: torch.Tensor, k: int, max_events: int,
+             control: DecodeControl, sims: list, plan_logits: list) -> tuple[int, int] | None:
+    """One planning decision row (module doc, step 4), for the reference front and the engine's program.
+
+    restricted [2]: the row's (<G>, <S>) logits in fp32 (model.plan_logits of its final-norm state),
+    ground: its hidden_states[-2]; k: <G>s fed so far. Appends
+    the row's similarities to `sims` and, unless planning is capped, its {<G>, <S>} logits to
+    `plan_logits`. Returns the interval grounded at this row when it picks <G>, None to stop."""
+    s = model.settings
+    sim = model.similarity(ground, segments)
+    sims.append(sim)
+    step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
+    if planning_capped(k, max_events, control):
+        return None
+    plan_logits.append(restricted)
+    if not plan_decision(restricted, k, max_events, control, min_events=0):
+        return None
+    return step
+
+
+def anchor_inputs(g_emb: torch.Tensor, agg, steps: list[tuple[int, int]]) -> torch.Tensor:
+    """[K, d] anchors E[<G>] + agg(interval of event j) (module doc, step 5); [0, d] when K = 0."""
+    return torch.stack([g_emb + agg(st) for st in steps]) if steps else g_emb.new_zeros(0, g_emb.shape[0])
+
+
 @torch.no_grad()
 def release_front(model, video: ReleaseVideo, cache, max_events: int, control: DecodeControl = NO_CONTROL,
                   timer: StageTimer | None = None) -> ReleaseFront:
     """Prefill + planning with step-by-step grounding + anchors for one video (module doc)."""
     timer = timer or StageTimer(model.device)
-    try:
-        video = as_release_video(video, model.geometry)  # the checkpoint's media geometry
-    except ValueError as e:
-        raise DecodeError(str(e)) from e
+    video = decodable_video(model, video)
     pre = release_prefill(model, video, cache)
     timer.lap("prefill_ms")
     s = model.settings
@@ -184,30 +223,25 @@ def release_front(model, video: ReleaseVideo, cache, max_events: int, control: D
     sims, plan_logits, steps, serial = [], [], [], []
     k = 0
     while True:
-        sim = model.similarity(last_ground, pre.segments)
-        sims.append(sim)
-        step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
-        if planning_capped(k, max_events, control):
-            break
-        restricted = model.lm_logits(last[None])[0, [model.g_id, model.s_id]].float()
-        plan_logits.append(restricted)
-        if not plan_decision(restricted, k, max_events, control, min_events=0):
+        step = plan_row(model, model.plan_logits(last[None])[0].float(), last_ground, pre.segments, k, max_events,
+                        control, sims, plan_logits)
+        if step is None:
             break
         steps.append(step)
         x = g_emb + agg(step)
         serial.append(x)
-        p = lay.length + k + pre.delta
+        p = shared_position(lay.length + k, pre.delta)
         ids = torch.full((3, 1, 1), p, dtype=torch.long, device=model.device)
         out = model.decoder(inputs_embeds=x[None, None], position_ids=ids, cache=cache, use_cache=True,
                             output_hidden_states=True)
         last, last_ground = out.last_hidden_state[0, -1], out.hidden_states[-2][0, -1]
         k += 1
     timer.lap("planning_ms")
-    anchors = torch.stack([g_emb + agg(st) for st in steps]) if steps else g_emb.new_zeros(0, g_emb.shape[0])
+    anchors = anchor_inputs(g_emb, agg, steps)
     timer.lap("grounding_ms")
     d = float(video.seconds_per_step)
     return ReleaseFront(prefill=pre, cache=cache, intervals=[seconds(st, d) for st in steps], steps=steps,
-                        anchors=anchors, anchor_pos=lay.length + k + pre.delta,
+                        anchors=anchors, anchor_pos=anchor_position(lay.length, k, pre.delta),
                         planning_logits=torch.stack(plan_logits) if plan_logits else torch.zeros(0, 2),
                         grounding_logits=torch.stack(sims).float(),
                         serial_inputs=torch.stack(serial) if serial else anchors.new_zeros(0, anchors.shape[1]),

@@ -25,6 +25,8 @@ from transformers.cache_utils import DynamicCache
 
 from infer.decoded import Decoded
 from infer.release_front import ReleaseFront, release_front, seconds
+from pipeline.layout import additive_mask, branch_position
+from pipeline.release.layout import cat_meta, event_meta, release_visible, shared_meta
 from pipeline.release.video import ReleaseVideo
 
 
@@ -46,13 +48,16 @@ class Reference:
 
 
 def branch_mask(prefix_len: int, k: int, rounds: int) -> torch.Tensor:
-    """[K, prefix_len + K * rounds] bool: the prefix, then slot i belongs to branch i mod K."""
-    kv = prefix_len + k * rounds
-    allowed = torch.zeros(k, kv, dtype=torch.bool)
-    allowed[:, :prefix_len] = True
-    own = (torch.arange(kv - prefix_len) % k)[None, :] == torch.arange(k)[:, None]
-    allowed[:, prefix_len:] = own
-    return allowed
+    """[K, prefix_len + K * rounds] bool: the prefix, then slot i belongs to branch i mod K.
+
+    The project's visibility rule over the lock-step cache: the prefix (prompt + serial <G>s) is
+    shared, slot i is step i // K of event i mod K in round-robin order (pipeline/layout.py
+    `event_order`), and the queries are the last round's K slots."""
+    slots = torch.arange(k * rounds)
+    keys = cat_meta(shared_meta(prefix_len), event_meta(prefix_len, k, (slots % k).tolist(), (slots // k).tolist(),
+                                                        "round_robin"))
+    queries = event_meta(prefix_len, k, list(range(k)), [rounds - 1] * k, "round_robin")
+    return release_visible(queries, keys)
 
 
 @torch.no_grad()
@@ -71,9 +76,9 @@ def release_reference(model, video: ReleaseVideo, max_events: int, max_branch_to
     ended = [False] * k
     x = front.anchors[None]
     for r in range(max_branch_tokens + 1):
-        pos = torch.full((3, k), front.anchor_pos + r, dtype=torch.long)
+        pos = torch.full((3, k), branch_position(front.anchor_pos, r), dtype=torch.long)
         allowed = branch_mask(prefix_len, k, r + 1)
-        mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None].to(dev)
+        mask = additive_mask(allowed, dtype)[None, None].to(dev)
         out = model.decoder(inputs_embeds=x, attention_mask=mask, position_ids=pos[:, None].to(dev), cache=cache,
                             use_cache=True)
         logits = model.lm_logits(out.last_hidden_state[0]).float()

@@ -41,9 +41,13 @@ def segment_hidden(hidden: torch.Tensor, visual_index: torch.Tensor, audio_index
     return seg
 
 
-def similarity_logits(events: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-    """events [K, d], segments [T, d] -> [K, T] = <e_i, s_t> / sqrt(d), in float32."""
-    return events.float() @ segments.float().T / math.sqrt(events.shape[-1])
+def similarity_logits(events: torch.Tensor, segments: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+    """events [K, d], segments [T, d] -> [K, T] = <e_i, s_t> / sqrt(d), in float32.
+
+    upcast False: the product in the inputs' dtype, then float32 (pipeline/release/finetune.py: the
+    release model's similarity is taken in the model dtype, pipeline/release/model.py)."""
+    prod = events.float() @ segments.float().T if upcast else (events @ segments.T).float()
+    return prod / math.sqrt(events.shape[-1])
 
 
 def interval_distance(intervals: torch.Tensor, segment_times: torch.Tensor) -> torch.Tensor:

@@ -199,14 +199,14 @@ def additive_mask(vis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
 # --------------------------------------------------------------------------- positions and order
 
 
-def shared_position(index: int | torch.Tensor) -> int | torch.Tensor:
-    """Position of a shared token (prefix, serial <G>, plain response) = its index."""
-    return index
+def shared_position(index: int | torch.Tensor, delta: int = 0) -> int | torch.Tensor:
+    """Position of a shared token (prefix, serial <G>, plain response) = its index (+ delta: after an M-RoPE prompt, its rope delta)."""
+    return index + delta if delta else index
 
 
-def anchor_position(prefix_len: int, num_events: int) -> int:
-    """A = pos(last serial <G>) + 1 = P + K: the one position all anchors share."""
-    return int(shared_position(prefix_len + num_events - 1)) + 1
+def anchor_position(prefix_len: int, num_events: int, delta: int = 0) -> int:
+    """A = pos(last serial <G>) + 1 = P + K (+ delta, see `shared_position`): the one position all anchors share."""
+    return int(shared_position(prefix_len + num_events - 1, delta)) + 1
 
 
 def branch_position(anchor_pos: int | torch.Tensor, step: int | torch.Tensor) -> int | torch.Tensor:

@@ -21,6 +21,7 @@ from pipeline.layout import (
     pack,
     plain_layout,
     prefix_layout,
+    shared_position,
 )
 
 G, S, EOS = 5, 6, 2
@@ -171,6 +172,8 @@ def test_av_bidirectional_block():
 def test_positions_functions_and_order_keys():
     assert anchor_position(prefix_len=100, num_events=3) == 103
     assert branch_position(103, 0) == 103 and branch_position(103, 5) == 108
+    # after an M-RoPE prompt (the release model) every position is shifted by its rope delta
+    assert shared_position(100, delta=16) == 116 and anchor_position(100, 3, delta=-36) == 67
     for order in ("blocked", "round_robin"):
         lay = dense_layout([1, 2], [3, 4], 3, 2, 2, [[7, 7, 7], [8], [9, 9]], g_id=G, s_id=S, eos_id=EOS,
                            options=LayoutOptions(branch_order=order))

@@ -17,7 +17,7 @@ from infer.release_reference import branch_mask, release_reference
 from pipeline.config import InferConfig
 from pipeline.release.checkpoint import ReleaseError, read_state_dict, weight_files
 from pipeline.release.grounding import find_and_merge
-from pipeline.release.layout import AVGrid, audio_counts, build_layout, index_sets, mrope_ids
+from pipeline.release.layout import AVGrid, audio_counts, build_layout, index_sets, mrope_ids, prompt_visible
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
 from tests.support.release import CHECKPOINT, FIXTURE, fixture_video, load, perturbed, random_video
 
@@ -163,6 +163,14 @@ def test_find_and_merge_bridges_gaps_and_picks_the_heaviest_span():
 
 def test_branch_mask_literal():
     assert branch_mask(2, 2, 2).int().tolist() == [[1, 1, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]]
+
+
+def test_the_prompt_mask_is_causal_with_the_av_block_bidirectional(model):
+    # pipeline/layout.py's rule over the release prompt gives the release's prefill mask
+    lay = build_layout(model.tokenizer, model.ids, fixture_video().grid(120), "Describe.")
+    want = torch.ones(lay.length, lay.length, dtype=torch.bool).tril()
+    want[lay.p0:lay.p0 + lay.block_len, lay.p0:lay.p0 + lay.block_len] = True
+    assert torch.equal(prompt_visible(lay), want)
 
 
 # ------------------------------------------------------------------ decoding

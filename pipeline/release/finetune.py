@@ -23,8 +23,10 @@ Labels: the last prompt row and each serial <G> row predict the next planning to
 (<G>, ..., <S>); each branch row predicts its next caption token, the last one
 <|im_end|>. Grounding: the event vector of the row that predicts <G>_k against the
 segment keys, BCE with the soft targets of pipeline/grounding.py. Intervals are mapped
-to timesteps [floor(s / d), ceil(e / d) - 1]. Two forwards per video: the prompt (its
-states feed aggregation), then the rest through its cache. Pure torch + HF + peft.
+to timesteps [floor(s / d), ceil(e / d) - 1]. Two forwards per video: the prompt (decoding's
+own `prefill`, infer/release_front.py, whose states feed aggregation), then the rest through
+its cache, with the positions (`shared_position` / `anchor_position` / `branch_position`
+plus the rope delta) and the mask (`visible`) of pipeline/layout.py. Pure torch + HF + peft.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from infer.step_weights import effective_linear
-from pipeline.aggregation import attention_row
-from pipeline.grounding import soft_targets
+from pipeline.grounding import similarity_logits, soft_targets
+from pipeline.layout import Role, TokenMeta, additive_mask, anchor_position, branch_position, shared_position
 from pipeline.release.grounding import aggregate, find_and_merge
-from pipeline.release.layout import MRope, build_layout, mrope_ids
+from pipeline.release.layout import cat_meta, event_meta, prompt_meta, release_visible, shared_meta
 from pipeline.release.model import ReleaseCaptioner, settings_from
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event
@@ -161,7 +163,8 @@ class ReleaseFinetune(nn.Module):
 
     def fit(self, sample):
         """Samples are not shortened (the release's test path does not either): a prompt over
-        settings.max_seq_len is refused in make_example. -> (sample, cut=False)."""
+        settings.max_seq_len is refused by the forward (decoding's prefill_inputs raises DecodeError, as it
+        does for a bad duration or features that do not fit the grid). -> (sample, cut=False)."""
         return sample, False
 
     def make_example(self, sample, generator=None) -> ReleaseExample:
@@ -183,44 +186,22 @@ class ReleaseFinetune(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def _prompt(self, ex: ReleaseExample):
-        from infer.release_front import media_tokens, prefill_mask
-
-        m = self.model
-        with torch.no_grad():
-            vis, aud = media_tokens(m, ex.video)
-        lay = build_layout(m.tokenizer, m.ids, ex.video.grid(aud.shape[0]), ex.video.instruction or m.settings.instruction)
-        pos, delta = mrope_ids(lay, m.settings.positions)
-        dev = m.device
-        emb = self.embed(lay.input_ids.to(dev))
-        emb = emb.index_copy(0, lay.video_slots.to(dev), vis)
-        if aud.shape[0]:
-            emb = emb.index_copy(0, lay.audio_slots.to(dev), aud)
-        return lay, pos, delta, emb, prefill_mask(lay, m.dtype).to(dev)
-
     def forward_one(self, ex: ReleaseExample) -> dict:
-        from infer.release_front import seconds  # the one timestep -> seconds rule
+        from infer.release_front import prefill, seconds  # decoding's prefill; the one timestep -> seconds rule
 
         m = self.model
         dev, dtype = m.device, m.dtype
-        lay, pos, delta, emb, mask = self._prompt(ex)
         rerun = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         cache = None if rerun else DynamicCache(config=m.hf_config)
-        out = m.decoder(inputs_embeds=emb[None], attention_mask=mask, position_ids=pos[:, None].to(dev), cache=cache,
-                        use_cache=not rerun, output_hidden_states=True)
-        hs = out.hidden_states
-        h_ground, h_agg = hs[-2][0], hs[m.aggregation_layer][0]
+        pre = prefill(m, ex.video, cache, embed=self.embed, use_cache=not rerun)
+        lay, pos, delta, emb = pre.layout, pre.positions, pre.delta, pre.inputs_embeds
+        h_ground, h_agg = pre.h_ground, pre.h_agg
         L, k = lay.length, len(ex.steps)
-        q = lay.query_index
-        keys = torch.zeros(L, dtype=torch.bool, device=dev)
-        keys[: q + 1] = True
-        row = attention_row(m.decoder, m.aggregation_layer, MRope(), h_agg.detach(), pos.T.to(dev), q, keys,
-                            probs_dtype=dtype)
         g = self.embed(torch.tensor([m.g_id], device=dev))[0]
-        feats = [aggregate(row, h_agg, lay, st, m.settings.aggregation, m.audio_mean_weight) for st in ex.steps]
+        feats = [aggregate(pre.attn_row, h_agg, lay, st, m.settings.aggregation, m.audio_mean_weight) for st in ex.steps]
         plan_labels = [m.g_id] * k + [m.s_id]
-        text_hidden = [out.last_hidden_state[0, -1]]
-        event_rows = [h_ground[-1]]
+        text_hidden = [pre.last_hidden]
+        event_rows = [pre.last_ground]
         result = {"grounding_logits": [], "grounding_targets": [], "aggregation_weights": []}
         if k == 0:
             result.update(text_logits=self.logits(torch.stack(text_hidden)), text_labels=torch.tensor(plan_labels, device=dev),
@@ -249,22 +230,15 @@ class ReleaseFinetune(nn.Module):
             r_owner += [j] * (len(b) + 1)
             r_step += list(range(len(b) + 1))
         x2 = torch.cat([serial] + rows)[None]
-        n2 = x2.shape[1]
-        a_pos = L + k + delta
-        p2 = torch.tensor([L + i + delta for i in range(k)] + [a_pos + s for s in r_step], device=dev)
-        allowed = torch.zeros(n2, L + n2, dtype=torch.bool, device=dev)
-        allowed[:, :L] = True
-        allowed[:k, L:L + k] = torch.ones(k, k, dtype=torch.bool, device=dev).tril()
-        allowed[k:, L:L + k] = True
-        own = torch.tensor(r_owner, device=dev)
-        st = torch.tensor(r_step, device=dev)
-        same = (own[:, None] == own[None, :]) & (st[None, :] <= st[:, None])
-        allowed[k:, L + k:] = same
-        mask2 = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None]
+        a_pos = anchor_position(L, k, delta)
+        p2 = torch.tensor([shared_position(L + i, delta) for i in range(k)] + [branch_position(a_pos, s) for s in r_step],
+                          device=dev)
+        # the project's visibility rule: serial <G>s shared and causal, branch j sees them and its own rows
+        meta = cat_meta(prompt_meta(lay), shared_meta(k, L, Role.SERIAL_G), event_meta(L + k, k, r_owner, r_step, "blocked"))
+        queries = meta if rerun else TokenMeta(meta.order[L:], meta.role[L:], meta.event[L:])
+        mask2 = additive_mask(release_visible(queries, meta).to(dev), dtype)[None, None]
         if rerun:  # HF drops caches under activation checkpointing: stage 2 reruns with the prompt in front
-            top = torch.cat([mask[0, 0], mask.new_full((L, n2), torch.finfo(dtype).min)], 1)
-            out2 = m.decoder(inputs_embeds=torch.cat([emb[None], x2], 1),
-                             attention_mask=torch.cat([top, mask2[0, 0]])[None, None],
+            out2 = m.decoder(inputs_embeds=torch.cat([emb[None], x2], 1), attention_mask=mask2,
                              position_ids=torch.cat([pos.to(dev), p2.expand(3, -1)], 1)[:, None], use_cache=False,
                              output_hidden_states=True)
             skip = L
@@ -275,11 +249,11 @@ class ReleaseFinetune(nn.Module):
         h2 = out2.last_hidden_state[0, skip:]
         text_hidden += list(h2[:k])
         event_rows += list(out2.hidden_states[-2][0, skip: skip + k - 1])
-        segs = m.segment_vectors(h_ground, lay)
+        segs = pre.segments
         evi = m.evi_head(torch.stack(event_rows))
         d = ex.video.seconds_per_step
         times = torch.tensor([seconds((t, t), d) for t in range(lay.grid.timesteps)])
-        logits = (evi @ segs.T).float() / math.sqrt(evi.shape[-1])
+        logits = similarity_logits(evi, segs, upcast=False)
         result["grounding_logits"].append(logits)
         with torch.no_grad():  # the read-out intervals, for the held-out numbers (train/evaluate.py loss_counts)
             s = m.settings

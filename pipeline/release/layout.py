@@ -23,7 +23,12 @@ p0 + c), audio j -> (p0 + j, p0, p0 + j), text after the block from its temporal
 "release" is what the release computes at test time (the first T V tokens after p0 take
 the video grid in raster order whatever their type, everything later is text from
 p0 + max(tau(T-1), H'-1, W'-1) + 1). After the prompt every token is text in both modes:
-position = cache index + delta on all three axes. Pure torch; no ray.
+position = cache index + delta on all three axes (pipeline/layout.py `shared_position`,
+`anchor_position`, `branch_position` with the rope delta).
+Masks: the project's visibility rule (pipeline/layout.py `visible`) over the release's
+tokens (`prompt_meta`, `event_meta`): the prompt causal with its AV block bidirectional,
+serial <G>s shared, anchor and branch tokens of one event seeing the shared tokens and
+their own event only. Pure torch; no ray.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.layout import LayoutError  # one error type for both layouts
+from pipeline.layout import LayoutError, LayoutOptions, Role, TokenMeta, event_order, mask_between
 from pipeline.release.geometry import RELEASE
 
 SYSTEM = "You are a helpful assistant."
 POSITION_MODES = ("release", "training")
+MASK = LayoutOptions()  # factorized, AV bidirectional, every serial <G> visible: the release's masks
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,47 @@ def mrope_ids(lay: ReleaseLayout, mode: str) -> tuple[torch.Tensor, int]:
         pos[:, block_end:] = start + torch.arange(L - block_end)
     delta = int(pos.max()) + 1 - L
     return pos, delta
+
+
+def shared_meta(count: int, start: int = 0, role: Role = Role.INSTRUCTION) -> TokenMeta:
+    """`count` shared tokens (event -1: prompt text, serial <G>s) at order keys start, start + 1, ..."""
+    return TokenMeta(order=torch.arange(start, start + count), role=torch.full((count,), int(role)),
+                     event=torch.full((count,), -1))
+
+
+def prompt_meta(lay: ReleaseLayout) -> TokenMeta:
+    """The prompt's tokens for the visibility rule: order = index, all shared, the AV slots VISUAL /
+    AUDIO (so the AV block is bidirectional), text PREAMBLE before the block, INSTRUCTION after it."""
+    meta = shared_meta(lay.length)
+    meta.role[: lay.p0] = int(Role.PREAMBLE)
+    meta.role[lay.video_slots] = int(Role.VISUAL)
+    meta.role[lay.audio_slots] = int(Role.AUDIO)
+    return meta
+
+
+def event_meta(base: int, num_events: int, event: list[int], step: list[int], branch_order: str) -> TokenMeta:
+    """Anchor (step 0) and branch tokens (step j) of events `event`: order keys pipeline/layout.py
+    `event_order` with base = the index of the first anchor (prompt + serial <G>s)."""
+    ev, st = torch.tensor(event, dtype=torch.long), torch.tensor(step, dtype=torch.long)
+    role = torch.where(st == 0, int(Role.ANCHOR), int(Role.BRANCH))
+    return TokenMeta(order=event_order(ev, st, base, num_events, branch_order).reshape(-1), role=role, event=ev)
+
+
+def cat_meta(*parts: TokenMeta) -> TokenMeta:
+    """Token sets one after the other (keys of a forward: cache then new tokens)."""
+    return TokenMeta(order=torch.cat([p.order for p in parts]), role=torch.cat([p.role for p in parts]),
+                     event=torch.cat([p.event for p in parts]))
+
+
+def release_visible(queries: TokenMeta, keys: TokenMeta) -> torch.Tensor:
+    """bool [Lq, Lk]: the project's visibility rule with the release's mask options (`MASK`)."""
+    return mask_between(queries, keys, MASK)
+
+
+def prompt_visible(lay: ReleaseLayout) -> torch.Tensor:
+    """bool [L, L] of the prompt: causal, and the AV block bidirectional within itself."""
+    meta = prompt_meta(lay)
+    return release_visible(meta, meta)
 
 
 class MRope:
