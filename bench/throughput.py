@@ -42,7 +42,7 @@ by side in one run and printed as one JSON object:
   the next, CPU time much less. The targets are judged on wall time.
 
 Run:
-  .venv/bin/python bench/throughput.py --out bench/results/throughput_cpu-small.json   # 42 min on a quiet 2-core box
+  .venv/bin/python bench/throughput.py --out bench/results/throughput_cpu-small.json   # 51 min on a 2-core box (1-2 loaded)
   .venv/bin/python bench/throughput.py --videos 16 --in-flight 4,16 --chain-videos 2   # quicker
   python bench/throughput.py --preset qwen2.5-3b --device cuda --dtype bfloat16 --out r.json
 """
