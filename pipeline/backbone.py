@@ -59,6 +59,18 @@ def preset_config(name: str, vocab_size: int, init_std: float = 0.0) -> Qwen2Con
     )
 
 
+def scale_attention_init(model: PreTrainedModel, std: float, init_std: float) -> None:
+    """A random-init preset's query and key projections rescaled from `init_std` to `std` (0: left as
+    they are). The same random directions, so the rest of the seeded init is unchanged; attention
+    logits grow by (std / init_std)^2, the values and the residual stream not at all."""
+    if std <= 0 or std == init_std:
+        return
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(std / init_std)
+
+
 def load_backbone(model_cfg, vocab_size: int) -> tuple[PreTrainedModel, dict]:
     """Build (preset, seeded random init) or load (local path) the causal LM; see module doc."""
     dtype = DTYPES[model_cfg.dtype]
@@ -70,6 +82,7 @@ def load_backbone(model_cfg, vocab_size: int) -> tuple[PreTrainedModel, dict]:
             # from_config(attn_implementation=...) mutates the config it is given: pass a copy
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype,
                                                      attn_implementation=model_cfg.attn_implementation)
+        scale_attention_init(model, getattr(model_cfg, "attention_init_std", 0.0), config.initializer_range)
         ref = {"kind": "preset", "name": name, "seed": model_cfg.backbone_seed}
     else:
         path = Path(name)

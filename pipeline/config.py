@@ -122,6 +122,9 @@ class ModelConfig:
     # the <G>/<S> rows start at the mean embedding row plus noise of this many embedding stds
     new_token_noise: float = 0.1
     backbone_init_std: float = 0.0  # std of a preset backbone's random weights; 0 = HF's initializer_range (0.02)
+    # std of a preset backbone's query and key projections (0 = backbone_init_std): larger ones make the
+    # random heads select (attention logits scale with its square) without touching the residual stream
+    attention_init_std: float = 0.0
     visual_dim: int = 0  # Dv of the shard features; 0 = taken from the data when the model is built
     audio_dim: int = 0  # Da of the shard features; 0 = likewise
     max_segments: int = 512  # size of the segment-index (time) embedding

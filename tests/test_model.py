@@ -409,6 +409,16 @@ def test_preset_init_std():
     assert float(w.std()) == pytest.approx(0.125, rel=0.1)
 
 
+def test_attention_init_std_scales_queries_and_keys_only():
+    """model.attention_init_std: the same seeded backbone with its q/k projections (only) rescaled."""
+    base = PadCaptioner(tiny_cfg()).decoder.layers[1].self_attn
+    sharp = PadCaptioner(tiny_cfg(attention_init_std=0.1)).decoder.layers[1].self_attn
+    for name in ("q_proj", "k_proj"):
+        torch.testing.assert_close(getattr(sharp, name).base_layer.weight, 5 * getattr(base, name).base_layer.weight)
+    for name in ("v_proj", "o_proj"):
+        torch.testing.assert_close(getattr(sharp, name).base_layer.weight, getattr(base, name).base_layer.weight)
+
+
 def test_plan_logits_are_the_g_and_s_columns_of_lm_logits(model):
     """What the engine reads for a planning decision (plan_logits, two columns) is lm_logits' <G>, <S>."""
     with torch.no_grad():
