@@ -8,9 +8,9 @@ VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
-# two workers: the Ray tests (one xdist group, one worker) beside the rest (tests/conftest.py);
-# XDIST= runs everything in one process
-XDIST   ?= -n 2 --dist loadgroup
+# two workers: the Ray tests' modules (one unit of work, one worker) beside the rest
+# (tests/conftest.py); XDIST= runs everything in one process
+XDIST   ?= -n 2
 
 .PHONY: run test bench venv clean-venv
 

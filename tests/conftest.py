@@ -31,22 +31,49 @@ def pytest_configure(config):
         pass
 
 
-# `make test` runs the suite on two pytest-xdist workers (--dist loadgroup). Every test that starts
-# Ray, Ray Serve or the S3 server is in one xdist group, so one worker runs them all, one after
-# another (one Ray cluster at a time, as on a shared box), while the other worker runs the rest:
-# the Ray tests' waiting (start-up, deployments, node loss) overlaps with CPU-bound unit tests.
+# `make test` runs the suite on two pytest-xdist workers. Every module with a test that starts
+# Ray, Ray Serve or the S3 server is one unit of work (RAY_MODULES, the scheduler below), so one
+# worker runs them all, one after another (one Ray cluster at a time, as on a shared box), while
+# the other worker runs the rest: the Ray tests' waiting (start-up, deployments, node loss)
+# overlaps with CPU-bound unit tests. (xdist's own --dist loadgroup no longer groups under pytest
+# 9.2: pytest-dev/pytest-xdist#1386.) A test that needs Ray outside these modules is a collection
+# error, and under xdist one that starts Ray anyway fails naming why.
 RAY_GROUP = "ray"
+RAY_MODULES = frozenset({
+    "test_annotations.py", "test_batch_caption.py", "test_cluster_files.py", "test_cluster_sim.py",
+    "test_job_submit.py", "test_preprocess_job.py", "test_release_encoders.py", "test_release_pipeline.py",
+    "test_serve_integration.py", "test_serve_service.py", "test_serve_uris.py", "test_storage.py", "test_train_order.py",
+    "test_train_ray.py",
+})
 _RAY_FIXTURES = {"ray_local", "own_ray_cluster", "s3_server"}
 
 
-def _in_ray_group(item) -> bool:
+def _needs_ray(item) -> bool:
     return "integration" in item.keywords or bool(_RAY_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
+def _in_ray_modules(nodeid: str) -> bool:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in RAY_MODULES
+
+
+def pytest_itemcollected(item):
+    if _needs_ray(item) and not _in_ray_modules(item.nodeid):
+        raise pytest.UsageError(f"{item.nodeid} needs Ray or S3 but its module is not in tests/conftest.py "
+                                "RAY_MODULES (the modules one xdist worker runs one after another)")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under xdist: load scheduling, with RAY_MODULES as one unit of work (see above)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayAsOneUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return RAY_GROUP if _in_ray_modules(nodeid) else nodeid
+
+    return RayAsOneUnit(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _in_ray_group(item):
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
     try:
         import torch
 
@@ -63,15 +90,15 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _ray_only_in_its_group(request, monkeypatch):
-    """Under xdist, a test outside the Ray group that starts Ray fails, naming why (two workers would
-    otherwise run two clusters at once): mark it `integration` or give it a Ray fixture."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") or _in_ray_group(request.node):
+    """Under xdist, a test outside RAY_MODULES that starts Ray fails, naming why (two workers would
+    otherwise run two clusters at once): its module belongs in RAY_MODULES."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or _in_ray_modules(request.node.nodeid):
         return
     import ray
 
     def refuse(*args, **kwargs):
-        raise RuntimeError(f"{request.node.nodeid} starts Ray but is not in the xdist group {RAY_GROUP!r}: "
-                           "mark it integration or use the ray_local / own_ray_cluster fixture")
+        raise RuntimeError(f"{request.node.nodeid} starts Ray but its module is not in tests/conftest.py "
+                           "RAY_MODULES (the modules one xdist worker runs one after another)")
 
     monkeypatch.setattr(ray, "init", refuse)
 
