@@ -8,9 +8,10 @@ VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
-# two workers: the Ray tests' modules (one unit of work, one worker) beside the rest
-# (tests/conftest.py); XDIST= runs everything in one process
-XDIST   ?= -n 2
+# XDIST="-n 2" (or more): pytest-xdist workers, the Ray tests' modules as one unit of work on one
+# worker beside the rest (tests/conftest.py). Off by default: on a 2-core box the Ray tests use
+# both cores themselves, so two workers took longer (21 min 55 s against 15 min 27 s in one process)
+XDIST   ?=
 
 .PHONY: run test bench venv clean-venv
 

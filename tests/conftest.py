@@ -31,7 +31,7 @@ def pytest_configure(config):
         pass
 
 
-# `make test` runs the suite on two pytest-xdist workers. Every module with a test that starts
+# `make test XDIST="-n 2"` runs the suite on pytest-xdist workers. Every module with a test that starts
 # Ray, Ray Serve or the S3 server is one unit of work (RAY_MODULES, the scheduler below), so one
 # worker runs them all, one after another (one Ray cluster at a time, as on a shared box), while
 # the other worker runs the rest: the Ray tests' waiting (start-up, deployments, node loss)
