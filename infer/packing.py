@@ -12,7 +12,7 @@ one call compute every row against 4k keys, twice the attention they need. Two l
             pieces are packed first-fit-decreasing into bins of at most F tokens whose pages (a
             union: pieces of one sequence share pages) stay within W: a planning row rides in
             the spare rows of another video's block instead of a block of its own.
-  calls     the pieces, sorted by width, are cut into at most `max_calls` runs of similar
+  calls     the blocks, sorted by width, are cut into at most `max_calls` runs of similar
             width, one call each, W per call: a 1k-key video is no longer padded to 4k. A call
             costs a fixed few host ops per layer, so their number is bounded whatever the number
             of videos, and a cut is made only where the padded work it saves outweighs that.
@@ -76,7 +76,7 @@ def _pieces(blocks: Sequence[BlockPlan], F: int) -> list[Piece]:
     """Blocks split into pieces of at most F tokens, widest first (then fullest)."""
     out = []
     for b in blocks:
-        pages = list(b.pages)  # one list per block: its pieces share it (plan_calls' cuts rely on that)
+        pages = list(b.pages)  # one list per block, shared by its pieces
         out += [(list(b.tokens[lo:lo + F]), pages) for lo in range(0, len(b.tokens), F)]
     out.sort(key=lambda t: (-len(t[1]), -len(t[0])))
     return out
@@ -107,79 +107,63 @@ def _pack(pieces: Sequence[Piece], F: int, W: int) -> list[list[Piece]]:
     return [b[3] for b in bins]
 
 
-def _cuts(pieces: Sequence[Piece], F: int, group: int, page_size: int, max_calls: int) -> list[int]:
-    """Where to cut the width-sorted pieces into calls: indices (exclusive ends). A run's bins are estimated
-    as the sum over its pieces of the larger of their share of a bin's tokens (t / F) and of its pages
-    (w / W, W the run's widest; a piece after the first of its block shares the block's pages: 0), each
-    run costing bins x W x S x (max(F * group, MIN_ROWS) + GATHER_ROWS) + CALL_COST."""
-    n = len(pieces)
-    widths = np.array([len(p) for _, p in pieces], dtype=np.float64)
-    tok = np.array([len(t) for t, _ in pieces], dtype=np.float64) / F
-    # pieces of one block are adjacent (same pages, sorted together): only the first one's pages count
-    same = np.array([i > 0 and pieces[i][1] is pieces[i - 1][1] for i in range(n)])
-    own = np.where(same, 0.0, widths)
+def _cuts(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int, page_size: int, max_calls: int) -> list[int]:
+    """Where to cut the blocks (sorted widest first) into calls: indices (exclusive ends). A run's bins at
+    bin size F are estimated as the sum over its blocks of the larger of t / F and w / W (t tokens, w pages,
+    W the run's widest), each run costing, at the F that suits it best,
+    bins x W x S x (max(F * group, MIN_ROWS) + GATHER_ROWS) + CALL_COST."""
+    n = len(blocks)
+    widths = np.array([len(b.pages) for b in blocks], dtype=np.float64)
+    tok = np.array([len(b.tokens) for b in blocks], dtype=np.float64)
     starts = [i for i in range(1, n) if widths[i] != widths[i - 1]]
     if len(starts) > _CUT_CANDIDATES:
         starts = [starts[round(j * (len(starts) - 1) / (_CUT_CANDIDATES - 1))] for j in range(_CUT_CANDIDATES)]
-    per_row = _per_page(F, group, page_size)
-    cost = {}  # (lo, hi) -> estimated cost of one call over pieces[lo:hi]
-    ends = [*starts, n]
+    cost = {}  # (lo, hi) -> estimated cost of one call over blocks[lo:hi], at its best bin size
+    ends = np.array([*starts, n])
     for lo in [0, *starts]:
         W = max(1.0, widths[lo])
-        bins = np.ceil(np.cumsum(np.maximum(tok[lo:], own[lo:] / W)) - 1e-9)
-        for hi in ends:
-            if hi > lo:
-                cost[lo, hi] = bins[hi - lo - 1] * W * per_row + CALL_COST
-    best = (cost[0, n], [n])
+        his = ends[ends > lo]
+        best = np.full(len(his), np.inf)
+        for F in sizes:
+            bins = np.ceil(np.cumsum(np.maximum(tok[lo:] / F, widths[lo:] / W)) - 1e-9)
+            best = np.minimum(best, bins[his - lo - 1] * W * _per_page(F, group, page_size))
+        for hi, c in zip(his.tolist(), best.tolist()):
+            cost[lo, hi] = c + CALL_COST
+    best_plan = (cost[0, n], [n])
     for k in range(1, max_calls):
         for cut in itertools.combinations(starts, k):
             bounds = [0, *cut, n]
             c = sum(cost[lo, hi] for lo, hi in zip(bounds, bounds[1:]))
-            if c < best[0]:
-                best = (c, bounds[1:])
-    return best[1]
+            if c < best_plan[0]:
+                best_plan = (c, bounds[1:])
+    return best_plan[1]
 
 
 def plan_calls(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int, page_size: int,
                max_calls: int = MAX_CALLS) -> list[Call]:
-    """The step's blocks -> at most `max_calls` calls of packed bins (module doc): for each bin size F of
-    `sizes`, the cuts that cost least, then each call's own bin size; the plan that costs least wins. Every token is in exactly one bin, whose pages hold all its block's pages."""
-    real = [b for b in blocks if len(b.tokens)]
+    """The step's blocks -> at most `max_calls` calls of packed bins (module doc): the cuts into width
+    classes that cost least (estimated, each class at its best bin size), then each class packed at every
+    bin size and its cheapest packing kept. Every token is in exactly one bin, whose pages hold all its
+    block's pages.
+
+    One cut plan, priced at every bin size at once: choosing the cuts per bin size and packing each (the
+    first version) gave 0.7 % less padded work on random 4-64-video steps at 3x the host time (3.9 ms
+    against 1.3 ms a step on the 2-core box)."""
+    real = sorted((b for b in blocks if len(b.tokens)), key=lambda b: -len(b.pages))  # stable: step order in ties
     if not real:
         return [Call(1, list(blocks) or [BlockPlan((), ())])]
-    best: tuple[float, list[tuple[int, list[list[Piece]]]]] | None = None
-    for F in sizes:
-        pieces = _pieces(real, F)
-        runs, lo, cost = [], 0, 0.0
-        for hi in _cuts(pieces, F, group, page_size, max_calls):
-            # each run (a width class) then takes the bin size that suits its own blocks best
-            run = [BlockPlan(t, p) for t, p in pieces[lo:hi]]
-            W = max(1, len(pieces[lo][1]))
-            options = []
-            for Fc in sizes:
-                bins = _pack(_pieces(_merged(run), Fc), Fc, W)
-                options.append((len(bins) * W * _per_page(Fc, group, page_size), Fc, bins))
-            c, Fc, bins = min(options, key=lambda o: o[0])
-            runs.append((Fc, bins))
-            cost += c + CALL_COST
-            lo = hi
-        if best is None or cost < best[0]:
-            best = (cost, runs)
-    # the exact union of each bin's pages (the estimate above only sizes the bins)
-    return [Call(Fc, [BlockPlan([t for toks, _ in members for t in toks],
-                                list(dict.fromkeys(p for _, pages in members for p in pages))) for members in bins])
-            for Fc, bins in best[1]]
-
-
-def _merged(pieces: Sequence[BlockPlan]) -> list[BlockPlan]:
-    """Pieces of one block (the same pages object) joined back into the block."""
-    out: dict[int, BlockPlan] = {}
-    for b in pieces:
-        if id(b.pages) in out:
-            out[id(b.pages)].tokens.extend(b.tokens)
-        else:
-            out[id(b.pages)] = BlockPlan(list(b.tokens), b.pages)
-    return list(out.values())
+    calls, lo = [], 0
+    for hi in _cuts(real, sizes, group, page_size, max_calls):  # cuts fall between blocks
+        run, W = real[lo:hi], max(1, len(real[lo].pages))
+        options = [(len(bins) * W * _per_page(F, group, page_size), F, bins)
+                   for F in sizes for bins in [_pack(_pieces(run, F), F, W)]]
+        _, F, bins = min(options, key=lambda o: o[0])
+        # the exact union of each bin's pages (W above only bounds them)
+        calls.append(Call(F, [BlockPlan([t for toks, _ in members for t in toks],
+                                        list(dict.fromkeys(p for _, pages in members for p in pages)))
+                              for members in bins]))
+        lo = hi
+    return calls
 
 
 def padded_work(calls: Sequence[Call], group: int) -> int:
