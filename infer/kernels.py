@@ -93,7 +93,7 @@ class Contract:
 class GatherCall:
     """One call of a gathering kernel, valid for one step: `bins` blocks of `q_block` padded queries, each
     over `width` gathered pages. k, v [bins, Hkv, width*S, D]: views into the step's gathered pages
-    (AttnMeta.kv_out, refilled at every layer); visible [bins, 1, q_block*g, width*S]: the additive mask
+    (GatherMeta.kv_out, refilled at every layer); visible [bins, 1, q_block*g, width*S]: the additive mask
     (0 visible, -inf hidden) in the pool's dtype, rows (query, head in its KV group) as q is laid out."""
 
     bins: int
@@ -106,45 +106,17 @@ class GatherCall:
 
 @dataclass
 class AttnMeta:
-    """A step's attention metadata (module doc); device tensors, built once per step.
-
-    tokens: N; q_block: BM (the largest of the calls'); page_size: S.
-    Gathering kernels (reference, sdpa): calls: their GatherCalls (infer/packing.py decides them);
-    pages_flat [P]: every call's pages, call after call, bin after bin (padded with page 0);
-    kv_out [P, S*2*Hkv*D]: where a layer's pages are gathered (the kernel's workspace; the calls' k, v
-    view it); q_tok, q_head [R]: the step token and query head of each row of the calls' folded queries
-    (R = sum of bins x Hkv x BM x g; padding rows repeat token 0, their outputs are never read);
-    q_split: each call's rows; out_rows [N*Hq]: where (token, head) sits among the calls' outputs.
-    Flex: pages [Qb, B] long, npages [Qb] int32: the pages each block may see; q_gather_clamped
-    [Qb*BM]: step token of each padded query slot (padding: token 0); q_out [N]: padded slot of each
-    step token; seq_a, lim_a, seq_b, lim_b [Qb*BM]: per slot, the two (sequence, limit) pairs;
-    block_mask: the FlexAttention BlockMask.
-    """
+    """A step's attention metadata (module doc); device tensors, built once per step by `build`, as the
+    chosen kernel's subclass (GatherMeta or FlexMeta). tokens: N; q_block: BM; page_size: S."""
 
     tokens: int
     q_block: int
     page_size: int
-    calls: tuple[GatherCall, ...] = ()
-    pages_flat: torch.Tensor | None = None
-    kv_out: torch.Tensor | None = None
-    q_tok: torch.Tensor | None = None
-    q_head: torch.Tensor | None = None
-    q_split: tuple[int, ...] = ()
-    out_rows: torch.Tensor | None = None
-    pages: torch.Tensor | None = None
-    npages: torch.Tensor | None = None
-    q_gather_clamped: torch.Tensor | None = None
-    q_out: torch.Tensor | None = None
-    seq_a: torch.Tensor | None = None
-    lim_a: torch.Tensor | None = None
-    seq_b: torch.Tensor | None = None
-    lim_b: torch.Tensor | None = None
-    block_mask: object | None = None
 
     @property
     def blocks(self) -> int:
         """Query blocks (flex) or bins (gathering kernels)."""
-        return int(self.pages.shape[0]) if self.pages is not None else sum(c.bins for c in self.calls)
+        raise NotImplementedError
 
     @staticmethod
     def build(blocks: Sequence[BlockPlan], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
@@ -161,6 +133,51 @@ class AttnMeta:
         if kernel.name == "flex":
             return _flex_meta(blocks, rules, q_block, pool, kernel)
         return _gather_meta(blocks, rules, pool, kernel, group, workspace)
+
+
+@dataclass
+class GatherMeta(AttnMeta):
+    """The gathering kernels' (reference, sdpa) meta. q_block: the largest of the calls'.
+    calls: their GatherCalls (infer/packing.py decides them); pages_flat [P]: every call's pages, call
+    after call, bin after bin (padded with page 0); kv_out [P, S*2*Hkv*D]: where a layer's pages are
+    gathered (the kernel's workspace; the calls' k, v view it); q_tok, q_head [R]: the step token and
+    query head of each row of the calls' folded queries (R = sum of bins x Hkv x BM x g; padding rows
+    repeat token 0, their outputs are never read); q_split: each call's rows; out_rows [N*Hq]: where
+    (token, head) sits among the calls' outputs."""
+
+    calls: tuple[GatherCall, ...]
+    pages_flat: torch.Tensor
+    kv_out: torch.Tensor
+    q_tok: torch.Tensor
+    q_head: torch.Tensor
+    q_split: tuple[int, ...]
+    out_rows: torch.Tensor
+
+    @property
+    def blocks(self) -> int:
+        return sum(c.bins for c in self.calls)
+
+
+@dataclass
+class FlexMeta(AttnMeta):
+    """FlexAttention's meta. pages [Qb, B] long, npages [Qb] int32: the pages each block may see;
+    q_gather_clamped [Qb*BM]: step token of each padded query slot (padding: token 0); q_out [N]: padded
+    slot of each step token; seq_a, lim_a, seq_b, lim_b [Qb*BM]: per slot, the two (sequence, limit)
+    pairs; block_mask: the FlexAttention BlockMask (set once the rest is built)."""
+
+    pages: torch.Tensor
+    npages: torch.Tensor
+    q_gather_clamped: torch.Tensor
+    q_out: torch.Tensor
+    seq_a: torch.Tensor
+    lim_a: torch.Tensor
+    seq_b: torch.Tensor
+    lim_b: torch.Tensor
+    block_mask: object | None = None
+
+    @property
+    def blocks(self) -> int:
+        return int(self.pages.shape[0])
 
 
 def _slots(blocks: Sequence[BlockPlan], n: int, q_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -201,7 +218,7 @@ def _visibility(page_t: torch.Tensor, npages: torch.Tensor, slot_rules: list[tor
     return ((kseq == sa) & (kidx < la)) | ((kseq == sb) & (kidx < lb))
 
 
-def _gather_meta(blocks, rules, pool, kernel: "Kernel", group: int, workspace: "Workspace | None") -> AttnMeta:
+def _gather_meta(blocks, rules, pool, kernel: "Kernel", group: int, workspace: "Workspace | None") -> GatherMeta:
     """A gathering kernel's meta: the blocks planned into calls (infer/packing.py), each call's queries,
     pages and mask laid out once, for every layer of the step."""
     n, S, mult = len(rules[0]), pool.page_size, kernel.contract.q_block_multiple
@@ -244,13 +261,13 @@ def _gather_meta(blocks, rules, pool, kernel: "Kernel", group: int, workspace: "
         k, v = g.unbind(0)
         built.append(GatherCall(bins, bm, width, k, v, vis.view(bins, 1, bm * group, width * S)))
         p_at, m_at = p_at + bins * width, m_at + m.numel()
-    return AttnMeta(tokens=n, q_block=max(c.q_block for c in built), page_size=S, calls=tuple(built),
+    return GatherMeta(tokens=n, q_block=max(c.q_block for c in built), page_size=S, calls=tuple(built),
                     pages_flat=pages_flat, kv_out=kv_out, q_tok=torch.cat(q_tok).to(dev),
                     q_head=torch.cat(q_head).to(dev), q_split=tuple(c.bins * hkv * c.q_block * group for c in built),
                     out_rows=out_rows.to(dev))
 
 
-def _flex_meta(blocks, rules, q_block: int, pool, kernel: "Kernel") -> AttnMeta:
+def _flex_meta(blocks, rules, q_block: int, pool, kernel: "Kernel") -> FlexMeta:
     """FlexAttention's meta: one block per scheduler block (no packing: flex reads only the listed pages
     of each block, so several videos in one block would compute as much and in fewer parallel tiles),
     their number rounded up to a power of two and a fixed query block (compiled flex specialises on
@@ -267,14 +284,14 @@ def _flex_meta(blocks, rules, q_block: int, pool, kernel: "Kernel") -> AttnMeta:
     out[gather[real]] = torch.arange(gather.numel())[real]
     dev = pool.device
     sa, la, sb, lb = (r.to(dev) for r in _per_slot(rules, gather))
-    meta = AttnMeta(tokens=n, q_block=q_block, page_size=pool.page_size, pages=page_t.to(dev),
+    meta = FlexMeta(tokens=n, q_block=q_block, page_size=pool.page_size, pages=page_t.to(dev),
                     npages=npages.to(dev), q_gather_clamped=torch.where(real, gather, 0).to(dev), q_out=out.to(dev),
                     seq_a=sa, lim_a=la, seq_b=sb, lim_b=lb)
     meta.block_mask = flex_block_mask(meta, pool)
     return meta
 
 
-def flex_block_mask(meta: AttnMeta, pool):
+def flex_block_mask(meta: FlexMeta, pool):
     """The step's BlockMask over the whole pool: the blocks' pages as kv blocks (the index as wide as
     the pool's pages, as compiled FlexAttention requires), the rule as mask_mod."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -339,7 +356,7 @@ class Kernel:
 
 
 class GatheringKernel(Kernel):
-    """Gathers each layer's pages for the step's calls (AttnMeta.calls), runs `call` on each, and puts the
+    """Gathers each layer's pages for the step's calls (GatherMeta.calls), runs `call` on each, and puts the
     outputs back in step order: a fixed handful of ops per layer plus two per call, whatever the videos."""
 
     def attend(self, q, pool, layer, meta, scale):
