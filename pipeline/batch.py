@@ -5,7 +5,7 @@
     (model.layout = sequential / textual_planning: every dense sample is a plain sample whose
     response is its events as text, pipeline/textual.py)
     ex = make_example(sample, ..., with_targets=False)                          # prefix only (decoding)
-    batch = collate([ex, ...])          # pipeline.layout.pack + the per-sample features
+    batch = collate([ex, ...])          # pack (the layouts padded) + the per-sample features
 
 `PadCaptioner.make_example` wraps `make_example` with the model's tokenizer and prompt.
 Bad input raises `ExampleError` naming the video and the reason.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.aggregation import jitter_intervals
-from pipeline.layout import Layout, LayoutOptions, Packed, dense_layout, pack, plain_layout, prefix_layout
+from pipeline.layout import IGNORE, Layout, LayoutError, LayoutOptions, Role, dense_layout, plain_layout, prefix_layout
 from pipeline.textual import format_sequential, format_textual_planning
 from pipeline.schema import Sample
 
@@ -123,3 +123,64 @@ def make_example(
 def collate(examples: Sequence[Example]) -> Batch:
     """Pad examples into one batch; every sample keeps its own mask (pipeline.layout.pack)."""
     return Batch(packed=pack([ex.layout for ex in examples]), examples=list(examples))
+
+
+# --------------------------------------------------------------------------- padding layouts into a batch
+
+
+@dataclass
+class Packed:
+    """A padded batch of layouts; tensors [B, L] unless noted, mask [B, 1, L, L].
+
+    Two stages per sample: tokens before its first anchor (`layout.split`) go to
+    columns [0, split_b), the anchors and branches to [S, S + L_b - split_b) where
+    S = `split` = max_b split_b. So columns [0, S) can run first (prefill, planning,
+    grounding, aggregation) and [S, L) after, with the first stage as KV cache.
+    `columns[b]` maps sample b's layout index -> batch column. Every sample keeps its
+    own mask; PAD columns are hidden and PAD rows see only themselves.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    event: torch.Tensor
+    role: torch.Tensor
+    segment: torch.Tensor
+    slot: torch.Tensor
+    step: torch.Tensor
+    order: torch.Tensor
+    position: torch.Tensor
+    mask: torch.Tensor
+    split: int
+    columns: list[torch.Tensor]
+    layouts: list[Layout]
+
+    def __len__(self) -> int:
+        return len(self.layouts)
+
+
+_PAD_VALUES = {"input_ids": 0, "labels": IGNORE, "event": -1, "role": int(Role.PAD), "segment": -1,
+               "slot": -1, "step": -1, "order": -1, "position": 0}
+
+
+def pack(layouts: Sequence[Layout]) -> Packed:
+    """Pad a batch of layouts (module notes); each keeps its own mask."""
+    if not layouts:
+        raise LayoutError("cannot pack an empty batch")
+    s = max(lay.split for lay in layouts)
+    total = s + max(len(lay) - lay.split for lay in layouts)
+    bsz = len(layouts)
+    out = {k: torch.full((bsz, total), v, dtype=torch.long) for k, v in _PAD_VALUES.items()}
+    mask = torch.full((bsz, 1, total, total), torch.finfo(torch.float32).min)
+    diag = torch.arange(total)
+    columns = []
+    for b, lay in enumerate(layouts):
+        idx = torch.arange(len(lay))
+        col = torch.where(idx < lay.split, idx, idx - lay.split + s)
+        columns.append(col)
+        for k in _PAD_VALUES:
+            out[k][b, col] = getattr(lay, k)
+        mask[b, 0, diag, diag] = 0.0  # PAD rows see themselves
+        mask[b, 0, col[:, None], col[None, :]] = lay.mask[0, 0]
+    return Packed(mask=mask, split=s, columns=columns, layouts=list(layouts), **out)
+
+

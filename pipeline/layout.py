@@ -1,7 +1,7 @@
 """Sequence layout of PadCaptioner: token roles, the event-factorized mask, positions.
 
 Pure torch functions (no model, no tokenizer): token ids and sizes in, a `Layout`
-out. Training (`dense_layout`, `plain_layout`, `pack`) and decoding (infer/, which
+out. Training (`dense_layout`, `plain_layout`; pipeline/batch.py `pack`) and decoding (infer/, which
 calls `visible` / `mask_between` / `shared_position` / `anchor_position` /
 `branch_position` / `event_order` itself) use the SAME functions, so the two can
 never disagree about who sees whom or where a token sits.
@@ -51,7 +51,7 @@ A = pos(<G>_K) + 1 = P + K (`anchor_position`); step j of every branch at A + j
 the backbone's position ids (1D RoPE today; a 3D mRoPE adapter reads `segment`).
 
 Masks are additive floats [1, 1, L, L]: 0 visible, finfo(float32).min hidden, built
-per sample; `pack` pads a batch keeping every sample's own mask.
+per sample; pipeline/batch.py `pack` pads a batch keeping every sample's own mask.
 """
 
 from __future__ import annotations
@@ -453,64 +453,3 @@ def plain_layout(
     b.add(target[:-1], Role.RESPONSE, labels=target[1:])
     return b.finish(options, num_segments=num_segments, visual_per_segment=visual_per_segment,
                     audio_per_segment=audio_per_segment, num_events=0, prefix_len=p, split=len(b), kind="plain")
-
-
-# --------------------------------------------------------------------------- batches
-
-
-@dataclass
-class Packed:
-    """A padded batch of layouts; tensors [B, L] unless noted, mask [B, 1, L, L].
-
-    Two stages per sample: tokens before its first anchor (`layout.split`) go to
-    columns [0, split_b), the anchors and branches to [S, S + L_b - split_b) where
-    S = `split` = max_b split_b. So columns [0, S) can run first (prefill, planning,
-    grounding, aggregation) and [S, L) after, with the first stage as KV cache.
-    `columns[b]` maps sample b's layout index -> batch column. Every sample keeps its
-    own mask; PAD columns are hidden and PAD rows see only themselves.
-    """
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    event: torch.Tensor
-    role: torch.Tensor
-    segment: torch.Tensor
-    slot: torch.Tensor
-    step: torch.Tensor
-    order: torch.Tensor
-    position: torch.Tensor
-    mask: torch.Tensor
-    split: int
-    columns: list[torch.Tensor]
-    layouts: list[Layout]
-
-    def __len__(self) -> int:
-        return len(self.layouts)
-
-
-_PAD_VALUES = {"input_ids": 0, "labels": IGNORE, "event": -1, "role": int(Role.PAD), "segment": -1,
-               "slot": -1, "step": -1, "order": -1, "position": 0}
-
-
-def pack(layouts: Sequence[Layout]) -> Packed:
-    """Pad a batch of layouts (module notes); each keeps its own mask."""
-    if not layouts:
-        raise LayoutError("cannot pack an empty batch")
-    s = max(lay.split for lay in layouts)
-    total = s + max(len(lay) - lay.split for lay in layouts)
-    bsz = len(layouts)
-    out = {k: torch.full((bsz, total), v, dtype=torch.long) for k, v in _PAD_VALUES.items()}
-    mask = torch.full((bsz, 1, total, total), torch.finfo(torch.float32).min)
-    diag = torch.arange(total)
-    columns = []
-    for b, lay in enumerate(layouts):
-        idx = torch.arange(len(lay))
-        col = torch.where(idx < lay.split, idx, idx - lay.split + s)
-        columns.append(col)
-        for k in _PAD_VALUES:
-            out[k][b, col] = getattr(lay, k)
-        mask[b, 0, diag, diag] = 0.0  # PAD rows see themselves
-        mask[b, 0, col[:, None], col[None, :]] = lay.mask[0, 0]
-    return Packed(mask=mask, split=s, columns=columns, layouts=list(layouts), **out)
-
-

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.batch import pack
 from pipeline.layout import (
     FEATURE_ID,
     IGNORE,
@@ -18,7 +19,6 @@ from pipeline.layout import (
     dense_layout,
     event_order,
     mask_between,
-    pack,
     plain_layout,
     prefix_layout,
     shared_position,
