@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -68,14 +69,39 @@ def weights_fingerprint(model_dir: Path, length: int = 8) -> str:
 
     It names *these* weights: a retrained model saved to the same directory gets a new id,
     so captions written with the old one (infer/batch.py resume) are never taken for its own.
+    Reading a 3B checkpoint's ~9 GB takes a while, and every caption actor and replica asks, so the
+    hash is kept in a per-machine cache (`fingerprint_cache_dir`) under the directory's file list
+    with each file's size, mtime and inode: a file rewritten in any way changes that key.
     """
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file())
+    stats = [(str(f.relative_to(model_dir)), *((st := f.stat()).st_size, st.st_mtime_ns, st.st_ino)) for f in files]
+    key = hashlib.sha256(repr((str(model_dir.resolve()), length, stats)).encode()).hexdigest()
+    cache = fingerprint_cache_dir() / f"{key[:40]}.txt"
+    try:
+        return cache.read_text().strip()
+    except OSError:
+        pass
     h = hashlib.sha256()
-    for f in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+    for f in files:
         h.update(str(f.relative_to(model_dir)).encode() + b"\0")
         with f.open("rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
-    return h.hexdigest()[:length]
+    digest = h.hexdigest()[:length]
+    try:  # atomically: actors on one machine may ask at once
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        os.replace(tmp, cache)
+    except OSError as e:  # a read-only home: hash every time
+        log.debug("fingerprint cache %s not written: %s", cache, e)
+    return digest
+
+
+def fingerprint_cache_dir() -> Path:
+    """$PADCAP_CACHE_DIR/fingerprints, else ~/.cache/padcaptioner/fingerprints."""
+    root = os.environ.get("PADCAP_CACHE_DIR") or Path.home() / ".cache" / "padcaptioner"
+    return Path(root) / "fingerprints"
 
 
 def release_config(cfg: Config, path: Path) -> Config:

@@ -19,6 +19,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# infer/loading.py caches model fingerprints per machine: the suite's go to a directory of its own
+if "PADCAP_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["PADCAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="padcap-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["PADCAP_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_configure(config):

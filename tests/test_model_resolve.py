@@ -49,3 +49,52 @@ def test_resolve_model_gives_load_models_id_and_features_without_loading(kind, s
     assert (model_id, resolved) == (card.model_id, loaded)
     assert resolved.features.n_mels == (16 if kind == "saved" else cfg.features.n_mels)
     assert resolved.features.release_features == ("online" if kind == "release" else cfg.features.release_features)
+
+
+def _plain_fingerprint(model_dir, length=8) -> str:
+    """Every file's name and bytes, hashed (what the id has always been)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(model_dir)).encode() + b"\0")
+        h.update(f.read_bytes())
+    return h.hexdigest()[:length]
+
+
+def test_weights_fingerprint_is_cached_per_machine_and_changes_with_the_files(tmp_path, monkeypatch):
+    """The id is the content hash of the directory; asked again (another actor, another replica) it comes
+    from the cache without reading the weights; a rewritten file gives a new id; with no writable cache
+    it is still right."""
+    from pathlib import Path
+
+    from infer.loading import weights_fingerprint
+
+    monkeypatch.setenv("PADCAP_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "weights.bin").write_bytes(bytes(range(256)) * 4096)
+    (model / "sub" / "config.json").write_text('{"a": 1}')
+    first = weights_fingerprint(model)
+    assert first == _plain_fingerprint(model)
+    assert len(list((tmp_path / "cache" / "fingerprints").iterdir())) == 1
+
+    real_open = Path.open
+
+    def no_reads(self, *a, **kw):
+        if self.is_relative_to(model):
+            raise AssertionError(f"{self} read again")
+        return real_open(self, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "open", no_reads)
+        assert weights_fingerprint(model) == first
+
+    (model / "weights.bin").write_bytes(bytes(range(256)) * 4095 + b"x")  # retrained: other bytes
+    second = weights_fingerprint(model)
+    assert second != first and second == _plain_fingerprint(model)
+
+    ro = tmp_path / "ro"
+    ro.write_text("a file where the cache directory would be")
+    monkeypatch.setenv("PADCAP_CACHE_DIR", str(ro))
+    assert weights_fingerprint(model) == second
