@@ -15,7 +15,8 @@ video's program (infer/programs.py) turns the step's outputs for it into its nex
         admit videos while the KV pool can promise their worst case (pages, not slots)
         plan = scheduler.plan(videos); hidden, states = runner.forward(plan.batch)
         prefill chunks: keep their grounding / aggregation states; the prefix's last row decides
-        planning rows: decide the next <G> (or stop: ground, build anchors, branches next step)
+        planning rows: decide the next <G>; the videos that stop are grounded and get their anchors
+            together (batched), and their branches start next step
         branch rows: logits -> tokens (bias bans <G>/<S>; test processors; greedy or a seeded draw);
             <eos> or the cap ends a branch (its pages freed); a video whose branches all ended is done
     (the step's tokens come back to the host once per step)
@@ -325,8 +326,9 @@ class CaptionEngine:
         decisions += [(v, hidden[row], states[v.prog.ground_layer][row]) for v, row in plan.plan]
         if decisions:  # every decision row's (<G>, <S>) logits in one product, one copy to the host
             restricted = self.model.plan_logits(torch.stack([h for _, h, _ in decisions])).float().cpu()
-            for (v, _, ground), r in zip(decisions, restricted):
-                self._decide(v, r, ground)
+            planned = [v for (v, _, ground), r in zip(decisions, restricted) if not self._decide(v, r, ground)]
+            if planned:
+                self._ground(planned)
         if plan.n_branch:
             self._branch_tokens(plan, hidden[: plan.n_branch], emit)
         for v in [v for v in videos if v.phase is Phase.BRANCH and not v.branches] + \
@@ -335,23 +337,30 @@ class CaptionEngine:
             self._release(v)
             emit(v.request, self._finish(v))
 
-    def _decide(self, v: VideoState, restricted: torch.Tensor, ground: torch.Tensor) -> None:
-        """A decision row of v (its (<G>, <S>) logits on the host): another serial <G> next step, or the
-        end of planning."""
+    def _decide(self, v: VideoState, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
+        """A decision row of v (its (<G>, <S>) logits on the host): another serial <G> next step (True),
+        or the end of planning (False)."""
         v.phase = Phase.PLAN
         v.feed_g = v.prog.decide(restricted, ground)
-        if v.feed_g:
-            return
+        return v.feed_g
+
+    def _ground(self, planned: list[VideoState]) -> None:
+        """The videos whose planning ended this step: grounding and anchors, all of them at once
+        (their program's `finish_all`); their branches start next step."""
         t0 = time.perf_counter()
-        v.anchors = v.prog.finish()
-        v.grounding_ms = (time.perf_counter() - t0) * 1000.0
-        self.stats["front_ms"] += v.grounding_ms
-        v.times["planned"] = time.perf_counter()
-        k = v.anchors.anchors.shape[0]
-        keep = k * pages_for(v.cap, self.pool.page_size)  # the branches' worst case; the prefix is complete
-        self.pool.unreserve(v.reserved - keep)
-        v.reserved = keep
-        v.phase = Phase.READY
+        anchors = type(planned[0].prog).finish_all([v.prog for v in planned])
+        ms = (time.perf_counter() - t0) * 1000.0
+        self.stats["front_ms"] += ms
+        now = time.perf_counter()
+        for v, a in zip(planned, anchors):
+            v.anchors = a
+            v.grounding_ms = ms / len(planned)
+            v.times["planned"] = now
+            k = a.anchors.shape[0]
+            keep = k * pages_for(v.cap, self.pool.page_size)  # the branches' worst case; the prefix is complete
+            self.pool.unreserve(v.reserved - keep)
+            v.reserved = keep
+            v.phase = Phase.READY
 
     def _branch_tokens(self, plan: StepPlan, hidden: torch.Tensor, emit) -> None:
         """Logits of the branch rows -> one token each; ended branches leave (pages freed)."""

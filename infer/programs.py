@@ -7,6 +7,7 @@
     want_g = prog.decide(restricted, ground)              # at every decision row ((<G>, <S>) logits)
     x, pos = prog.plan_input()                            # the serial <G> to feed next
     prog.finish() -> Anchors                              # intervals, anchors [K, d], position A
+    PadProgram.finish_all(progs) -> [Anchors]             # the same for every video whose planning ended in a step
 
 The scheduler (infer/scheduler.py) runs every forward in the shared step (infer/step.py);
 a program only turns the step's outputs for its own video into the next decision, so the
@@ -32,14 +33,16 @@ Pure torch + HF; no ray.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from infer.front import DecodeError, decode_reserve, ground_intervals, prepare_example, token_position_ids
 from infer.sampling import DecodeControl, plan_decision, planning_capped
 from pipeline.batch import collate
-from pipeline.grounding import similarity_logits
+from pipeline.grounding import segment_hidden, similarity_logits_batched
 from pipeline.layout import Role, anchor_position, shared_position
 
 
@@ -109,7 +112,13 @@ class PadProgram:
         self.g_emb = model.embed_tokens(torch.tensor([[model.g_id]], device=model.device))[0, 0]
 
     def prefilled(self, states: dict[int, torch.Tensor]) -> None:
+        """The prefix is done: what grounding and the anchors need of it alone (segment states, the
+        aggregation's attention row) is taken now, once."""
         self.h_ground, self.h_agg = states[self.ground_layer], states[self.agg_layer]
+        lay, dev = self.example.layout, self.h_ground.device
+        self.seg_hidden = segment_hidden(self.h_ground, lay.visual_index.to(dev), lay.audio_index.to(dev))  # [T, d]
+        self.key_visible = lay.mask[0, 0, lay.instruction_end, :self.length].to(dev) == 0
+        self.agg_row = self.model.aggregation_row(self.h_agg, lay, self._pos[0], self.key_visible)
 
     def decide(self, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
         """At a decision row (its (<G>, <S>) logits [2] fp32 on the host, its grounding-layer state):
@@ -129,19 +138,31 @@ class PadProgram:
         return self.g_emb, _plan_position(int(pos.flatten()[0]))
 
     def finish(self) -> Anchors:
-        model, ex = self.model, self.example
-        lay = ex.layout
-        events = model.event_vectors(torch.stack(self.queries))
-        dev = self.h_ground.device
-        segments = model.segment_vectors(self.h_ground, lay.visual_index.to(dev), lay.audio_index.to(dev))
-        g_logits = similarity_logits(events, segments)
-        intervals = ground_intervals(model, g_logits, ex)
-        p = self.length
-        key_visible = lay.mask[0, 0, lay.instruction_end, :p].to(dev) == 0
-        anchors = model.anchor_embeddings(self.h_agg, lay, ex.segment_times, torch.tensor(intervals, dtype=torch.float32),
-                                          self._pos[0], key_visible)
-        return Anchors(intervals, anchors, anchor_position(p, self.k), _stack(self.plan_logits), g_logits,
-                       int(lay.num_segments))
+        return PadProgram.finish_all([self])[0]
+
+    @staticmethod
+    def finish_all(progs: "Sequence[PadProgram]") -> list[Anchors]:
+        """Grounding and anchors of the videos whose planning ended in one step, batched: the event and
+        segment heads run once over every video's rows, the similarities are one padded batched product
+        with one copy to the host (the readout is host work), then each video's anchors."""
+        model = progs[0].model
+        ks = [len(p.queries) for p in progs]
+        ts = [p.seg_hidden.shape[0] for p in progs]
+        events = model.event_vectors(torch.stack([q for p in progs for q in p.queries]))  # [sum K, d]
+        segments = model.segment_head(torch.cat([p.seg_hidden for p in progs]))  # [sum T, d]
+        ev = pad_sequence(list(events.split(ks)), batch_first=True)  # [B, Kmax, d]
+        seg = pad_sequence(list(segments.split(ts)), batch_first=True)  # [B, Tmax, d]
+        sims = similarity_logits_batched(ev, seg).cpu()  # [B, Kmax, Tmax] fp32
+        out = []
+        for p, k, t, g in zip(progs, ks, ts, sims):
+            ex, lay = p.example, p.example.layout
+            g_logits = g[:k, :t]
+            intervals = ground_intervals(model, g_logits, ex)
+            anchors = model.anchor_embeddings(p.h_agg, lay, ex.segment_times, torch.tensor(intervals, dtype=torch.float32),
+                                              p._pos[0], p.key_visible, p.agg_row)
+            out.append(Anchors(intervals, anchors, anchor_position(p.length, p.k), _stack(p.plan_logits), g_logits,
+                               int(lay.num_segments)))
+        return out
 
 
 class ReleaseProgram:
@@ -201,6 +222,11 @@ class ReleaseProgram:
         pos = shared_position(self.length + self.k, self.delta)
         self.k += 1
         return x, _plan_position(pos)
+
+    @staticmethod
+    def finish_all(progs: "Sequence[ReleaseProgram]") -> list[Anchors]:
+        """`finish` of each (the release's anchors come from states taken at prefill: nothing to batch)."""
+        return [p.finish() for p in progs]
 
     def finish(self) -> Anchors:
         from infer.release_front import anchor_inputs, seconds

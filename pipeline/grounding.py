@@ -50,6 +50,12 @@ def similarity_logits(events: torch.Tensor, segments: torch.Tensor, upcast: bool
     return prod / math.sqrt(events.shape[-1])
 
 
+def similarity_logits_batched(events: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """events [B, K, d], segments [B, T, d] -> [B, K, T] float32: `similarity_logits` of each pair of a
+    batch at once (padded rows and columns give 0; the caller slices them off)."""
+    return torch.bmm(events.float(), segments.float().transpose(1, 2)) / math.sqrt(events.shape[-1])
+
+
 def interval_distance(intervals: torch.Tensor, segment_times: torch.Tensor) -> torch.Tensor:
     """intervals [K, 2], segment_times [T, 2] -> [K, T] seconds from segment t to interval i.
 

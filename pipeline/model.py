@@ -18,7 +18,7 @@ state at all (a hook would leave it exposed to weight decay and cost two vocab x
 buffers), and checkpoints hold two rows, not the matrix. `embed_tokens` substitutes the
 rows for the <G>/<S> ids; `lm_logits` replaces those two logit columns.
 
-Forward (training), per padded batch (pipeline.layout.Packed), two stages:
+Forward (training), per padded batch (pipeline.batch.Packed), two stages:
   1. columns [0, split): prefix + serial <G>s (or a whole plain sample), with a KV cache;
      planning logits, event vectors (grounding layer, rows that predict each <G>),
      segment vectors, and the aggregation layer's input states come from this pass;
@@ -252,20 +252,27 @@ class PadCaptioner(nn.Module):
         """[K, T] logits -> K (start, end) intervals with the configured threshold and gap."""
         return readout(logits, segment_times, self.cfg.grounding_threshold, self.cfg.grounding_max_gap)
 
+    def aggregation_row(self, hidden_in: torch.Tensor, layout, position_ids: torch.Tensor,
+                        key_visible: torch.Tensor) -> torch.Tensor | None:
+        """The attention row [S] that weighs the prefix for the anchors (aggregation = attention; else
+        None): the last instruction token's head-averaged attention at `aggregation_layer`. It depends
+        on the prefix only, so a decoder takes it once, when the prefix is done."""
+        if self.cfg.aggregation != "attention":
+            return None
+        return attention_row(self.decoder, self.aggregation_layer, self.adapter, hidden_in,
+                             position_ids.to(hidden_in.device), layout.instruction_end, key_visible.to(hidden_in.device))
+
     def anchor_features(self, hidden_in: torch.Tensor, layout, segment_times: torch.Tensor, intervals: torch.Tensor,
-                        position_ids: torch.Tensor, key_visible: torch.Tensor):
+                        position_ids: torch.Tensor, key_visible: torch.Tensor, row: torch.Tensor | None = None):
         """Aggregated features [K, d] (and the weights) for one sample.
 
         hidden_in [S, d]: input states of layer `aggregation_layer` over the sample's stage-1
         tokens (layout indices); position_ids [S]; key_visible bool [S]: keys the last
-        instruction token sees; intervals [K, 2] seconds.
+        instruction token sees; intervals [K, 2] seconds; row: `aggregation_row`'s, when already taken.
         """
         inside = interval_mask(intervals.cpu(), segment_times.cpu()).to(hidden_in.device)
-        position_ids, key_visible = position_ids.to(hidden_in.device), key_visible.to(hidden_in.device)
-        row = None
-        if self.cfg.aggregation == "attention":
-            row = attention_row(self.decoder, self.aggregation_layer, self.adapter, hidden_in, position_ids,
-                                layout.instruction_end, key_visible)
+        if row is None:
+            row = self.aggregation_row(hidden_in, layout, position_ids, key_visible)
         feats, weights = self.aggregator(hidden_in, layout.visual_index.to(hidden_in.device),
                                          layout.audio_index.to(hidden_in.device), inside, row)
         return self.scale_anchor_features(feats), weights
@@ -281,9 +288,10 @@ class PadCaptioner(nn.Module):
         rms = feats.float().pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-12)
         return (feats.float() * (target / rms)).to(feats.dtype)
 
-    def anchor_embeddings(self, hidden_in, layout, segment_times, intervals, position_ids, key_visible) -> torch.Tensor:
+    def anchor_embeddings(self, hidden_in, layout, segment_times, intervals, position_ids, key_visible,
+                          row: torch.Tensor | None = None) -> torch.Tensor:
         """[K, d]: <G> embedding + aggregated feature (see `anchor_features`)."""
-        feats, _ = self.anchor_features(hidden_in, layout, segment_times, intervals, position_ids, key_visible)
+        feats, _ = self.anchor_features(hidden_in, layout, segment_times, intervals, position_ids, key_visible, row)
         g = self.embed_tokens(torch.tensor([self.g_id], device=hidden_in.device))
         return g + feats.to(g.dtype)
 

@@ -82,14 +82,20 @@ def assert_same(a, b, atol=1e-5):
     for x, y in zip(a.branch_logits, b.branch_logits):
         torch.testing.assert_close(x, y, atol=atol, rtol=0)
     torch.testing.assert_close(a.planning_logits, b.planning_logits, atol=atol, rtol=0)
+    torch.testing.assert_close(a.grounding_logits, b.grounding_logits, atol=atol, rtol=0)
 
 
 def assert_pool_empty(eng):
     assert eng.pool.allocated == 0 and eng.pool.free_pages == eng.pool.usable
 
 
-def test_all_videos_in_one_batch_equal_each_alone(model, videos, controls, alone):
+def test_all_videos_in_one_batch_equal_each_alone(model, videos, controls, alone, monkeypatch):
+    from infer.programs import PadProgram
+
+    groups, finish_all = [], PadProgram.finish_all
+    monkeypatch.setattr(PadProgram, "finish_all", staticmethod(lambda progs: groups.append(len(progs)) or finish_all(progs)))
     got, _, log, eng = decode_all(model, CPU, videos, controls)
+    assert sum(groups) == len(MIX) and max(groups) >= 2  # videos whose planning ended in one step, grounded together
     for a, b in zip(got, alone):
         assert_same(a, b)
     assert log[0].videos == len(MIX) and log[0].prefill_tokens == sum(  # one step prefilled them all
