@@ -121,7 +121,7 @@ def make_example(
 
 
 def collate(examples: Sequence[Example]) -> Batch:
-    """Pad examples into one batch; every sample keeps its own mask (pipeline.layout.pack)."""
+    """Pad examples into one batch; every sample keeps its own mask (`pack` below)."""
     return Batch(packed=pack([ex.layout for ex in examples]), examples=list(examples))
 
 
