@@ -42,7 +42,7 @@ from torch.nn.utils.rnn import pad_sequence
 from infer.front import DecodeError, decode_reserve, ground_intervals, prepare_example, token_position_ids
 from infer.sampling import DecodeControl, plan_decision, planning_capped
 from pipeline.batch import collate
-from pipeline.grounding import segment_hidden, similarity_logits_batched
+from pipeline.grounding import segment_hidden, similarity_logits
 from pipeline.layout import Role, anchor_position, shared_position
 
 
@@ -152,7 +152,7 @@ class PadProgram:
         segments = model.segment_head(torch.cat([p.seg_hidden for p in progs]))  # [sum T, d]
         ev = pad_sequence(list(events.split(ks)), batch_first=True)  # [B, Kmax, d]
         seg = pad_sequence(list(segments.split(ts)), batch_first=True)  # [B, Tmax, d]
-        sims = similarity_logits_batched(ev, seg).cpu()  # [B, Kmax, Tmax] fp32
+        sims = similarity_logits(ev, seg).cpu()  # [B, Kmax, Tmax] fp32
         out = []
         for p, k, t, g in zip(progs, ks, ts, sims):
             ex, lay = p.example, p.example.layout

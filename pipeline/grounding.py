@@ -42,18 +42,14 @@ def segment_hidden(hidden: torch.Tensor, visual_index: torch.Tensor, audio_index
 
 
 def similarity_logits(events: torch.Tensor, segments: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-    """events [K, d], segments [T, d] -> [K, T] = <e_i, s_t> / sqrt(d), in float32.
+    """events [K, d], segments [T, d] -> [K, T] = <e_i, s_t> / sqrt(d), in float32; or a batch of such
+    pairs: [B, K, d], [B, T, d] -> [B, K, T] (padded rows and columns give 0).
 
     upcast False: the product in the inputs' dtype, then float32 (pipeline/release/finetune.py: the
     release model's similarity is taken in the model dtype, pipeline/release/model.py)."""
-    prod = events.float() @ segments.float().T if upcast else (events @ segments.T).float()
+    keys = segments.transpose(-1, -2)
+    prod = events.float() @ keys.float() if upcast else (events @ keys).float()
     return prod / math.sqrt(events.shape[-1])
-
-
-def similarity_logits_batched(events: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-    """events [B, K, d], segments [B, T, d] -> [B, K, T] float32: `similarity_logits` of each pair of a
-    batch at once (padded rows and columns give 0; the caller slices them off)."""
-    return torch.bmm(events.float(), segments.float().transpose(1, 2)) / math.sqrt(events.shape[-1])
 
 
 def interval_distance(intervals: torch.Tensor, segment_times: torch.Tensor) -> torch.Tensor:
