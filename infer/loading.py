@@ -73,8 +73,8 @@ def weights_fingerprint(model_dir: Path, length: int = 8) -> str:
     hash is kept in a per-machine cache (`fingerprint_cache_dir`) under the directory's file list
     with each file's size, mtime and inode: a file rewritten in any way changes that key.
     """
-    files = sorted(p for p in model_dir.rglob("*") if p.is_file())
-    stats = [(str(f.relative_to(model_dir)), *((st := f.stat()).st_size, st.st_mtime_ns, st.st_ino)) for f in files]
+    files = {str(p.relative_to(model_dir)): p for p in sorted(model_dir.rglob("*")) if p.is_file()}
+    stats = [(name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in ((n, f.stat()) for n, f in files.items())]
     key = hashlib.sha256(repr((str(model_dir.resolve()), length, stats)).encode()).hexdigest()
     cache = fingerprint_cache_dir() / f"{key[:40]}.txt"
     try:
@@ -82,8 +82,8 @@ def weights_fingerprint(model_dir: Path, length: int = 8) -> str:
     except OSError:
         pass
     h = hashlib.sha256()
-    for f in files:
-        h.update(str(f.relative_to(model_dir)).encode() + b"\0")
+    for name, f in files.items():
+        h.update(name.encode() + b"\0")
         with f.open("rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
