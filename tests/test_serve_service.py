@@ -18,8 +18,8 @@ import pytest
 
 from infer.errors import RequestError
 from infer.service import CaptionService
-from tests.support.serve_cases import (BOUNDARY, bad_requests, free_port, make_video_tree, post_json, post_upload, send,
-                                       serve_test_config, wait_healthy)
+from tests.support.serve_cases import (BOUNDARY, bad_requests, events_of, free_port, make_video_tree, post_json,
+                                       post_upload, send, serve_test_config, wait_healthy, well_formed_body)
 from tests.support.serve_engine import direct_caption, synthetic_videos, tiny_engine
 
 
@@ -58,42 +58,24 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def _events(result) -> list[tuple[float, float, str]]:
-    if isinstance(result, dict):
-        return [(e["start"], e["end"], e["caption"]) for e in result["events"]]
-    return [(float(e.start), float(e.end), str(e.caption)) for e in result.events]
-
-
-def _well_formed(body: dict, duration_hint: float | None = None) -> None:
-    assert set(body) == {"video_id", "duration", "events", "timings", "model", "segments_kept", "segments_total"}
-    assert body["duration"] > 0 and 0 < body["segments_kept"] <= body["segments_total"]
-    for e in body["events"]:
-        assert set(e) == {"start", "end", "caption", "capped"} and isinstance(e["capped"], bool)
-        assert 0.0 <= e["start"] <= e["end"] <= body["duration"] + 1e-6
-        assert isinstance(e["caption"], str)
-    assert {"probe_s", "features_s", "decode_s", "total_s"} <= set(body["timings"])
-    if duration_hint is not None:
-        assert abs(body["duration"] - duration_hint) < 0.5
-
-
 # ------------------------------------------------------------------------ the service, directly
 
 
 def test_uri_matches_engine_called_directly(service, parts, tree):
     factory, _, cfg = parts
     body = run(service.caption_uri(str(tree.good)))
-    _well_formed(body)
+    well_formed_body(body)
     assert body["video_id"] == "good"
     direct = direct_caption(factory, cfg, tree.good, "good")
-    assert _events(body) == _events(direct)
+    assert events_of(body) == events_of(direct)
     assert body["duration"] == pytest.approx(direct.duration)
 
 
-def test_upload_path_gives_the_same_events(service, tree):
+def test_upload_path_gives_the_sameevents_of(service, tree):
     by_uri = run(service.caption_uri(str(tree.good)))
     by_file = run(service.caption_file(str(tree.good), "clip.mp4"))
     assert by_file["video_id"] == "clip"
-    assert _events(by_file) == _events(by_uri)
+    assert events_of(by_file) == events_of(by_uri)
 
 
 def test_options_reach_the_engine(service, parts, tree):
@@ -101,7 +83,7 @@ def test_options_reach_the_engine(service, parts, tree):
     body = run(service.caption_uri(str(tree.good), {"max_events": 1, "max_branch_tokens": 3}))
     assert len(body["events"]) <= 1
     direct = direct_caption(factory, cfg, tree.good, "good", max_events=1, max_branch_tokens=3)
-    assert _events(body) == _events(direct)
+    assert events_of(body) == events_of(direct)
 
 
 def test_concurrent_requests_share_decode_steps(service, parts, tree):
@@ -137,17 +119,19 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
                      for n in names]
             await until(second_step.is_set, "the first three's second decode step")
             late = asyncio.ensure_future(svc.caption_file(str(tree.good), "late.mp4"))
-            await until(lambda: svc._batcher._pending, "the late request queued for the engine")
+            # the late one itself (another of the first three may still be pending while its media decodes)
+            await until(lambda: any(p.sample.video_id == "late" for p in svc._batcher._pending),
+                        "the late request queued for the engine")
             late_queued.set()
             return await asyncio.gather(*first, late)
 
         bodies = run(scenario())
     finally:
         svc.close()
-    alone = _events(direct_caption(factory, cfg, tree.good, "good"))
-    alone_b = _events(direct_caption(factory, cfg, tree.good, "good", max_events=2))
+    alone = events_of(direct_caption(factory, cfg, tree.good, "good"))
+    alone_b = events_of(direct_caption(factory, cfg, tree.good, "good", max_events=2))
     assert [b["video_id"] for b in bodies] == ["a", "b", "c", "late"]
-    assert [_events(b) for b in bodies] == [alone, alone_b, alone, alone]  # b's own options, in the same batch
+    assert [events_of(b) for b in bodies] == [alone, alone_b, alone, alone]  # b's own options, in the same batch
     assert len(engines) == 1 and max(r.videos for r in engines[0].stats["step_log"]) >= 2  # videos share steps
     assert svc._batcher.max_in_flight == min(4, svc._batcher.max_batch)  # the late one joined the running batch
 
@@ -256,7 +240,7 @@ def test_stuck_decodes_are_killed_and_the_replica_keeps_serving(parts, tree, tmp
         killed = list(svc.decoders.killed)
         assert len(killed) >= 2 and svc.counters["decode_workers_killed"] >= 2
         after, took = run(good())
-        assert _events(after) == _events(first)
+        assert events_of(after) == events_of(first)
         assert took < usual + 30  # generous: at most the boot of a replacement worker on a busy box
         for pid in killed:  # the stuck decoders are gone, not left running
             with pytest.raises(ProcessLookupError):
@@ -297,12 +281,12 @@ def base_url(service):
 def test_http_uri_and_upload(base_url, tree, service):
     status, body, headers = post_json(base_url, {"video": str(tree.good), "options": {"max_events": 4}})
     assert status == 200, body
-    _well_formed(body)
+    well_formed_body(body)
     assert headers.get("x-request-id")
     status2, body2, _ = post_upload(base_url, [("file", "good.mp4", "video/mp4", tree.good.read_bytes()),
                                               ("options", None, "application/json", b'{"max_events": 4}')])
     assert status2 == 200, body2
-    assert _events(body2) == _events(body) and body2["video_id"] == "good"
+    assert events_of(body2) == events_of(body) and body2["video_id"] == "good"
 
 
 def test_upload_file_name_is_only_a_label(base_url, tree, tmp_path):
@@ -414,7 +398,7 @@ def test_python_client_and_cli(base_url, tree, capsys):
     client = CaptionClient(base_url)
     by_uri = client.caption(uri=str(tree.good), options={"max_events": 2})
     by_path = client.caption(path=tree.good, options={"max_events": 2})
-    assert _events(by_uri) == _events(by_path) and len(by_uri["events"]) <= 2
+    assert events_of(by_uri) == events_of(by_path) and len(by_uri["events"]) <= 2
     with pytest.raises(CaptionError) as info:
         client.caption(uri=str(tree.files["link_out"]))
     assert info.value.status == 403 and info.value.request_id
@@ -449,74 +433,3 @@ def test_serve_cli_starts_ray_as_the_cluster_section_says(monkeypatch):
 
 
 # ------------------------------------------------------------------------ model loading
-
-
-def test_saved_checkpoint_serves_like_the_model_that_saved_it(parts, tree, tmp_path):
-    import dataclasses
-
-    from infer.loading import load_engine, load_model
-
-    _, _, cfg = parts
-    model, _, _ = load_model(cfg, "")
-    model.save_pretrained(tmp_path / "ckpt")
-    (tmp_path / "ckpt" / "config.json").write_text(cfg.to_json())
-    factory, card, cfg2 = load_engine(cfg, str(tmp_path / "ckpt"))
-    assert card.model_id.startswith("ckpt-") and card.source == str(tmp_path / "ckpt")
-    svc = CaptionService(cfg2, factory, card)
-    try:
-        body = run(svc.caption_uri(str(tree.good)))
-        direct = direct_caption(parts[0], cfg, tree.good, "good")
-        assert _events(body) == _events(direct)
-    finally:
-        svc.close()
-    other = dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, n_mels=16))
-    (tmp_path / "ckpt" / "config.json").unlink()
-    with pytest.raises(ValueError, match="features of dims"):
-        load_model(other, str(tmp_path / "ckpt"))
-
-
-def test_model_id_names_the_weights_not_the_directory(parts, tmp_path):
-    """A model retrained into the same directory must not inherit the old id (caption resume keys on it)."""
-    import torch
-
-    from infer.loading import load_model
-
-    _, _, cfg = parts
-    model, _, _ = load_model(cfg, "")
-    model.save_pretrained(tmp_path / "ckpt")
-    first = load_model(cfg, str(tmp_path / "ckpt"))[1].model_id
-    assert load_model(cfg, str(tmp_path / "ckpt"))[1].model_id == first  # same bytes, same id
-    with torch.no_grad():
-        next(p for n, p in model.named_parameters() if "lora_B" in n).add_(1.0)  # saved with the adapter
-    model.save_pretrained(tmp_path / "ckpt")
-    second = load_model(cfg, str(tmp_path / "ckpt"))[1].model_id
-    assert second.startswith("ckpt-") and second != first
-
-
-def test_a_long_video_is_fitted_and_a_video_that_cannot_fit_is_a_422(parts, tree):
-    """Over model.max_segments: shortened as training shortens it, and the response says so.
-    A context too small for even one segment after the decode's reserve: 422."""
-    import dataclasses
-
-    from infer.loading import load_engine
-
-    _, _, cfg = parts
-    small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=4))
-    factory, card, small = load_engine(small, "")
-    svc = CaptionService(small, factory, card)
-    try:
-        body = run(svc.caption_uri(str(tree.good)))
-        assert body["segments_kept"] == 4 < body["segments_total"]
-        _well_formed(body)
-    finally:
-        svc.close()
-    tight = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=cfg.infer.max_events + 20))
-    factory, card, tight = load_engine(tight, "")
-    svc = CaptionService(tight, factory, card)
-    try:
-        with pytest.raises(RequestError) as info:
-            run(svc.caption_uri(str(tree.good)))
-        assert info.value.status == 422 and info.value.code == "does_not_fit_model"
-        assert "no segment fits" in info.value.message
-    finally:
-        svc.close()

@@ -335,3 +335,23 @@ def module_counting_reader(cfg: Config):
         return media, sum(p.numel() for m in modules for p in m.parameters(recurse=False))
 
     return read
+
+
+def events_of(result) -> list[tuple[float, float, str]]:
+    """(start, end, caption) of a response body or a VideoResult."""
+    if isinstance(result, dict):
+        return [(e["start"], e["end"], e["caption"]) for e in result["events"]]
+    return [(float(e.start), float(e.end), str(e.caption)) for e in result.events]
+
+
+def well_formed_body(body: dict, duration_hint: float | None = None) -> None:
+    """Assert a caption response has every field, in range."""
+    assert set(body) == {"video_id", "duration", "events", "timings", "model", "segments_kept", "segments_total"}
+    assert body["duration"] > 0 and 0 < body["segments_kept"] <= body["segments_total"]
+    for e in body["events"]:
+        assert set(e) == {"start", "end", "caption", "capped"} and isinstance(e["capped"], bool)
+        assert 0.0 <= e["start"] <= e["end"] <= body["duration"] + 1e-6
+        assert isinstance(e["caption"], str)
+    assert {"probe_s", "features_s", "decode_s", "total_s"} <= set(body["timings"])
+    if duration_hint is not None:
+        assert abs(body["duration"] - duration_hint) < 0.5
