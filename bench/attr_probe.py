@@ -17,7 +17,11 @@ Every `every` optimizer steps (after backward, before the update) it records:
                        (<G> row + aggregated feature) against ordinary token embeddings;
   probe_branch_attr_lm / probe_branch_other_lm  the branch cross-entropy over the tokens that
                        spell an attribute word (colour, shape, motion, sound) and over the
-                       rest (the grammar: "Visual: a ... Audio: ...").
+                       rest (the grammar: "Visual: a ... Audio: ...");
+  probe_lin_<attr>     with `linear` samples: how much of each attribute the anchors' aggregated
+                       features still carry: a multinomial logistic regression fitted on the
+                       features of the fit samples' events (true intervals, eval mode) and
+                       scored on the held-out events' (accuracy; chance ~1/#values).
 Pure torch, one process; only bench/default_seeds.py uses it.
 """
 
@@ -135,11 +139,74 @@ def anchor_attention(model, batch) -> dict[str, Any]:
     return metrics
 
 
+@torch.no_grad()
+def anchor_feature_rows(model, samples: list, parse, batch: int = 8) -> tuple[torch.Tensor, list[dict]]:
+    """Eval-mode forwards over `samples` -> (aggregated anchor features [E, d] of every event,
+    true intervals; the attributes parsed from each event's caption, E dicts)."""
+    feats: list[torch.Tensor] = []
+    run = model.anchor_features
+
+    def record(*args, **kwargs):
+        f, w = run(*args, **kwargs)
+        feats.append(f.detach().float().cpu())
+        return f, w
+
+    model.anchor_features = record
+    try:
+        for b in Batcher(model, batch)(samples):
+            model.forward_train(b)
+    finally:
+        del model.anchor_features
+    attrs = [parse(e.caption) for s in samples for e in s.events]
+    return torch.cat(feats) if feats else torch.zeros(0, 0), attrs
+
+
+def linear_probe_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor,
+                          classes: int, l2: float = 1e-3, iters: int = 200) -> float:
+    """Softmax regression on standardised features (LBFGS, L2) fitted on (x_fit [N, d], y_fit [N]),
+    accuracy on (x_test, y_test). Deterministic: zero init, full batch."""
+    mu, sd = x_fit.mean(0), x_fit.std(0).clamp(min=1e-6)
+    xf, xt = (x_fit - mu) / sd, (x_test - mu) / sd
+    w = torch.zeros(xf.shape[1], classes, requires_grad=True)
+    b = torch.zeros(classes, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=iters, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(xf @ w + b, y_fit) + l2 * w.pow(2).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    return float(((xt @ w + b).argmax(-1) == y_test).float().mean())
+
+
+def linear_probe(model, fit: list, test: list, parse, attributes=("colour", "shape", "motion", "sound")) -> dict:
+    """{probe_lin_<attr>: held-out accuracy} of a linear read-out of the anchors' aggregated features."""
+    xf, af = anchor_feature_rows(model, fit, parse)
+    xt, at = anchor_feature_rows(model, test, parse)
+    out = {}
+    for a in attributes:
+        values = sorted({r[a] for r in af + at if r.get(a) is not None})
+        if len(values) < 2:
+            continue
+        idx = {v: i for i, v in enumerate(values)}
+        kf = [i for i, r in enumerate(af) if r.get(a) is not None]
+        kt = [i for i, r in enumerate(at) if r.get(a) is not None]
+        yf = torch.tensor([idx[af[i][a]] for i in kf])
+        yt = torch.tensor([idx[at[i][a]] for i in kt])
+        out[f"probe_lin_{a}"] = linear_probe_accuracy(xf[kf], yf, xt[kt], yt, len(values))
+    return out
+
+
 class AttributeProbe:
     """The loop's `probe` hook (see the module doc)."""
 
-    def __init__(self, samples: list, parse, every: int = 100, max_samples: int = 8):
+    def __init__(self, samples: list, parse, every: int = 100, max_samples: int = 8,
+                 linear: tuple[list, list] | None = None):
         self.samples, self.parse, self.every, self.max_samples = samples[:max_samples], parse, every, max_samples
+        self.linear = linear  # (fit samples, held-out samples) of the linear probe, or None
         self._batch = None
         self._attr_rows = None
 
@@ -157,6 +224,8 @@ class AttributeProbe:
                 self._batch = next(Batcher(model, len(self.samples))(self.samples))
                 self._attr_rows = _attribute_rows(model, self._batch, self.parse)
             m = anchor_attention(model, self._batch)
+            if self.linear is not None:
+                m.update(linear_probe(model, *self.linear, self.parse))
         finally:
             model.train(was)
         out = m.pop("_out")

@@ -15,7 +15,8 @@ evaluate stage's metrics (pipeline.metrics, padcaptioner protocol: F1, CIDEr, ..
 Per seed, bench/attr_probe.py records every `--probe-every` steps the per-group gradient
 norms, each branch token's attention mass on its own anchor, and the branch loss split into
 attribute-word and grammar tokens; with the periodic teacher-forced validation they make the
-learning curves in `<out>/default_seeds<tag>.png`. Written: `<out>/default_seeds<tag>.json` (`--name`: another stem)
+learning curves in `<out>/default_seeds<tag>.png`; `--linear-probe N` adds how linearly
+readable each attribute still is in the anchors' aggregated features (probe_lin_*). Written: `<out>/default_seeds<tag>.json` (`--name`: another stem)
 with `seeds` ({seed: colour, shape, sound, motion, planning, f1, cider, ...}), the spread
 (max - min) of each number and the targets of issue #27. Seeds run in `--jobs` processes.
 """
@@ -86,7 +87,12 @@ def run_seed(seed: int, args) -> dict:
     torch.set_num_threads(1)
     cfg = default_config(seed, args.steps, args.set)
     data = load_data(Path(args.run_dir) / "preprocess", cfg)
-    probe = AttributeProbe(data[1], caption_parser(cfg), every=args.probe_every)
+    linear = None
+    if args.linear_probe:
+        from train.data import decode_record
+
+        linear = ([decode_record(r) for r in data[0][:args.linear_probe]], data[1])
+    probe = AttributeProbe(data[1], caption_parser(cfg), every=args.probe_every, linear=linear)
     out = Path(args.work) / f"seed{seed}{args.tag}"
     t0 = time.perf_counter()
     record = run_variant(cfg, None, out, data=data, probe=probe)
@@ -145,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the per-seed work dirs (and of the output names unless --name)")
     ap.add_argument("--name", default="", help="stem of the output files (default: default_seeds<tag>)")
     ap.add_argument("--probe-every", type=int, default=100)
+    ap.add_argument("--linear-probe", type=int, default=0, metavar="N",
+                    help="also fit a linear read-out of the anchors' attributes on the first N training videos "
+                         "at every probe step, scored on the held-out videos (probe_lin_*)")
     ap.add_argument("--jobs", type=int, default=1, help="seeds at a time (one process each)")
     ap.add_argument("--reuse", action="store_true", help="score the seeds already trained under --work (no training)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
