@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from pipeline.anchor_attention import branch_anchor_pairs
 from pipeline.layout import IGNORE, Role
 from train.data import Batcher
 
@@ -112,18 +113,8 @@ def anchor_attention(model, batch) -> dict[str, Any]:
                             output_attentions=True)
     finally:
         cfg._attn_implementation = old
-    rows = (pk.role == Role.BRANCH) & (pk.labels != IGNORE)
-    rows[:, :s] = False
-    anchor_col = torch.full_like(pk.role, -1)
-    for b, ex in enumerate(batch.examples):
-        lay = ex.layout
-        col = pk.columns[b]
-        anchors = col[lay.anchor_index]  # event i -> its anchor's column
-        ev = pk.event[b]
-        hit = rows[b] & (ev >= 0)
-        anchor_col[b, hit] = anchors[ev[hit]]
-    bi, ri = torch.nonzero(rows, as_tuple=True)
-    ci = anchor_col[bi, ri]
+    pairs, ci = branch_anchor_pairs(pk, [ex.layout for ex in batch.examples], s)
+    bi, ri = pairs[:, 0], pairs[:, 1]
     metrics: dict[str, Any] = {}
     masses = []
     for i, att in enumerate(res.attentions):  # [B, H, L, L]

@@ -108,6 +108,12 @@ class ModelConfig:
     # aggregated feature rescaled to the RMS of the embedding rows (PadCaptioner.scale_anchor_features)
     anchor_feature_scale: Literal["raw", "embedding"] = "raw"
     grounding_layer: int = -2  # hidden states of the second-to-last layer
+    # guide for random-init backbones (pipeline/anchor_attention.py): weight of a hinge on the
+    # attention mass each caption-branch row puts on its own anchor at `anchor_guide_layer`,
+    # zero once the head-averaged mass reaches `anchor_guide_target`; 0 = off
+    anchor_guide_weight: float = 0.0
+    anchor_guide_layer: int = 0
+    anchor_guide_target: float = 0.25
     grounding_loss_weight: float = 5.0
     branch_loss_weight: float = 1.0  # weight of the caption-branch cross-entropy in the total
     grounding_threshold: float = 0.5  # relative to the max (0.7 ChronusAV, 0.5 LongVALE)

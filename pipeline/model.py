@@ -46,6 +46,7 @@ from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
 from pipeline.aggregation import Aggregator, attention_row, interval_mask
+from pipeline.anchor_attention import branch_anchor_pairs, own_anchor_mass
 from pipeline.backbone import DTYPES, load_backbone, position_adapter
 from pipeline.batch import Batch, Example, collate, make_example
 from pipeline.config import ModelConfig, from_dict
@@ -346,10 +347,20 @@ class PadCaptioner(nn.Module):
         for b, feats in anchor_feats:
             cols = pk.columns[b][exs[b].layout.anchor_index].to(dev) - s  # anchors' stage-2 columns
             emb2[b, cols] = emb2[b, cols] + feats.to(emb2.dtype)
+        guide = self.cfg.anchor_guide_weight > 0
         if self.activation_checkpointing and self.training:  # HF drops caches under checkpointing
-            h2 = self.run_decoder(torch.cat([emb1, emb2], 1), pk.mask, pos).last_hidden_state[:, s:]
+            res2 = self.run_decoder(torch.cat([emb1, emb2], 1), pk.mask, pos, output_hidden_states=guide)
+            h2 = res2.last_hidden_state[:, s:]
+            guide_in = res2.hidden_states[self.cfg.anchor_guide_layer] if guide else None
         else:
-            h2 = self.run_decoder(emb2, pk.mask[:, :, s:, :], pos[:, s:], cache=cache).last_hidden_state
+            res2 = self.run_decoder(emb2, pk.mask[:, :, s:, :], pos[:, s:], cache=cache, output_hidden_states=guide)
+            h2 = res2.last_hidden_state
+            guide_in = torch.cat([hs[self.cfg.anchor_guide_layer], res2.hidden_states[self.cfg.anchor_guide_layer]], 1) \
+                if guide else None
+        if guide:
+            rows, anchors = branch_anchor_pairs(pk, [ex.layout for ex in exs], s)
+            out["anchor_mass"] = own_anchor_mass(self.decoder, self.cfg.anchor_guide_layer, self.adapter, guide_in, pos,
+                                                 pk.mask.to(dev), rows.to(dev), anchors.to(dev))
         lab2 = labels[:, s:]
         rows2 = lab2 != IGNORE
         ids2 = pk.input_ids[:, s:].to(dev)

@@ -12,7 +12,10 @@ by thousands of caption tokens):
              when `model.eos_padding_loss` (the layout already set their labels)
   grounding  BCE-with-logits of event/segment similarities against the soft targets,
              weighted by `model.grounding_loss_weight` (default 5) in the total
-total = lm + branch_loss_weight * branch_lm + grounding_loss_weight * grounding. A component without rows in
+  anchor_guide  with `model.anchor_guide_weight` > 0: the hinge of pipeline/anchor_attention.py
+             on each branch row's attention mass on its own anchor (and `anchor_mass`, its mean)
+total = lm + branch_loss_weight * branch_lm + grounding_loss_weight * grounding
+        [+ anchor_guide_weight * anchor_guide]. A component without rows in
 the batch is 0 (and is still reported). Pure torch; no ray.
 """
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from pipeline.anchor_attention import anchor_guide_loss
 from pipeline.grounding import grounding_bce
 
 
@@ -49,7 +53,13 @@ def compute_losses(out: dict, model_cfg) -> LossOutput:
     else:
         grounding = out["text_logits"].sum() * 0.0
     total = lm + model_cfg.branch_loss_weight * branch + model_cfg.grounding_loss_weight * grounding
-    comps = {"total": total, "lm": lm, "branch_lm": branch, "grounding": grounding}
+    comps = {"lm": lm, "branch_lm": branch, "grounding": grounding}
+    if "anchor_mass" in out:
+        guide = anchor_guide_loss(out["anchor_mass"], model_cfg.anchor_guide_target)
+        total = total + model_cfg.anchor_guide_weight * guide
+        comps["anchor_guide"] = guide
+        comps["anchor_mass"] = out["anchor_mass"].mean() if out["anchor_mass"].numel() else guide * 0.0
+    comps = {"total": total, **comps}
     components = {k: float(v.detach()) for k, v in comps.items()}
     pad = out.get("branch_pad")
     if pad is not None and pad.any():
