@@ -5,11 +5,13 @@
         --out /data/shards            # or s3://bucket/prefix for any of these
 
 Flow: annotations are read on the driver (bad records become error rows), each
-video is matched to a file under the video root, then Ray Data runs
-decode + encode in an actor pool (`ActorPoolStrategy`, encoders built once per
-actor), validates each sample against `pipeline.schema`, writes the ok samples
-with `write_webdataset` and one manifest row per video (ok or error, with the
-reason). Work is committed chunk by chunk (see `preprocess/manifest.py`), so a
+video is matched to a file under the video root, and the videos to do are cut into
+chunks. One Ray Data actor pool (`ActorPoolStrategy`) serves the whole job: each actor
+builds its encoders once, and per chunk decodes + encodes its videos, validates each
+sample against `pipeline.schema`, writes the ok samples as WebDataset tars under
+`shards/<chunk>/` itself and returns one manifest row per video (ok or error, with the
+reason); only those rows reach the driver, which commits each chunk as it finishes
+(see `preprocess/manifest.py`), so a
 re-run skips videos already `ok` for the same feature config and the same annotation
 (its hash; edited captions, times or splits redo the video) and a killed run resumes
 without duplicates.
@@ -38,52 +40,61 @@ WEBDATASET_COLUMNS = [KEY, *FIELDS]
 
 
 class FeaturizeVideos:
-    """Ray Data actor: one row per video in, one row out with the encoded sample or the error.
+    """Ray Data actor: one chunk of videos in, its shards written, its manifest rows out.
 
-    Heavy set-up (encoders, possibly on GPU) happens once in `__init__`;
-    `__call__` is a pure batch -> batch function a unit test can call on a dict.
+    Heavy set-up (encoders, possibly on GPU) happens once in `__init__`, and the actor lives for
+    the whole job (one pool, every chunk). `__call__` takes a batch of chunks, each
+    {"chunk": name, "videos": JSON list of the plan's rows}, featurizes every video, writes the ok
+    samples with `manifest.write_chunk_shards` under `shards/<chunk>/` and returns only manifest
+    rows: sample bytes never travel to the driver. `featurize` is the per-video function a unit
+    test can call on a plan row.
     """
 
-    def __init__(self, cfg_json: str):
+    def __init__(self, cfg_json: str, out_dir: str):
         from preprocess.featurize import Featurizer
 
         self.cfg = Config.from_json(cfg_json)
+        self.out_dir = out_dir
         self.featurizer = Featurizer(self.cfg)
         self.feature_hash = section_hash(self.cfg.features)
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+    def featurize(self, video: dict[str, Any], chunk: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """One plan row -> (its manifest row, its encoded sample or None when it failed)."""
         from preprocess.annotations import VideoAnnotation
         from pipeline.schema import Event
 
-        out: dict[str, list[Any]] = {c: [] for c in [*WEBDATASET_COLUMNS, *mf.COLUMNS]}
-        for i in range(len(batch["video_id"])):
-            t0 = time.perf_counter()
-            ann = VideoAnnotation(
-                video_id=str(batch["video_id"][i]),
-                duration=float(batch["duration"][i]),
-                events=[Event(**e) for e in json.loads(batch["events"][i])],
-                split=str(batch["split"][i]),
-                source=str(batch["source"][i]),
-                clipped=int(batch["clipped_events"][i]),
-            )
-            row = mf.empty_row(video_id=ann.video_id, uri=str(batch["uri"][i]), split=ann.split,
-                               source=ann.source, feature_hash=self.feature_hash, chunk=str(batch["chunk"][i]),
-                               annotation_hash=str(batch["annotation_hash"][i]),
-                               clipped_events=ann.clipped, num_events=len(ann.events), duration=ann.duration)
-            fields: dict[str, Any] = {KEY: "", **{c: b"" for c in FIELDS}}  # typed empties for error rows
-            try:
-                with faults.in_flight("preprocess", [ann.video_id], node_id()):
-                    sample = self.featurizer(row["uri"], ann)
-                    fields = encode(sample)
-                row.update(status="ok", error="", key=fields[KEY], num_segments=sample.num_segments,
-                           duration=float(sample.duration), num_events=len(sample.events))
-            except Exception as e:  # every failure becomes an explained manifest row
-                row.update(status="error", error=f"{type(e).__name__}: {e}")
-            row["seconds"] = time.perf_counter() - t0
-            for c in WEBDATASET_COLUMNS:
-                out[c].append(fields[c])
-            for c in mf.COLUMNS:
-                out[c].append(row[c])
+        t0 = time.perf_counter()
+        ann = VideoAnnotation(video_id=str(video["video_id"]), duration=float(video["duration"]),
+                              events=[Event(**e) for e in json.loads(video["events"])], split=str(video["split"]),
+                              source=str(video["source"]), clipped=int(video["clipped_events"]))
+        row = mf.empty_row(video_id=ann.video_id, uri=str(video["uri"]), split=ann.split, source=ann.source,
+                           feature_hash=self.feature_hash, chunk=chunk, annotation_hash=str(video["annotation_hash"]),
+                           clipped_events=ann.clipped, num_events=len(ann.events), duration=ann.duration)
+        fields = None
+        try:
+            with faults.in_flight("preprocess", [ann.video_id], node_id()):
+                sample = self.featurizer(row["uri"], ann)
+                fields = encode(sample)
+            row.update(status="ok", error="", key=fields[KEY], num_segments=sample.num_segments,
+                       duration=float(sample.duration), num_events=len(sample.events))
+        except Exception as e:  # every failure becomes an explained manifest row
+            row.update(status="error", error=f"{type(e).__name__}: {e}")
+            fields = None
+        row["seconds"] = time.perf_counter() - t0
+        return row, fields
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {c: [] for c in mf.COLUMNS}
+        for chunk, videos in zip(batch["chunk"], batch["videos"]):
+            chunk = str(chunk)
+            done = [self.featurize(v, chunk) for v in json.loads(videos)]
+            ok = [(row["split"], fields) for row, fields in done if fields is not None]
+            where = mf.write_chunk_shards(self.out_dir, chunk, ok, self.cfg.data.shard_target_bytes) if ok else {}
+            for row, fields in done:
+                if fields is not None:
+                    row["shard"] = where[fields[KEY]]
+                for c in mf.COLUMNS:
+                    out[c].append(row[c])
         return out
 
 
@@ -149,51 +160,43 @@ def _pyarrow_fs(path: str):
     return PyFileSystem(FSSpecHandler(fs)), inner
 
 
-def _run_chunk(cfg: Config, rows: list[dict[str, Any]], chunk: str, out_dir: str) -> list[dict[str, Any]]:
-    """Featurize one chunk on the actor pool, write its shards, return its manifest rows."""
-    for r in rows:
-        r["chunk"] = chunk
-    ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows), 4 * cfg.cluster.preprocess_actors)))
+CHUNK_VIDEOS = 64
+
+
+def chunk_size(todo: int, actors: int, most: int = CHUNK_VIDEOS) -> int:
+    """Videos per chunk when none is asked for: at most `most`, and small enough that every actor
+    gets about 4 chunks (a chunk is one actor's unit of work and one commit), so a short job
+    still spreads evenly over the pool."""
+    return max(1, min(most, -(-todo // (4 * max(1, actors)))))
+
+
+def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str):
+    """Featurize and write `chunks` ({"chunk", "videos"}) on one actor pool for the whole job ->
+    an iterator over each finished chunk's manifest rows, in the order they finish."""
+    actors = max(1, cfg.cluster.preprocess_actors)
+    ds = ray.data.from_items(chunks, override_num_blocks=len(chunks))
     ds = ds.map_batches(
         FeaturizeVideos,
-        fn_constructor_kwargs={"cfg_json": cfg.to_json(indent=None)},
+        fn_constructor_kwargs={"cfg_json": cfg.to_json(indent=None), "out_dir": out_dir},
         batch_size=1,
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)),
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=min(actors, len(chunks))),
         **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor, 1.0 if cfg.features.device == "cuda" else 0.0),
         runtime_env={"env_vars": {**storage.forwarded_env(), **faults.forwarded_env()}},
-    ).materialize()
-    manifest_rows = ds.select_columns(list(mf.COLUMNS)).take_all()
-
-    ok = ds.filter(expr="status == 'ok'")
-    n_ok = sum(1 for r in manifest_rows if r["status"] == "ok")
-    if n_ok:
-        bytes_per_sample = max(1, ds.size_bytes() // max(1, len(manifest_rows)))
-        rows_per_shard = max(1, cfg.data.shard_target_bytes // bytes_per_sample)
-        for split in sorted({r["split"] for r in manifest_rows if r["status"] == "ok"}):
-            target = storage.join(mf.shards_dir(out_dir), chunk, split)
-            fs, inner = _pyarrow_fs(target)
-            part = ok.filter(expr=f"split == {split!r}").select_columns(WEBDATASET_COLUMNS)
-            part = part.repartition(max(1, -(-part.count() // rows_per_shard)))
-            part.write_webdataset(inner, filesystem=fs, encoder=None, min_rows_per_file=1,
-                                  ray_remote_args={"runtime_env": {"env_vars": storage.forwarded_env()}})
-            proto = target.split("://", 1)[0] + "://" if storage.is_remote(target) else ""
-            key_to_shard = {}
-            for shard in storage.list_files(target, (".tar",)):
-                for key in mf.shard_keys(shard):
-                    key_to_shard[key] = shard if shard.startswith(proto) else proto + shard
-            for r in manifest_rows:
-                if r["status"] == "ok" and r["split"] == split:
-                    r["shard"] = key_to_shard.get(r["key"])
-                    if r["shard"] is None:
-                        r.update(status="error", error="write: sample missing from the written shards")
-    return manifest_rows
+    )
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        rows = batch.to_pylist()
+        by_chunk: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            by_chunk.setdefault(r["chunk"], []).append(r)
+        yield from by_chunk.items()
 
 
 def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, out_dir: str,
-                   chunk_videos: int = 64, max_chunks: int | None = None) -> dict[str, Any]:
+                   chunk_videos: int | None = None, max_chunks: int | None = None) -> dict[str, Any]:
     """The whole job. `annotations` maps split -> (path, format). Returns a summary dict.
 
-    `max_chunks` stops early (used to simulate a run killed midway in tests).
+    `chunk_videos`: videos per chunk (default `chunk_size`'s). `max_chunks` stops early (used to
+    simulate a run killed midway in tests).
     """
     t0 = time.perf_counter()
     feature_hash = section_hash(cfg.features)
@@ -211,15 +214,15 @@ def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_r
         print(f"[preprocess] dropped {len(dropped)} videos no longer in the annotations from the manifest: {shown}",
               flush=True)
 
-    chunks = [todo[i:i + chunk_videos] for i in range(0, len(todo), chunk_videos)]
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
     if early_errors:
-        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}-plan"
-        mf.write_table(storage.join(mf.manifest_dir(out_dir), f"{name}.parquet"), early_errors)
-    for i, rows in enumerate(chunks):
-        if max_chunks is not None and i >= max_chunks:
-            break
-        name = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        result = _run_chunk(cfg, rows, name, out_dir)
+        mf.write_table(storage.join(mf.manifest_dir(out_dir), f"{run_id}-plan.parquet"), early_errors)
+    size = chunk_videos or chunk_size(len(todo), cfg.cluster.preprocess_actors)
+    chunks = [{"chunk": f"{run_id}-{i // size:05d}", "videos": json.dumps(todo[i:i + size])}
+              for i in range(0, len(todo), size)]
+    if max_chunks is not None:
+        chunks = chunks[:max_chunks]
+    for i, (name, result) in enumerate(_featurized_chunks(cfg, chunks, out_dir) if chunks else ()):
         mf.write_table(storage.join(mf.manifest_dir(out_dir), f"{name}.parquet"), result)  # commit
         n_ok = sum(r["status"] == "ok" for r in result)
         print(f"[preprocess] chunk {i + 1}/{len(chunks)}: {n_ok} ok, {len(result) - n_ok} failed", flush=True)
@@ -244,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", default=None, help="annotation format (default: data.dataset)")
     ap.add_argument("--videos", default=None, help="video root (default: data.video_root)")
     ap.add_argument("--out", required=True, help="output dir or s3:// prefix")
-    ap.add_argument("--chunk-videos", type=int, default=64)
+    ap.add_argument("--chunk-videos", type=int, default=None,
+                    help=f"videos per chunk (default: at most {CHUNK_VIDEOS}, about 4 chunks per actor)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     fmt = args.format or ("longvale" if cfg.data.dataset == "synthetic" else cfg.data.dataset)

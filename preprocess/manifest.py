@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
-from pipeline.schema import KEY, META
+from pipeline.schema import FIELDS, KEY, META
 
 COLUMNS: dict[str, pa.DataType] = {
     "video_id": pa.string(),
@@ -131,6 +131,49 @@ def consolidate(out_dir: str, keep: set[str] | None = None) -> list[dict[str, An
     rows = sorted(latest.values(), key=lambda r: (r["split"] or "", r["video_id"]))
     write_table(manifest_path(out_dir), rows)
     return rows
+
+
+def write_shard(path: str, records: list[dict[str, Any]]) -> None:
+    """One uncompressed WebDataset tar (local or remote) of `records` (KEY + the schema's FIELDS,
+    bytes each), members `<key>.<field>` in record order: what the readers of this module and
+    train.data stream. Written in one pass (stream mode), so an s3:// object appears whole or not
+    at all; a local file cut short by a kill sits in an uncommitted chunk and is deleted with it."""
+    storage.makedirs(path.rsplit("/", 1)[0])
+    fs, inner = storage.filesystem(path)
+    with fs.open(inner, "wb") as f, tarfile.open(fileobj=f, mode="w|") as tar:
+        for rec in records:
+            for field in FIELDS:
+                data = rec[field]
+                info = tarfile.TarInfo(f"{rec[KEY]}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def write_chunk_shards(out_dir: str, chunk: str, records: list[tuple[str, dict[str, Any]]],
+                       target_bytes: int) -> dict[str, str]:
+    """Write one chunk's samples as tars under `shards/<chunk>/<split>/` -> {key: shard path}.
+
+    records: (split, encoded sample) pairs in the chunk's order. Each split's tars are filled in
+    order up to `target_bytes` of sample data (a sample larger than that gets a tar of its own);
+    names are `00000.tar`, `00001.tar`, ... so a retried chunk overwrites its own files."""
+    where: dict[str, str] = {}
+    for split in sorted({s for s, _ in records}):
+        base = storage.join(shards_dir(out_dir), chunk, split)
+        batch: list[dict[str, Any]] = []
+        size, index = 0, 0
+        for s, rec in records:
+            if s != split:
+                continue
+            n = sum(len(rec[f]) for f in FIELDS)
+            if batch and size + n > target_bytes:
+                write_shard(storage.join(base, f"{index:05d}.tar"), batch)
+                batch, size, index = [], 0, index + 1
+            batch.append(rec)
+            size += n
+            where[rec[KEY]] = storage.join(base, f"{index:05d}.tar")
+        if batch:
+            write_shard(storage.join(base, f"{index:05d}.tar"), batch)
+    return where
 
 
 def shard_keys(shard_path: str) -> list[str]:

@@ -13,9 +13,9 @@ import webdataset as wds
 
 from pipeline import storage
 from pipeline.config import load_config, section_hash
-from pipeline.schema import decode
+from pipeline.schema import FIELDS, decode
 from preprocess import manifest as mf
-from preprocess.job import FeaturizeVideos, run_preprocess
+from preprocess.job import FeaturizeVideos, chunk_size, run_preprocess
 from preprocess.synthetic import generate_corpus
 from tests.support.mp4 import solid_frames, tone, write_mp4
 
@@ -68,21 +68,43 @@ def check_against_annotations(rows, info, cfg):
     return samples
 
 
-def test_featurize_actor_is_a_pure_batch_function(corpus):
+def test_featurize_actor_writes_its_chunk_and_returns_rows_only(corpus, tmp_path):
     cfg, info = corpus
     vid, path = sorted(info.videos.items())[0]
     ann = json.loads(Path(info.longvale["train"]).read_text()).get(vid) or \
         json.loads(Path(info.longvale["test"]).read_text())[vid]
     events = [{"start": t[0], "end": t[1], "caption": c} for t, c in zip(ann["timestamps"], ann["sentences"])]
-    actor = FeaturizeVideos(cfg.to_json())
-    batch = {"video_id": np.array([vid, "nope"]), "uri": np.array([path, path + ".missing"]),
-             "duration": np.array([ann["duration"]] * 2), "events": np.array([json.dumps(events)] * 2),
-             "split": np.array(["train"] * 2), "source": np.array(["longvale"] * 2),
-             "clipped_events": np.array([0, 0]), "chunk": np.array(["c", "c"]), "annotation_hash": np.array(["h1", "h2"])}
-    out = actor(batch)
-    assert out["status"] == ["ok", "error"] and out["annotation_hash"] == ["h1", "h2"]
-    assert decode({k: out[k][0] for k in ("__key__", "meta.json", "times.npy", "visual.npy", "audio.npy")}).video_id == vid
-    assert "MediaError" in out["error"][1]
+    video = {"video_id": vid, "uri": path, "duration": ann["duration"], "events": json.dumps(events),
+             "split": "train", "source": "longvale", "clipped_events": 0, "annotation_hash": "h1"}
+    missing = {**video, "video_id": "nope", "uri": path + ".missing", "annotation_hash": "h2"}
+    out_dir = str(tmp_path / "out")
+    actor = FeaturizeVideos(cfg.to_json(), out_dir)
+    out = actor({"chunk": np.array(["c0"]), "videos": np.array([json.dumps([video, missing])])})
+    assert set(out) == set(mf.COLUMNS)  # manifest rows only: no sample bytes
+    assert out["status"] == ["ok", "error"] and out["annotation_hash"] == ["h1", "h2"] and out["chunk"] == ["c0", "c0"]
+    assert "MediaError" in out["error"][1] and out["shard"][1] is None
+    shard = out["shard"][0]
+    assert shard == str(tmp_path / "out" / "shards" / "c0" / "train" / "00000.tar")
+    (record,) = list(mf.iter_shard(shard))
+    assert record["__key__"] == out["key"][0] and decode(record).video_id == vid
+
+
+def test_chunk_shards_roll_over_at_the_target_size(tmp_path):
+    def rec(key, n):
+        return {"__key__": key, **{f: bytes([i]) * n for i, f in enumerate(FIELDS)}}
+
+    records = [("train", rec("a", 10)), ("test", rec("b", 10)), ("train", rec("c", 10)), ("train", rec("d", 100))]
+    where = mf.write_chunk_shards(str(tmp_path), "c7", records, target_bytes=90)
+    base = tmp_path / "shards" / "c7"
+    assert where == {"a": str(base / "train" / "00000.tar"), "c": str(base / "train" / "00000.tar"),
+                     "d": str(base / "train" / "00001.tar"), "b": str(base / "test" / "00000.tar")}
+    got = {k: r for p in sorted(set(where.values())) for r in mf.iter_shard(p) for k in [r["__key__"]]}
+    assert got == {r["__key__"]: r for _, r in records}
+    assert mf.shard_keys(where["a"]) == ["a", "c"]
+
+
+def test_chunk_size_spreads_a_short_job_and_caps_a_long_one():
+    assert chunk_size(144, 2) == 18 and chunk_size(5, 2) == 1 and chunk_size(10**6, 8) == 64 and chunk_size(0, 2) == 1
 
 
 def test_local_corpus_to_shards_and_manifest(ray_local, corpus, tmp_path):
