@@ -32,12 +32,9 @@ import ray
 from pipeline import faults, storage
 from pipeline.cluster import init_ray, node_id, placement
 from pipeline.config import Config, load_config, section_hash
-from pipeline.schema import FIELDS, KEY, encode
+from pipeline.schema import KEY, encode
 from preprocess import manifest as mf
 from preprocess.annotations import read_annotations
-
-WEBDATASET_COLUMNS = [KEY, *FIELDS]
-
 
 class FeaturizeVideos:
     """Ray Data actor: one chunk of videos in, its shards written, its manifest rows out.
@@ -150,14 +147,6 @@ def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str,
                          "duration": float(ann.duration), "clipped_events": int(ann.clipped),
                          "annotation_hash": ann_hash, "events": json.dumps(events, ensure_ascii=False)})
     return todo, errors, skipped, named
-
-
-def _pyarrow_fs(path: str):
-    """A pyarrow filesystem over our fsspec one, so Ray writes where storage.py reads."""
-    from pyarrow.fs import FSSpecHandler, PyFileSystem
-
-    fs, inner = storage.filesystem(path)
-    return PyFileSystem(FSSpecHandler(fs)), inner
 
 
 CHUNK_VIDEOS = 64
