@@ -173,10 +173,20 @@ def linear_probe_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_test: torc
     return float(((xt @ w + b).argmax(-1) == y_test).float().mean())
 
 
-def linear_probe(model, fit: list, test: list, parse, attributes=("colour", "shape", "motion", "sound")) -> dict:
-    """{probe_lin_<attr>: held-out accuracy} of a linear read-out of the anchors' aggregated features."""
-    xf, af = anchor_feature_rows(model, fit, parse)
-    xt, at = anchor_feature_rows(model, test, parse)
+def linear_probe(model, fit: list, test: list, parse, attributes=("colour", "shape", "motion", "sound"),
+                 layer: int | None = None) -> dict:
+    """{probe_lin_<attr>: held-out accuracy} of a linear read-out of the anchors' aggregated features.
+    layer: aggregate another layer's input states instead (0 = the input embeddings; keys get an
+    `_l<layer>` suffix), the model's own aggregation layer being restored afterwards."""
+    own = model.aggregation_layer
+    if layer is not None:
+        model.aggregation_layer = layer
+    try:
+        xf, af = anchor_feature_rows(model, fit, parse)
+        xt, at = anchor_feature_rows(model, test, parse)
+    finally:
+        model.aggregation_layer = own
+    suffix = "" if layer is None else f"_l{layer}"
     out = {}
     for a in attributes:
         values = sorted({r[a] for r in af + at if r.get(a) is not None})
@@ -187,7 +197,7 @@ def linear_probe(model, fit: list, test: list, parse, attributes=("colour", "sha
         kt = [i for i, r in enumerate(at) if r.get(a) is not None]
         yf = torch.tensor([idx[af[i][a]] for i in kf])
         yt = torch.tensor([idx[at[i][a]] for i in kt])
-        out[f"probe_lin_{a}"] = linear_probe_accuracy(xf[kf], yf, xt[kt], yt, len(values))
+        out[f"probe_lin_{a}{suffix}"] = linear_probe_accuracy(xf[kf], yf, xt[kt], yt, len(values))
     return out
 
 
@@ -195,9 +205,10 @@ class AttributeProbe:
     """The loop's `probe` hook (see the module doc)."""
 
     def __init__(self, samples: list, parse, every: int = 100, max_samples: int = 8,
-                 linear: tuple[list, list] | None = None):
+                 linear: tuple[list, list] | None = None, linear_layers: tuple[int, ...] = ()):
         self.samples, self.parse, self.every, self.max_samples = samples[:max_samples], parse, every, max_samples
         self.linear = linear  # (fit samples, held-out samples) of the linear probe, or None
+        self.linear_layers = linear_layers  # other layers to read out too (probe_lin_<attr>_l<i>)
         self._batch = None
         self._attr_rows = None
 
@@ -217,6 +228,8 @@ class AttributeProbe:
             m = anchor_attention(model, self._batch)
             if self.linear is not None:
                 m.update(linear_probe(model, *self.linear, self.parse))
+                for layer in self.linear_layers:
+                    m.update(linear_probe(model, *self.linear, self.parse, layer=layer))
         finally:
             model.train(was)
         out = m.pop("_out")

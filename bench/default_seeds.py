@@ -92,7 +92,8 @@ def run_seed(seed: int, args) -> dict:
         from train.data import decode_record
 
         linear = ([decode_record(r) for r in data[0][:args.linear_probe]], data[1])
-    probe = AttributeProbe(data[1], caption_parser(cfg), every=args.probe_every, linear=linear)
+    probe = AttributeProbe(data[1], caption_parser(cfg), every=args.probe_every, linear=linear,
+                           linear_layers=tuple(args.linear_probe_layers))
     out = Path(args.work) / f"seed{seed}{args.tag}"
     t0 = time.perf_counter()
     record = run_variant(cfg, None, out, data=data, probe=probe)
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--linear-probe", type=int, default=0, metavar="N",
                     help="also fit a linear read-out of the anchors' attributes on the first N training videos "
                          "at every probe step, scored on the held-out videos (probe_lin_*)")
+    ap.add_argument("--linear-probe-layers", type=int, nargs="*", default=[], metavar="L",
+                    help="with --linear-probe: also read the attributes out of layer L's aggregated input states "
+                         "(0 = the input embeddings), keys probe_lin_<attr>_l<L>")
     ap.add_argument("--jobs", type=int, default=1, help="seeds at a time (one process each)")
     ap.add_argument("--reuse", action="store_true", help="score the seeds already trained under --work (no training)")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)

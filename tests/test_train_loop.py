@@ -175,7 +175,7 @@ def test_probe_sees_gradients_records_into_history_and_changes_nothing(tmp_path)
     from preprocess.synthetic import parse_caption
 
     cfg = config(max_steps=4, checkpoint_every=0, grad_accum=1)
-    probe = AttributeProbe(corpus(2), parse_caption, every=2, linear=(corpus(4), corpus(2)))
+    probe = AttributeProbe(corpus(2), parse_caption, every=2, linear=(corpus(4), corpus(2)), linear_layers=(0,))
     ctx = LocalContext(str(tmp_path / "probed"))
     train_loop(cfg, ctx, InMemoryEpochs(corpus(), seed=0), corpus(2), visual_dim=DV, audio_dim=DA,
                parse=parse_caption, probe=probe)
@@ -188,7 +188,7 @@ def test_probe_sees_gradients_records_into_history_and_changes_nothing(tmp_path)
     for h in rows:
         assert 0.0 < h["probe_anchor_mass"] < 1.0 and h["probe_grad_lora_vo"] > 0.0
         assert h["probe_branch_attr_lm"] > 0.0 and h["probe_branch_other_lm"] > 0.0
-        assert {"probe_lin_colour", "probe_lin_shape", "probe_lin_sound"} <= set(h)
+        assert {"probe_lin_colour", "probe_lin_shape", "probe_lin_sound", "probe_lin_colour_l0"} <= set(h)
         assert all(0.0 <= h[f"probe_lin_{a}"] <= 1.0 for a in ("colour", "shape", "sound"))
 
 
