@@ -67,7 +67,7 @@ from train.deepspeed_config import check_zero_stage  # noqa: E402
 from train.loop import resolve_backend, train_loop  # noqa: E402
 
 CRASH_ENV = ("PADCAP_TRAIN_CRASH_AT_STEP", "PADCAP_TRAIN_CRASH_MARKER", "PADCAP_TRAIN_CRASH_RANK")
-CRASH_DELAY_S = 5.0
+CRASH_WAIT_S = 120.0  # the most a crashing rank waits for the controller to hold its last checkpoint
 # a pause at one step (once: while the marker does not exist), the window in which the node-loss
 # test (tests/test_cluster_sim.py) kills a node, knowing which checkpoint is the latest
 PAUSE_ENV = ("PADCAP_TRAIN_PAUSE_AT_STEP", "PADCAP_TRAIN_PAUSE_MARKER", "PADCAP_TRAIN_PAUSE_S")
@@ -89,11 +89,13 @@ class RayContext:
         self.local_rank = c.get_local_rank()
         self.device = rtt.get_device()
         self._restored: tempfile.TemporaryDirectory | None = None
+        self._last_checkpoint: str | None = None  # dir name of the last checkpoint this rank reported
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         if checkpoint_dir:
+            self._last_checkpoint = f"checkpoint_{int(metrics['step']):07d}"
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir),
-                             checkpoint_dir_name=f"checkpoint_{int(metrics['step']):07d}")
+                             checkpoint_dir_name=self._last_checkpoint)
         else:
             ray.train.report(metrics)
 
@@ -119,10 +121,29 @@ class RayContext:
         print(f"[train] fault injection: rank {self.rank} exits at step {step}", flush=True)
         # The Ray Train controller collects reported checkpoints by polling the workers; a
         # worker that dies within a poll of its last report can take that checkpoint with it
-        # (seen once in CI: the restart began at step 0). Wait out a few polls, as a real
-        # crash long after its last checkpoint would.
-        time.sleep(CRASH_DELAY_S)
+        # (seen once in CI: the restart began at step 0). Exit once the controller holds it, as
+        # a real crash long after its last checkpoint would find it.
+        self._wait_until_registered(self._last_checkpoint)
         os._exit(1)
+
+    def _wait_until_registered(self, name: str | None, poll_s: float = 0.05) -> None:
+        """Block until the controller's checkpoint-manager snapshot (written when it registers a
+        checkpoint) names checkpoint `name`, or CRASH_WAIT_S passed (then say so)."""
+        if name is None:
+            return
+        storage = ray.train.get_context().get_storage()
+        fs, path = storage.storage_filesystem, storage.checkpoint_manager_snapshot_path
+        deadline = time.monotonic() + CRASH_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                with fs.open_input_stream(path) as f:
+                    latest = json.loads(f.read().decode()).get("latest_checkpoint_result")
+                if name in json.dumps(latest):
+                    return
+            except (FileNotFoundError, OSError, ValueError):
+                pass  # not written yet, or caught mid-write
+            time.sleep(poll_s)
+        print(f"[train] fault injection: {name} not registered after {CRASH_WAIT_S:.0f}s; exiting anyway", flush=True)
 
     def _pause(self, step: int) -> None:
         """Every rank sleeps PADCAP_TRAIN_PAUSE_S at step PADCAP_TRAIN_PAUSE_AT_STEP, unless the marker
