@@ -59,6 +59,31 @@ def jitter_intervals(intervals: torch.Tensor, duration: float, frac: float, gene
     return out
 
 
+def head_probs(decoder, layer_idx: int, adapter, hidden_in: torch.Tensor, position_ids: torch.Tensor,
+               queries: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 attention probabilities per head of rows `queries` over rows `keys` at one decoder layer.
+
+    hidden_in [S, d]: the layer's input states; position_ids [S]: backbone position ids; queries
+    [R] and keys [N]: row indices; bias [R, N]: added to the logits (an additive mask), or None.
+    Returns [H, R, N], equal to the layer's own probabilities over those keys (input norm, q/k
+    projections incl. LoRA, RoPE at the layout positions, GQA), differentiable.
+    """
+    layer = decoder.layers[layer_idx]
+    attn = layer.self_attn
+    hd = attn.head_dim
+    x = layer.input_layernorm(hidden_in)
+    q = attn.q_proj(x[queries]).view(queries.numel(), -1, hd).transpose(0, 1)  # [H, R, hd]
+    k = attn.k_proj(x[keys]).view(keys.numel(), -1, hd).transpose(0, 1)  # [Hkv, N, hd]
+    q = adapter.rotate(decoder, q, position_ids[queries])
+    k = adapter.rotate(decoder, k, position_ids[keys])
+    heads, kv_heads = q.shape[0], k.shape[0]
+    qg = q.reshape(kv_heads, heads // kv_heads, queries.numel(), hd)  # GQA: group query heads per KV head
+    scores = torch.einsum("gqrd,gnd->gqrn", qg.float(), k.float()) * attn.scaling  # [Hkv, G, R, N]
+    if bias is not None:
+        scores = scores + bias.float()
+    return scores.softmax(dim=-1).reshape(heads, queries.numel(), keys.numel())
+
+
 @torch.no_grad()
 def attention_row(decoder, layer_idx: int, adapter, hidden_in: torch.Tensor, position_ids: torch.Tensor,
                   query: int, keys: torch.Tensor, probs_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -69,19 +94,10 @@ def attention_row(decoder, layer_idx: int, adapter, hidden_in: torch.Tensor, pos
     equal to the layer's attention probabilities (mean over heads) for that row. probs_dtype:
     cast the fp32 probabilities to it before the head mean (as the release does; default fp32).
     """
-    layer = decoder.layers[layer_idx]
-    attn = layer.self_attn
-    hd = attn.head_dim
     key_idx = torch.nonzero(keys).flatten()
-    x = layer.input_layernorm(hidden_in)
-    q = attn.q_proj(x[query : query + 1]).view(-1, hd)  # [H, hd]
-    k = attn.k_proj(x[key_idx]).view(key_idx.numel(), -1, hd).transpose(0, 1)  # [Hkv, N, hd]
-    q = adapter.rotate(decoder, q[:, None, :], position_ids[query : query + 1])[:, 0]  # [H, hd]
-    k = adapter.rotate(decoder, k, position_ids[key_idx])  # [Hkv, N, hd]
-    heads, kv_heads = q.shape[0], k.shape[0]
-    qg = q.view(kv_heads, heads // kv_heads, hd)  # GQA: group query heads per KV head
-    scores = torch.einsum("gqd,gnd->gqn", qg.float(), k.float()) * attn.scaling
-    probs = scores.softmax(dim=-1).reshape(heads, -1).to(probs_dtype or torch.float32).mean(dim=0)  # [N]
+    q_idx = torch.tensor([query], device=hidden_in.device)
+    probs = head_probs(decoder, layer_idx, adapter, hidden_in, position_ids, q_idx, key_idx)[:, 0]  # [H, N]
+    probs = probs.to(probs_dtype or torch.float32).mean(dim=0)  # [N]
     row = torch.zeros(hidden_in.shape[0], dtype=probs.dtype, device=hidden_in.device)
     row[key_idx] = probs
     return row

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from pipeline.aggregation import head_probs
 from pipeline.layout import IGNORE, Role
 
 
@@ -55,24 +56,13 @@ def own_anchor_mass(decoder, layer_idx: int, adapter, hidden_in: torch.Tensor, p
     rows [R, 2] (sample, column), anchors [R] columns. Returns [R] in fp32, differentiable, equal
     to the layer's own attention probabilities (input norm, q/k incl. LoRA, RoPE, GQA).
     """
-    layer = decoder.layers[layer_idx]
-    attn = layer.self_attn
-    hd = attn.head_dim
+    keys = torch.arange(hidden_in.shape[1], device=hidden_in.device)
     out = []
     for b in rows[:, 0].unique().tolist():
         sel = rows[:, 0] == b
         cols, anc = rows[sel, 1], anchors[sel]
-        x = layer.input_layernorm(hidden_in[b])  # [L, d]
-        pos = position_ids[b]
-        q = attn.q_proj(x[cols]).view(cols.numel(), -1, hd).transpose(0, 1)  # [H, R_b, hd]
-        k = attn.k_proj(x).view(x.shape[0], -1, hd).transpose(0, 1)  # [Hkv, L, hd]
-        q = adapter.rotate(decoder, q, pos[cols])
-        k = adapter.rotate(decoder, k, pos)
-        heads, kv_heads = q.shape[0], k.shape[0]
-        qg = q.reshape(kv_heads, heads // kv_heads, cols.numel(), hd)
-        scores = torch.einsum("gqrd,gnd->gqrn", qg.float(), k.float()) * attn.scaling  # [Hkv, G, R_b, L]
-        scores = scores + mask[b, 0, cols].float()[None, None]
-        probs = scores.softmax(-1).reshape(heads, cols.numel(), -1)  # [H, R_b, L]
+        probs = head_probs(decoder, layer_idx, adapter, hidden_in[b], position_ids[b], cols, keys,
+                           bias=mask[b, 0, cols])  # [H, R_b, L]
         out.append(probs[:, torch.arange(cols.numel()), anc].mean(0))
     return torch.cat(out) if out else hidden_in.new_zeros(0, dtype=torch.float32)
 

@@ -67,7 +67,6 @@ class FeaturizeVideos:
         row = mf.empty_row(video_id=ann.video_id, uri=str(video["uri"]), split=ann.split, source=ann.source,
                            feature_hash=self.feature_hash, chunk=chunk, annotation_hash=str(video["annotation_hash"]),
                            clipped_events=ann.clipped, num_events=len(ann.events), duration=ann.duration)
-        fields = None
         try:
             with faults.in_flight("preprocess", [ann.video_id], node_id()):
                 sample = self.featurizer(row["uri"], ann)
@@ -76,7 +75,7 @@ class FeaturizeVideos:
                        duration=float(sample.duration), num_events=len(sample.events))
         except Exception as e:  # every failure becomes an explained manifest row
             row.update(status="error", error=f"{type(e).__name__}: {e}")
-            fields = None
+            fields = None  # a sample encoded before a later failure is not kept
         row["seconds"] = time.perf_counter() - t0
         return row, fields
 

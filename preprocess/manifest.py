@@ -159,20 +159,21 @@ def write_chunk_shards(out_dir: str, chunk: str, records: list[tuple[str, dict[s
     where: dict[str, str] = {}
     for split in sorted({s for s, _ in records}):
         base = storage.join(shards_dir(out_dir), chunk, split)
-        batch: list[dict[str, Any]] = []
-        size, index = 0, 0
+        tars: list[list[dict[str, Any]]] = [[]]
+        size = 0
         for s, rec in records:
             if s != split:
                 continue
             n = sum(len(rec[f]) for f in FIELDS)
-            if batch and size + n > target_bytes:
-                write_shard(storage.join(base, f"{index:05d}.tar"), batch)
-                batch, size, index = [], 0, index + 1
-            batch.append(rec)
+            if tars[-1] and size + n > target_bytes:
+                tars.append([])
+                size = 0
+            tars[-1].append(rec)
             size += n
-            where[rec[KEY]] = storage.join(base, f"{index:05d}.tar")
-        if batch:
-            write_shard(storage.join(base, f"{index:05d}.tar"), batch)
+        for index, batch in enumerate(tars):
+            path = storage.join(base, f"{index:05d}.tar")
+            write_shard(path, batch)
+            where.update((rec[KEY], path) for rec in batch)
     return where
 
 

@@ -137,8 +137,8 @@ class RayContext:
         while time.monotonic() < deadline:
             try:
                 with fs.open_input_stream(path) as f:
-                    latest = json.loads(f.read().decode()).get("latest_checkpoint_result")
-                if name in json.dumps(latest):
+                    latest = json.loads(f.read().decode()).get("latest_checkpoint_result") or {}
+                if latest.get("checkpoint_dir_name") == name:
                     return
             except (FileNotFoundError, OSError, ValueError):
                 pass  # not written yet, or caught mid-write
