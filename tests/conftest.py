@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.cpu_clock import CpuClock  # noqa: E402  (needs the repo root on sys.path)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -29,7 +31,11 @@ if "PADCAP_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["PADCAP_CACHE_DIR"], ignore_errors=True)
 
 
+_CLOCK = CpuClock()
+
+
 def pytest_configure(config):
+    _CLOCK.start = _CLOCK.now()
     # Tiny test models run ~20x faster on one thread than fighting over 2 shared cores.
     try:
         import torch
@@ -221,3 +227,21 @@ def own_ray_cluster():
 def _ray_stopped_at_the_end():
     yield
     stop_ray()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = _CLOCK.now()
+    yield
+    _CLOCK.record(item.nodeid, before)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Where the suite waits (tests/cpu_clock.py); not under xdist, whose workers share the CPU."""
+    if getattr(config.option, "numprocesses", None):
+        return
+    lines = _CLOCK.summary()
+    if lines:
+        terminalreporter.section("wall time against CPU time")
+        for line in lines:
+            terminalreporter.write_line(line)
