@@ -1,7 +1,8 @@
 """Where the suite waits: each test's wall time beside the machine's busy CPU time over it.
 
 `.ci/reap.py` gives the suite's wall/CPU as one number; this says which tests it comes from.
-CPU is read machine-wide from /proc/stat (user + nice + system + irq + softirq + steal), so Ray's
+CPU is read machine-wide from /proc/stat (user + nice + system + irq + softirq; not steal, the
+hypervisor's time given to other guests), so Ray's
 raylets, GCS and workers, which are not this process's children, are counted; on a box running
 nothing else that is the suite's own CPU. A test's time includes its fixtures' set-up and
 tear-down (a module's Ray cluster start-up is charged to its first test). Linux only: elsewhere
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _STAT = Path("/proc/stat")
-_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system [idle iowait] irq softirq steal
+_BUSY_FIELDS = (0, 1, 2, 5, 6)  # user nice system [idle iowait] irq softirq (not steal)
 
 
 def busy_cpu_s() -> float | None:
