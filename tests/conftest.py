@@ -237,9 +237,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Where the suite waits (tests/cpu_clock.py); not under xdist, whose workers share the CPU."""
-    if getattr(config.option, "numprocesses", None):
-        return
+    """Where the suite waits (tests/cpu_clock.py). Under xdist the controller runs no test, so
+    it has nothing to say (and the workers' figures would share the machine's CPU)."""
     lines = _CLOCK.summary()
     if lines:
         terminalreporter.section("wall time against CPU time")

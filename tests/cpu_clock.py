@@ -52,20 +52,22 @@ class CpuClock:
         if self.start is None or end is None or not self.tests:
             return []
         wall, cpu = end[0] - self.start[0], end[1] - self.start[1]
-        lines = [f"session: wall {wall:.1f}s, machine busy CPU {cpu:.1f}s, "
-                 f"wall/CPU {wall / max(cpu, 1e-9):.2f}",
-                 f"the {top} tests with the most wall time not matched by CPU (wall - CPU):",
-                 "  wait s   wall s    CPU s  test"]
-        waits = sorted(self.tests.items(), key=lambda kv: kv[1][1] - kv[1][0])
-        for nodeid, (w, c) in waits[:top]:
-            lines.append(f"{w - c:8.1f} {w:8.1f} {c:8.1f}  {nodeid}")
-        modules: dict[str, list[float]] = {}
+        modules: dict[str, tuple[float, float]] = {}
         for nodeid, (w, c) in self.tests.items():
-            acc = modules.setdefault(nodeid.split("::", 1)[0], [0.0, 0.0])
-            acc[0], acc[1] = acc[0] + w, acc[1] + c
-        lines.append("the 5 modules with the most wall time not matched by CPU:")
-        for module, (w, c) in sorted(modules.items(), key=lambda kv: kv[1][1] - kv[1][0])[:5]:
-            lines.append(f"{w - c:8.1f} {w:8.1f} {c:8.1f}  {module}")
+            mw, mc = modules.get(nodeid.split("::", 1)[0], (0.0, 0.0))
+            modules[nodeid.split("::", 1)[0]] = (mw + w, mc + c)
         total_wait = sum(max(w - c, 0.0) for w, c in self.tests.values())
-        lines.append(f"waiting summed over tests (where wall > CPU): {total_wait:.1f}s")
-        return lines
+        return [f"session: wall {wall:.1f}s, machine busy CPU {cpu:.1f}s, "
+                f"wall/CPU {wall / max(cpu, 1e-9):.2f}",
+                f"the {top} tests with the most wall time not matched by CPU (wall - CPU):",
+                "  wait s   wall s    CPU s  test",
+                *_most_waiting(self.tests, top),
+                "the 5 modules with the most wall time not matched by CPU:",
+                *_most_waiting(modules, 5),
+                f"waiting summed over tests (where wall > CPU): {total_wait:.1f}s"]
+
+
+def _most_waiting(times: dict[str, tuple[float, float]], n: int) -> list[str]:
+    """The n entries of {name: (wall s, CPU s)} with the largest wall - CPU, one table row each."""
+    ranked = sorted(times.items(), key=lambda kv: kv[1][1] - kv[1][0])[:n]
+    return [f"{w - c:8.1f} {w:8.1f} {c:8.1f}  {name}" for name, (w, c) in ranked]
