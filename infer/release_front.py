@@ -206,8 +206,13 @@ def anchor_inputs(g_emb: torch.Tensor, agg, steps: list[tuple[int, int]]) -> tor
 
 @torch.no_grad()
 def release_front(model, video: ReleaseVideo, cache, max_events: int, control: DecodeControl = NO_CONTROL,
-                  timer: StageTimer | None = None) -> ReleaseFront:
-    """Prefill + planning with step-by-step grounding + anchors for one video (module doc)."""
+                  timer: StageTimer | None = None, forced_steps: list[tuple[int, int]] | None = None) -> ReleaseFront:
+    """Prefill + planning with step-by-step grounding + anchors for one video (module doc).
+
+    forced_steps: take each row's grounded interval, and so K, from this list instead of the
+    model's own decisions (the logits and similarities of every row are still the model's):
+    the parity check's teacher forcing, which keeps a bf16 run on the release's history after
+    a near tie so every later row is still compared with the same computation."""
     timer = timer or StageTimer(model.device)
     video = decodable_video(model, video)
     pre = release_prefill(model, video, cache)
@@ -225,6 +230,8 @@ def release_front(model, video: ReleaseVideo, cache, max_events: int, control: D
     while True:
         step = plan_row(model, model.plan_logits(last[None])[0].float(), last_ground, pre.segments, k, max_events,
                         control, sims, plan_logits)
+        if forced_steps is not None:
+            step = tuple(forced_steps[k]) if k < len(forced_steps) else None
         if step is None:
             break
         steps.append(step)

@@ -61,10 +61,11 @@ def branch_mask(prefix_len: int, k: int, rounds: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def release_reference(model, video: ReleaseVideo, max_events: int, max_branch_tokens: int) -> Reference:
-    """Decode one video as the release does (module doc)."""
+def release_reference(model, video: ReleaseVideo, max_events: int, max_branch_tokens: int,
+                      forced_steps: list[tuple[int, int]] | None = None) -> Reference:
+    """Decode one video as the release does (module doc); forced_steps: see `release_front`."""
     cache = DynamicCache(config=model.hf_config)
-    front = release_front(model, video, cache, max_events)
+    front = release_front(model, video, cache, max_events, forced_steps=forced_steps)
     k = front.num_events
     dev, dtype = model.device, model.dtype
     tokens: list[list[int]] = [[] for _ in range(k)]

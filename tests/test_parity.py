@@ -5,6 +5,7 @@ an exception is a FAIL line and the run goes on."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
 from pathlib import Path
 
@@ -112,3 +113,58 @@ def test_the_weights_table_catches_a_wrong_loader_mapping(monkeypatch):
     model = ReleaseCaptioner.from_release(CHECKPOINT)
     problems = weight_problems(model, read_state_dict(CHECKPOINT))
     assert len(problems) == 1 and problems[0].startswith("12 tensors that differ from the file"), problems
+
+
+def test_bf16_judges_each_planning_row_on_the_release_history_and_fails_a_far_decision(case):
+    """The release stops after 2 events with a wide <S> margin where this model (on the same history)
+    says <G>: not a near tie, so "events K" fails in bf16 as in fp32."""
+    golden = json.loads((case / "golden.json").read_text())
+    golden["K"], golden["serial_intervals"] = 2, golden["serial_intervals"][:2]
+    golden["planning"] = golden["planning"][:2] + [{**golden["planning"][2], "logit_G": -5.0, "logit_S": 5.0,
+                                                    "chosen": "<S>"}]
+    (case / "golden.json").write_text(json.dumps(golden))
+    for dtype in ("float32", "bfloat16"):
+        _, checks, _ = outcome(case, dtype)
+        assert "events K" in failed(checks), dtype
+    assert "row 2 (the release's <G>/<S> gap 10" in checks["events K"].detail
+
+
+def test_forced_steps_keep_the_model_s_own_rows_on_another_history():
+    """release_front's teacher forcing: K and the intervals are the forced ones; row 0 (before any
+    forced choice) is the free run's, row 1 follows the forced interval instead of the model's."""
+    from infer.release_front import release_front
+    from transformers.cache_utils import DynamicCache
+
+    inputs, golden, _, _ = parity.load_case(FIXTURE)
+    sample, settings = parity.case_settings(FIXTURE, inputs, "float32")
+    model = ReleaseCaptioner.from_release(CHECKPOINT, settings).eval()
+    video = parity.case_video(inputs, sample, settings.instruction)
+    fronts = [release_front(model, video, DynamicCache(config=model.hf_config), model.max_events, forced_steps=f)
+              for f in (None, [(0, 1)])]
+    free, forced = fronts
+    assert free.steps == parity.release_steps(golden) and free.num_events == 3
+    assert forced.steps == [(0, 1)] and forced.num_events == 1 and len(forced.planning_logits) == 2
+    torch.testing.assert_close(forced.planning_logits[0], free.planning_logits[0], rtol=0, atol=0)
+    assert not torch.allclose(forced.planning_logits[1], free.planning_logits[1])
+
+
+def test_front_verdict_passes_only_near_ties_between_the_engine_and_the_reference():
+    """bf16, engine vs the free-running reference: the first differing event must be a near tie in the
+    reference's own row (its <G>/<S> gap, or its flipped timesteps' distance from the threshold)."""
+    from types import SimpleNamespace
+
+    front = SimpleNamespace(steps=[(2, 2), (0, 0)],  # the reference's two events, in timesteps
+                            planning_logits=torch.tensor([[1.0, 0.0], [2.0, 1.5], [0.0, 3.0]]),
+                            grounding_logits=torch.tensor([[0.1, 0.4, 1.0, 0.2], [0.9, 0.62, 0.1, 0.65],
+                                                           [0.5, 0.5, 0.5, 0.5]]))
+
+    def verdict(seconds):  # 2 s per timestep, threshold 0.7 (row 1: 0.63), tolerances 1 (logits), 0.1 (sims)
+        return parity.front_verdict(seconds, front, 2.0, 0.7, 1.0, 0.1)
+
+    assert verdict([(4.0, 6.0), (0.0, 2.0)]) == (True, "")
+    assert verdict([(4.0, 6.0)])[0]  # stopped at row 1, where the reference's gap is 0.5
+    ok, detail = verdict([(4.0, 6.0), (0.0, 2.0), (2.0, 4.0)])  # went on at row 2, gap 3
+    assert not ok and "row 2 is 3" in detail
+    assert verdict([(4.0, 6.0), (0.0, 4.0)])[0]  # timestep 1 (0.62) flipped in: 0.01 from 0.63
+    ok, detail = verdict([(4.0, 6.0), (0.0, 6.0)])  # and timestep 2 (0.1): 0.53 from it
+    assert not ok and "row 1" in detail and "0.53" in detail
