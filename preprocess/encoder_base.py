@@ -66,7 +66,7 @@ def encoder_dims(cfg: FeaturesConfig) -> tuple[int, int]:
 
 
 def encoder_versions(cfg: FeaturesConfig) -> dict[str, str]:
-    """{"visual": "pixels@2", "audio": "mel@1"}: what the configured encoders are, for stage hashes."""
+    """{"visual": "pixels@3", "audio": "mel@1"}: what the configured encoders are, for stage hashes."""
     visual, audio = VISUAL_ENCODERS[cfg.visual_encoder], AUDIO_ENCODERS[cfg.audio_encoder]
     return {"visual": f"{visual.name}@{visual.version}", "audio": f"{audio.name}@{audio.version}"}
 

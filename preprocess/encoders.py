@@ -80,17 +80,22 @@ class PixelsEncoder(VisualEncoder):
            y downwards. The first frame of a video has zero change and motion.
       9    edge energy: 2*tanh(EDGE_GAIN * e) - 1, e = the patch mean of the colour
            gradient energy |grad R|^2 + |grad G|^2 + |grad B|^2 on the blurred frame
-      10-13 edge orientation histogram (HOG-like): the fraction of that energy whose
+      10-13 edge orientation histogram (HOG-like): the fraction f of that energy whose
            edge runs horizontally, along the rising diagonal, vertically, along the
            falling diagonal (soft bins of the doubled angle of each pixel's colour
-           structure tensor); all ~0.25 on flat patches. Contrast-invariant and
+           structure tensor), as 4*f - 1: 0 where the energy is spread evenly (f = 0.25,
+           as on flat patches), -1 for a bin with none of it, +1 for half of it. (As plain
+           fractions, the per-shape means of an event's features differed by 0.06-0.15 per
+           channel on the default corpus against up to 0.33 for colour, and a linear
+           read-out of shape from the untrained model's anchors was 0.64; scaled, 0.88,
+           colour 0.81 -> 0.85.) Contrast-invariant and
            non-negative, so it survives averaging over patches and frames: squares
            and stripes put their energy in the horizontal/vertical bins, triangles in
            the horizontal and both diagonal bins, circles spread it over all four
            (the means and stds alone confuse shape with size and position).
     """
 
-    version = 2  # 2: + edge energy and orientation histogram (dim 9 -> 14)
+    version = 3  # 2: + edge energy and orientation histogram (dim 9 -> 14); 3: histogram as 4*f - 1
     LK_REG = 1e-3  # ridge on the 2x2 LK system (flat patches give ~zero motion)
     EDGE_GAIN = 150.0  # the edge energy of a patch crossed by one full-contrast edge is ~0.005-0.01
     EDGE_EPS = 1e-4  # patches with less energy read as flat (uniform histogram)
@@ -160,7 +165,7 @@ class PixelsEncoder(VisualEncoder):
         e = F.adaptive_avg_pool2d(energy, g)
         hist = F.adaptive_avg_pool2d(weights * energy, g)
         hist = (hist + 0.25 * self.EDGE_EPS) / (e + self.EDGE_EPS)
-        return torch.cat([2 * torch.tanh(self.EDGE_GAIN * e) - 1, hist], dim=1)
+        return torch.cat([2 * torch.tanh(self.EDGE_GAIN * e) - 1, 4 * hist - 1], dim=1)
 
 
 # --------------------------------------------------------------------------- mel
