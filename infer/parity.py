@@ -148,6 +148,14 @@ def release_steps(golden: dict) -> list[tuple[int, int]]:
     return [tuple(iv[0]) for iv in golden["serial_intervals"]]
 
 
+def flip_distance(sims: torch.Tensor, a: tuple[int, int], b: tuple[int, int], threshold: float) -> float:
+    """How far from the grounding threshold (threshold x the row's max) the judged row's similarities
+    `sims` [T] put the timesteps that interval a holds and b does not, or b and not a (0 if none)."""
+    sims = sims.float()
+    flipped = set(range(a[0], a[1] + 1)) ^ set(range(b[0], b[1] + 1))
+    return max((float((sims[t] - threshold * sims.max()).abs()) for t in flipped), default=0.0)
+
+
 def front_verdict(intervals: list[tuple[float, float]], front, d: float, threshold: float, tol_logits: float,
                   tol_sims: float) -> tuple[bool, str]:
     """bf16: an engine whose events (seconds) part from the reference front's (`front`, same model, same
@@ -165,10 +173,7 @@ def front_verdict(intervals: list[tuple[float, float]], front, d: float, thresho
         ok = abs(g - s_) <= tol_logits
         return ok, (f"bf16: {len(mine)} vs {len(theirs)} events; the reference's <G>/<S> gap at row {r} is "
                     f"{abs(g - s_):.3g} (tol {tol_logits:g}); nothing after it is compared")
-    sims = front.grounding_logits[r].float()
-    inside = lambda st: set(range(st[0], st[1] + 1))  # noqa: E731
-    flipped = inside(mine[r]) ^ inside(theirs[r])
-    worst = max(float((sims[t] - threshold * sims.max()).abs()) for t in flipped)
+    worst = flip_distance(front.grounding_logits[r], mine[r], theirs[r], threshold)
     return worst <= tol_sims, (f"bf16: row {r} grounded {mine[r]} vs {theirs[r]}; the reference's farthest flipped "
                                f"timestep is {worst:.3g} from the threshold (tol {tol_sims:g}); nothing after it "
                                f"is compared")
@@ -232,11 +237,10 @@ def run(root: Path, dtype: str = "float32", out=sys.stdout) -> Checks:
 
     def video():
         c["video"] = case_video(c["inputs"], c["sample"], c["settings"].instruction)
-        c["grid"] = list(c["video"].grid_thw)
 
     checks.guard("the case's video", video)
     checks.guard("vision tower + merger", lambda: checks.close(
-        "vision tower + merger", c["model"].encode_video(c["video"].pixel_values, torch.tensor([c["grid"]])),
+        "vision tower + merger", c["model"].encode_video(c["video"].pixel_values, torch.tensor([c["video"].grid_thw])),
         c["tensors"]["visual"], tol["encoder"]))
     mel = c["inputs"].get("audio_feature") if "inputs" in c else None
     if mel is not None:
@@ -320,14 +324,9 @@ def run(root: Path, dtype: str = "float32", out=sys.stdout) -> Checks:
         if ours == want:
             checks.equal("grounded intervals (timesteps)", ours, want, "bf16, on the release's history")
             return
-        thr = st.grounding_threshold
-        sims = c["tensors"]["grounding_sims"].float()
-        worst = 0.0
-        for o, w, g in zip(ours, want, sims):
-            if o != w:
-                flip = [t for t in range(len(g)) if (g[t] >= thr * g.max()) != (t in range(o[0], o[1] + 1))]
-                worst = max([worst] + [float((g[t] - thr * g.max()).abs()) for t in flip])
-        ok = len(ours) == len(want) and worst <= tol["sims"]
+        worst = max(flip_distance(g, o, w, st.grounding_threshold)
+                    for o, w, g in zip(ours, want, c["tensors"]["grounding_sims"]))
+        ok = worst <= tol["sims"]
         checks.verdict("grounded intervals (timesteps)", ok, f"bf16: ours {ours} vs {want}; the release's farthest "
                                                              f"flipped timestep is {worst:.3g} from the threshold")
 
