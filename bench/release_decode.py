@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
                 "ms_per_step_over_floor": statistics.median(full) / out["floor_ms_per_step"] if full else None,
                 "decode_tokens_per_s": sum(r.branch_rows for r in pure) / max(sum(r.ms for r in pure), 1e-9) * 1e3,
                 "ms_per_video": wall * 1e3 / len(vids), "tokens": sum(len(t) for d in tokens_by_mode[n].values() for t in d),
-                "steps": len(log), "kernel": eng.kernel.name,
+                "steps": len(log), "kernel": eng.kernel.name, "graphs": eng.describe()["graphs"],
                 "errors": sum(1 for d in got.values() if isinstance(d, Exception))}
         if args.device == "cuda":
             mode["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9

@@ -47,7 +47,8 @@ from infer.decoded import Decoded, to_events
 from infer.front import DecodeError, well_formed
 from infer.kernels import choose_kernel
 from infer.paged import PagePool, pages_for
-from infer.programs import PadProgram, ReleaseProgram
+from infer.graphs import describe_graphs, step_graphs
+from infer.programs import PadProgram, ReleaseProgram, capture_layers
 from infer.requests import Request, VideoResult, check_config, model_caps, resolve_device, resolve_dtype
 from infer.sampling import NO_CONTROL, DecodeControl, video_chooser
 from infer.scheduler import Branch, Phase, Scheduler, StepPlan, VideoState
@@ -120,6 +121,9 @@ class CaptionEngine:
         self.runner = ModelRunner(w, self.pool, self.kernel)
         self.scheduler = Scheduler(self.runner, self.pool, step_tokens=self.step_tokens, max_rows=cfg.max_batch_rows,
                                    q_block=self.q_block, prefill_block=4 * self.q_block)
+        self.graphs = step_graphs(cfg, self.runner, self.device, tokens=self.step_tokens, q_block=self.q_block,
+                                  attn_q_block=self.scheduler.attn_q_block,
+                                  capture_layers=capture_layers(model, release=self.release))
         self.bias = torch.zeros(w.head.shape[0], device=self.device)
         banned = [model.g_id, model.s_id] + ([model.shift_id] if self.release else [])
         self.bias[banned] = float("-inf")  # structural tokens are never caption text
@@ -188,7 +192,8 @@ class CaptionEngine:
         fit = {str(p): videos_that_fit(pool.pages, p, c.max_events, c.max_branch_tokens, pool.page_size)
                for p in (2000, 10000, 32000)}
         return {**asdict(c), "resolved_device": str(self.device), "resolved_dtype": str(self.weights.dtype),
-                "kernel": self.kernel.name, "kernel_reason": self.kernel.reason, "resolved_step_tokens": self.step_tokens,
+                "kernel": self.kernel.name, "kernel_reason": self.kernel.reason,
+                "graphs": describe_graphs(self.graphs, c), "resolved_step_tokens": self.step_tokens,
                 "resolved_q_block": self.q_block, **{f"kv_{k}": v for k, v in pool.describe().items()},
                 "kv_bytes_per_token": pool.bytes_per_page // pool.page_size, "videos_in_flight_at_prefix": fit}
 
@@ -250,7 +255,7 @@ class CaptionEngine:
             plan = self.scheduler.plan(videos)
             if plan is None:
                 raise RuntimeError("videos in flight but nothing to run (a scheduler bug)")
-            hidden, states = self.runner.forward(plan.batch)
+            hidden, states = (self.graphs or self.runner).forward(plan.batch)
             self._absorb(plan, hidden, states, videos, emit)
             self._account(plan, (time.perf_counter() - t0) * 1000.0, (time.process_time() - c0) * 1000.0)
 

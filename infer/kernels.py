@@ -163,7 +163,7 @@ class FlexMeta(AttnMeta):
     """FlexAttention's meta. pages [Qb, B] long, npages [Qb] int32: the pages each block may see;
     q_gather_clamped [Qb*BM]: step token of each padded query slot (padding: token 0); q_out [N]: padded
     slot of each step token; seq_a, lim_a, seq_b, lim_b [Qb*BM]: per slot, the two (sequence, limit)
-    pairs; block_mask: the FlexAttention BlockMask (set once the rest is built)."""
+    pairs; block_mask: the FlexAttention BlockMask (built by the kernel at the step's first layer)."""
 
     pages: torch.Tensor
     npages: torch.Tensor
@@ -284,21 +284,25 @@ def _flex_meta(blocks, rules, q_block: int, pool, kernel: "Kernel") -> FlexMeta:
     out[gather[real]] = torch.arange(gather.numel())[real]
     dev = pool.device
     sa, la, sb, lb = (r.to(dev) for r in _per_slot(rules, gather))
-    meta = FlexMeta(tokens=n, q_block=q_block, page_size=pool.page_size, pages=page_t.to(dev),
+    return FlexMeta(tokens=n, q_block=q_block, page_size=pool.page_size, pages=page_t.to(dev),
                     npages=npages.to(dev), q_gather_clamped=torch.where(real, gather, 0).to(dev), q_out=out.to(dev),
                     seq_a=sa, lim_a=la, seq_b=sb, lim_b=lb)
-    meta.block_mask = flex_block_mask(meta, pool)
-    return meta
 
 
-def flex_block_mask(meta: FlexMeta, pool):
+def flex_block_mask(meta: FlexMeta, pool, indices: torch.Tensor | None = None):
     """The step's BlockMask over the whole pool: the blocks' pages as kv blocks (the index as wide as
-    the pool's pages, as compiled FlexAttention requires), the rule as mask_mod."""
+    the pool's pages, as compiled FlexAttention requires), the rule as mask_mod. The kernel builds it at
+    the step's first layer (a step replayed from a CUDA graph never builds one: infer/graphs.py).
+
+    indices: a [blocks, pool pages] int32 buffer the caller fills (a graph's static one, whose later
+    contents the mask then reads); None = a fresh one filled from meta.pages. The BlockMask holds
+    meta.npages and indices themselves, not copies."""
     from torch.nn.attention.flex_attention import BlockMask
 
     S = meta.page_size
-    indices = torch.zeros(meta.blocks, pool.pages, dtype=torch.int32, device=meta.pages.device)
-    indices[:, : meta.pages.shape[1]] = meta.pages
+    if indices is None:
+        indices = torch.zeros(meta.blocks, pool.pages, dtype=torch.int32, device=meta.pages.device)
+        indices[:, : meta.pages.shape[1]] = meta.pages
     owner, start = pool.owner, pool.start
     sa, la, sb, lb = meta.seq_a, meta.lim_a, meta.seq_b, meta.lim_b
 
@@ -427,6 +431,8 @@ class FlexKernel(Kernel):
         from torch.nn.attention.flex_attention import flex_attention
 
         fn = _compiled_flex() if self.compiled else flex_attention
+        if meta.block_mask is None:  # once per step, at its first layer
+            meta.block_mask = flex_block_mask(meta, pool)
         kv = pool.layer[layer]
         qf = q[meta.q_gather_clamped].transpose(0, 1)[None]  # [1, Hq, Qb*BM, D]
         kf, vf = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]  # [1, Hkv, P*S, D] views

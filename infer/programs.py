@@ -69,6 +69,14 @@ def _plan_position(value: int) -> torch.Tensor:
     return torch.full((3,), int(value), dtype=torch.long)
 
 
+def capture_layers(model, release: bool) -> tuple[int, int]:
+    """The hidden states a video's program reads from the step: (grounding layer, aggregation layer) in HF's
+    numbering (i < layers: the input of layer i). The release grounds on hidden_states[-2]."""
+    n_layers = model.hf_config.get_text_config(decoder=True).num_hidden_layers
+    ground = n_layers - 1 if release else model.cfg.grounding_layer % (n_layers + 1)
+    return ground, model.aggregation_layer
+
+
 @dataclass
 class Anchors:
     """The end of planning: intervals (seconds, planning order), anchors [K, d] at position A."""
@@ -102,10 +110,8 @@ class PadProgram:
         except ValueError as e:
             raise DecodeError(f"{sample.video_id}: {e}") from e
         self.cuts = legal_cuts(self.limits)
-        n_layers = model.hf_config.get_text_config(decoder=True).num_hidden_layers
-        self.ground_layer = model.cfg.grounding_layer % (n_layers + 1)
-        self.agg_layer = model.aggregation_layer
-        self.capture = (self.ground_layer, self.agg_layer)
+        self.capture = capture_layers(model, release=False)
+        self.ground_layer, self.agg_layer = self.capture
         self.k = 0
         self.queries: list[torch.Tensor] = []
         self.plan_logits: list[torch.Tensor] = []
@@ -182,10 +188,8 @@ class ReleaseProgram:
         self.length = self.lay.length
         self.limits = row_limits(prompt_visible(self.lay))
         self.cuts = legal_cuts(self.limits)
-        n_layers = model.hf_config.get_text_config(decoder=True).num_hidden_layers
-        self.ground_layer = n_layers - 1  # hidden_states[-2]
-        self.agg_layer = model.aggregation_layer
-        self.capture = (self.ground_layer, self.agg_layer)
+        self.capture = capture_layers(model, release=True)
+        self.ground_layer, self.agg_layer = self.capture
         self.k = 0
         self.steps: list[tuple[int, int]] = []
         self.sims: list[torch.Tensor] = []

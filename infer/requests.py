@@ -125,6 +125,9 @@ def check_config(cfg: InferConfig) -> None:
         raise ValueError(f"infer.step_tokens, page_size, q_block and kv_memory_gb must be >= 0 (0 = auto) and "
                          f"0 < kv_memory_fraction <= 1; got {cfg.step_tokens}, {cfg.page_size}, {cfg.q_block}, "
                          f"{cfg.kv_memory_gb}, {cfg.kv_memory_fraction}")
+    if cfg.cuda_graphs not in ("auto", "off", "static") or cfg.graph_tokens < 1:
+        raise ValueError(f"infer.cuda_graphs must be auto, off or static and infer.graph_tokens >= 1; got "
+                         f"{cfg.cuda_graphs!r}, {cfg.graph_tokens}")
     if cfg.max_batch_videos < 1 or cfg.max_batch_rows < cfg.max_events:
         raise ValueError(f"need infer.max_batch_videos >= 1 and infer.max_batch_rows >= infer.max_events (one video's "
                          f"rows must fit a step); got {cfg.max_batch_videos}, {cfg.max_batch_rows} < {cfg.max_events}")

@@ -122,6 +122,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ building a step
 
+    @property
+    def attn_q_block(self) -> int:
+        """The query block of a step's attention metadata (flex's BM): the larger of the two block sizes."""
+        return max(self.q_block, self.prefill_block)
+
     def _grow(self, v: VideoState, seq: Seq, length: int) -> None:
         before = len(seq.pages)
         self.pool.grow(seq, length)
@@ -244,7 +249,7 @@ class Scheduler:
             return None
         self.pool.sync()
         capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
-        attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=max(self.q_block, self.prefill_block), pool=self.pool,
+        attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=self.attn_q_block, pool=self.pool,
                               kernel=self.runner.kernel, group=self.runner.w.heads // self.runner.w.kv_heads,
                               workspace=self.mask_workspace)
         batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),

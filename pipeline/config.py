@@ -198,6 +198,12 @@ class InferConfig:
     # pages) on the CPU; "reference" = the pure-torch oracle. One that cannot run is an error.
     kernel: Literal["auto", "sdpa", "flex", "reference"] = "auto"
     decoder: Literal["parallel", "monolithic"] = "parallel"
+    # CUDA graphs of the decode step (infer/graphs.py): auto = captured at start-up on CUDA with the flex
+    # kernel, for steps of up to graph_tokens tokens (larger steps and layered prefill run eagerly), off
+    # elsewhere; static = the graphs' static buffers and padding run eagerly, on any device (what the
+    # CPU tests drive); off = every step eager. A failed capture runs eagerly, with the reason logged.
+    cuda_graphs: Literal["auto", "off", "static"] = "auto"
+    graph_tokens: int = 256
     # videos handed to the engine per call (offline: the Ray Data batch of a captioning actor)
     videos_per_call: int = 16
     # continuous batching: at most this many branch rows / videos in one decode step;

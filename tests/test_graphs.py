@@ -1,0 +1,121 @@
+"""The step's CUDA graphs (infer/graphs.py): buckets, static buffers and padding, against the eager step.
+
+On the CPU the graphs' static path runs with the eager forward standing in for the replay
+(infer.cuda_graphs=static): the same buffers, copies and padding a replay reads, so a step in
+a bucket must give the eager step's tokens and logits (1e-5, fp32), its padding must never touch
+a real page, and steps no bucket holds (layered prefill, too many tokens) must run eagerly. The
+capture itself is CUDA only (skipped here).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from infer.engine import CaptionEngine
+from infer.graphs import Buckets, graph_buckets
+from infer.requests import Request
+from tests.test_engine_batch import controls, model, videos  # noqa: F401 - the same module fixtures
+from tests.test_engine_batch import CPU, assert_pool_empty, assert_same, decode_all
+
+FLEX = dataclasses.replace(CPU, kernel="flex", kv_memory_gb=0.004, max_batch_videos=3, step_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def eager(model, videos, controls):
+    got, _, _, eng = decode_all(model, FLEX, videos, controls)
+    assert eng.graphs is None
+    return got
+
+
+def test_buckets_are_powers_of_two_and_fit_the_smallest():
+    b = graph_buckets(200, 20)
+    assert b.tokens == (8, 16, 32, 64, 128, 256) and b.blocks == (1, 2, 4, 8, 16, 32)
+    assert b.fit(1, 1) == (8, 1) and b.fit(9, 3) == (16, 4) and b.fit(256, 32) == (256, 32)
+    assert b.fit(12, 16) == (16, 16)  # a step's blocks are padded to a power of two: may exceed its tokens
+    assert b.fit(257, 1) is None and b.fit(8, 64) is None
+    assert (8, 16) not in b.pairs() and (16, 16) in b.pairs()
+    assert graph_buckets(5, 1) == Buckets((8,), (1,))
+    with pytest.raises(ValueError):
+        graph_buckets(0, 4)
+
+
+def test_static_graph_steps_equal_the_eager_steps(model, videos, controls, eager):
+    """Every step through the buckets' buffers (prefill chunks, planning rows, branch rows of three
+    videos at once, pages freed and reused in a small pool) == the eager engine, token for token."""
+    got, _, log, eng = decode_all(model, dataclasses.replace(FLEX, cuda_graphs="static"), videos, controls)
+    g = eng.describe()["graphs"]
+    assert g["replayed"] == len(log) and g["eager"] == 0 and not g["captured"]
+    for a, b in zip(got, eager):
+        assert_same(a, b)
+    assert_pool_empty(eng)
+
+
+def test_arrival_order_and_uncovered_steps(model, videos, controls, eager):
+    """Reversed arrivals, a budget of 8 tokens (bidirectional blocks prefilled layer by layer: those
+    steps run eagerly) and token buckets of at most 8: covered and eager steps interleave."""
+    cfg = dataclasses.replace(FLEX, cuda_graphs="static", step_tokens=8, max_batch_videos=2)
+    order = list(reversed(range(len(videos))))
+    got, _, log, eng = decode_all(model, cfg, videos, controls, order=order)
+    g = eng.graphs.stats
+    assert g["replayed"] > 0 and g["eager"] > 0 and g["replayed"] + g["eager"] == len(log)
+    assert any(r.layer_tokens for r in log)
+    for a, b in zip(got, eager):
+        assert_same(a, b)
+    assert_pool_empty(eng)
+
+
+def test_padding_writes_only_the_scratch_page(model, videos, controls):
+    """A covered step's padding tokens write their KV to the scratch page and nowhere else: every pool slot
+    that changes is one of the step's own slots or on page 0."""
+    eng = CaptionEngine(copy.deepcopy(model), dataclasses.replace(FLEX, cuda_graphs="static"))
+    S = eng.pool.page_size
+    seen = {"steps": 0}
+    forward = eng.graphs.forward
+
+    def checked(batch):
+        before = eng.pool.kv.clone()
+        out = forward(batch)
+        changed = (eng.pool.kv != before).flatten(2).any(-1).any(0).nonzero().flatten()  # slots, all layers
+        allowed = set(batch.slots.tolist()) | set(range(S))
+        assert set(changed.tolist()) <= allowed
+        if eng.graphs.covers(batch) and eng.graphs.buckets.fit(batch.attn.tokens, batch.attn.blocks)[0] \
+                > batch.attn.tokens:
+            seen["steps"] += 1
+        return out
+
+    eng.graphs.forward = checked
+    reqs = [Request(videos[i], controls[i], tag=i) for i in (1, 3)]
+    eng.run(iter(reqs), lambda req, res: None)
+    assert seen["steps"] > 0  # steps that were padded were checked
+
+
+def test_graphs_need_flex_and_say_what_runs(model):
+    with pytest.raises(ValueError, match="needs infer.kernel=flex"):
+        CaptionEngine(model, dataclasses.replace(CPU, cuda_graphs="static"))
+    d = CaptionEngine(model, CPU).describe()["graphs"]
+    assert d == {"captured": False, "reason": "infer.cuda_graphs=auto (captured on CUDA with the flex kernel only)"}
+    assert CaptionEngine(model, dataclasses.replace(FLEX, cuda_graphs="off")).graphs is None
+    s = CaptionEngine(model, dataclasses.replace(FLEX, cuda_graphs="static", graph_tokens=32)).describe()["graphs"]
+    assert s["token_buckets"] == [8, 16, 32] and s["block_buckets"] == [1, 2, 4, 8] and not s["captured"]
+    with pytest.raises(ValueError, match="graph_tokens"):
+        CaptionEngine(model, dataclasses.replace(FLEX, graph_tokens=0))
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_are_captured_and_replay_the_eager_step(model, videos, controls):
+    """On CUDA (fp32): graphs captured at start-up for every bucket; the replayed steps give the eager
+    engine's tokens and logits (1e-4: the padded GEMMs may sum in another order)."""
+    cfg = dataclasses.replace(CPU, device="cuda", dtype="float32", step_tokens=64, graph_tokens=64)
+    ref, _, _, _ = decode_all(copy.deepcopy(model), dataclasses.replace(cfg, cuda_graphs="off"), videos, controls)
+    got, _, log, eng = decode_all(copy.deepcopy(model), cfg, videos, controls)
+    g = eng.describe()["graphs"]
+    assert g["captured"], g["reason"]
+    assert g["replayed"] > 0 and g["replayed"] + g["eager"] == len(log)
+    for x, y in zip(got, ref):
+        assert x.tokens == y.tokens
+        for p, q in zip(x.branch_logits, y.branch_logits):
+            torch.testing.assert_close(p, q, atol=1e-4, rtol=0)
