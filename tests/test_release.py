@@ -185,6 +185,18 @@ def test_engine_reproduces_the_fixture_and_marks_the_capped_branch(model):
     assert all(0 <= e.start < e.end <= 31.0 for e in res.events)
 
 
+def test_release_steps_through_the_step_graphs_reproduce_the_fixture(model):
+    """The release model with the flex kernel (eager here) and every step through the CUDA graphs'
+    static buffers and padding (infer.cuda_graphs=static, infer/graphs.py): the fixture's captions."""
+    eng = engine_for(model, kernel="flex", cuda_graphs="static", kv_memory_gb=0.02)
+    res = eng.caption([fixture_video()])[0]
+    assert res.error is None
+    by_start = sorted(GOLDEN["events"], key=lambda e: e["interval_seconds"][0])
+    assert [e.caption for e in res.events] == [e["caption_text"].strip() for e in by_start]
+    g = eng.describe()["graphs"]
+    assert g["replayed"] > 0 and g["replayed"] + g["eager"] == eng.stats["steps"]
+
+
 @pytest.mark.parametrize("step_tokens", [512, 8])
 def test_engine_batch_equals_the_release_loop_on_random_models(step_tokens):
     """The release model through the token-budget scheduler: with a budget of 8 tokens the prompt
