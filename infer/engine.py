@@ -142,6 +142,8 @@ class CaptionEngine:
         """Zero the counters and the step log (benchmarks: after a warm-up)."""
         self.stats.update(steps=0, row_steps=0, tokens=0, step_ms=0.0, front_ms=0.0, prepare_ms=0.0, step_log=[],
                           mode_ms={m.value: 0.0 for m in Mode})
+        if self.graphs is not None:
+            self.graphs.reset_stats()
 
     def decode(self, sample: Sample, control: DecodeControl = NO_CONTROL) -> Decoded:
         """One video alone -> Decoded (raises DecodeError for a sample that does not fit the model)."""

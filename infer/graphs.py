@@ -234,6 +234,7 @@ class StepGraphs:
         for dst, pad in zip(blk.rules, _SLOT_PAD):
             dst.fill_(pad)
 
+    @torch.no_grad()  # as the engine decodes: dynamo guards on grad mode, so warm-up compiles what decoding runs
     def _capture_all(self) -> None:
         """Every bucket pair, largest first, into one memory pool; on a failure: eager, with the reason."""
         try:
@@ -263,6 +264,9 @@ class StepGraphs:
         self.reason = f"captured {len(self.recorded)} bucket pairs at start-up"
         log.info("CUDA graphs: %s (tokens %s, blocks %s)", self.reason, self.buckets.tokens, self.buckets.blocks)
 
+    def reset_stats(self) -> None:
+        self.stats.update(replayed=0, eager=0)
+
     def describe(self) -> dict:
         return {"captured": self.captured, "enabled": self.enabled, "reason": self.reason, "token_buckets": list(self.buckets.tokens),
                 "block_buckets": list(self.buckets.blocks), **self.stats}
@@ -271,11 +275,11 @@ class StepGraphs:
 def step_graphs(cfg, runner: ModelRunner, device: torch.device, *, tokens: int, q_block: int, attn_q_block: int,
                 capture_layers: tuple[int, ...]) -> StepGraphs | None:
     """An engine's graphs for infer.cuda_graphs (pipeline/config.py): captured now (auto, on CUDA with the flex
-    kernel), the static stand-in (static), or None (every step eager). tokens: the step budget; q_block: the
+    kernel), the static stand-in (static), or None (every step eager; the monolithic decoder takes no steps). tokens: the step budget; q_block: the
     scheduler's block of branch rows; attn_q_block: its attention metadata's BM. A step has at most one
     query block per video plus one per q_block of branch rows (infer/scheduler.py)."""
     mode, kernel = cfg.cuda_graphs, runner.kernel.name
-    if mode == "off" or (mode == "auto" and (device.type != "cuda" or kernel != "flex")):
+    if mode == "off" or cfg.decoder != "parallel" or (mode == "auto" and (device.type != "cuda" or kernel != "flex")):
         return None
     if kernel != "flex":
         raise ValueError(f"infer.cuda_graphs={mode} needs infer.kernel=flex (got {kernel})")
@@ -288,7 +292,7 @@ def describe_graphs(graphs: StepGraphs | None, cfg) -> dict:
     """What /v1/model and the offline rows say about the step's graphs."""
     if graphs is not None:
         return graphs.describe()
-    why = "" if cfg.cuda_graphs == "off" else " (captured on CUDA with the flex kernel only)"
+    why = "" if cfg.cuda_graphs == "off" else " (captured on CUDA with the flex kernel and the parallel decoder only)"
     return {"captured": False, "reason": f"infer.cuda_graphs={cfg.cuda_graphs}{why}"}
 
 

@@ -400,7 +400,9 @@ class SdpaKernel(GatheringKernel):
 def _compiled_flex():
     """flex_attention compiled once per shape (the step's shapes are bucketed: a fixed query block, the
     number of blocks a power of two, the pool's width). Hitting the recompile limit is an error, not a
-    silent fall back to eager (which would materialise scores over the whole pool)."""
+    silent fall back to eager (which would materialise scores over the whole pool). The limit is 256: each
+    engine's pool width is a new set of shapes (one per block bucket its CUDA graphs record, up to 8), and a
+    process may build several engines (tests, benchmarks)."""
     import torch._dynamo
 
     from torch.nn.attention.flex_attention import flex_attention
@@ -408,7 +410,7 @@ def _compiled_flex():
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), 32))
+            setattr(cfg, name, max(getattr(cfg, name), 256))
     if hasattr(cfg, "fail_on_recompile_limit_hit"):
         cfg.fail_on_recompile_limit_hit = True
     return torch.compile(flex_attention, dynamic=False)
