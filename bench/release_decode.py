@@ -106,6 +106,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--events", type=int, default=8)
     ap.add_argument("--caption-tokens", type=int, default=48)
     ap.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="H200 HBM3e: 4.8 TB/s")
+    ap.add_argument("--eager-at", type=int, nargs="*", default=[],
+                    help="also run these in-flight counts with infer.cuda_graphs=off (mode in_flight_N_eager): "
+                         "the graphs' gain, side by side")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     model = build(args.shape, args.device, args.dtype)
@@ -118,9 +121,10 @@ def main(argv=None) -> dict:
            "floor_ms_per_step": llm_bytes / (args.bandwidth_gbs * 1e9) * 1e3, "llm_gb": llm_bytes / 1e9}
     tokens_by_mode = {}
     cfg = None
-    for n in [1, *args.in_flight]:
+    for n, graphs in [(1, "auto"), *((n, "auto") for n in args.in_flight), *((n, "off") for n in args.eager_at)]:
         cfg = InferConfig(max_events=args.events, max_branch_tokens=args.caption_tokens + 1, device=args.device,
-                          dtype=args.dtype, max_batch_videos=n, max_batch_rows=n * args.events, step_tokens=1 << 30)
+                          dtype=args.dtype, max_batch_videos=n, max_batch_rows=n * args.events, step_tokens=1 << 30,
+                          cuda_graphs=graphs)
         eng = CaptionEngine(model, cfg)
         eng.caption(vids[:1], controls=[control])  # warm-up (kernels, compilation)
         eng.reset_stats()
@@ -133,22 +137,28 @@ def main(argv=None) -> dict:
         log = eng.stats["step_log"]
         pure = [r for r in log if r.branch_rows and not (r.prefill_tokens or r.plan_rows or r.layer_tokens)]
         full = [r.ms for r in pure if r.videos == n] or [r.ms for r in pure]
-        tokens_by_mode[n] = {i: d.tokens for i, d in got.items() if not isinstance(d, Exception)}
+        key = n if graphs == "auto" else f"{n}_eager"
+        tokens_by_mode[key] = {i: d.tokens for i, d in got.items() if not isinstance(d, Exception)}
         mode = {"ms_per_step": statistics.median(full) if full else None,
                 "ms_per_step_over_floor": statistics.median(full) / out["floor_ms_per_step"] if full else None,
                 "decode_tokens_per_s": sum(r.branch_rows for r in pure) / max(sum(r.ms for r in pure), 1e-9) * 1e3,
-                "ms_per_video": wall * 1e3 / len(vids), "tokens": sum(len(t) for d in tokens_by_mode[n].values() for t in d),
+                "ms_per_video": wall * 1e3 / len(vids), "tokens": sum(len(t) for d in tokens_by_mode[key].values() for t in d),
                 "steps": len(log), "kernel": eng.kernel.name, "graphs": eng.describe()["graphs"],
                 "errors": sum(1 for d in got.values() if isinstance(d, Exception))}
         if args.device == "cuda":
             mode["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
             mode["kv_pool_gb"] = eng.pool.describe()["pool_gb"]
             mode["plan_predicted_gb"] = planned_bytes(model, eng, max(r.tokens for r in log)) / 1e9
-        out["modes"][f"in_flight_{n}"] = mode
+        out["modes"][f"in_flight_{key}"] = mode
         out["kernel"] = eng.kernel.name
         del eng  # its KV pool goes before the next engine sizes its own
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    for n in args.eager_at:  # the same mix without graphs: the graphs' gain per step, and the same tokens
+        e, g = out["modes"][f"in_flight_{n}_eager"], out["modes"].get(f"in_flight_{n}") or out["modes"]["in_flight_1"]
+        if e["ms_per_step"] and g["ms_per_step"]:
+            e["eager_over_graphs_ms_per_step"] = e["ms_per_step"] / g["ms_per_step"]
+        e["tokens_equal_graphs"] = tokens_by_mode[f"{n}_eager"] == tokens_by_mode.get(n, tokens_by_mode[1])
     base = out["modes"]["in_flight_1"]
     for n in args.in_flight:
         m = out["modes"][f"in_flight_{n}"]
