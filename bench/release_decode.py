@@ -109,6 +109,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--eager-at", type=int, nargs="*", default=[],
                     help="also run these in-flight counts with infer.cuda_graphs=off (mode in_flight_N_eager): "
                          "the graphs' gain, side by side")
+    ap.add_argument("--kv-memory-gb", type=float, default=0.0,
+                    help="every engine's KV pool (0 = auto: a share of the free memory, so each engine's pool, and "
+                         "with it compiled flex's shapes, differs; a fixed size compiles them once)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     model = build(args.shape, args.device, args.dtype)
@@ -124,7 +127,7 @@ def main(argv=None) -> dict:
     for n, graphs in [(1, "auto"), *((n, "auto") for n in args.in_flight), *((n, "off") for n in args.eager_at)]:
         cfg = InferConfig(max_events=args.events, max_branch_tokens=args.caption_tokens + 1, device=args.device,
                           dtype=args.dtype, max_batch_videos=n, max_batch_rows=n * args.events, step_tokens=1 << 30,
-                          cuda_graphs=graphs)
+                          cuda_graphs=graphs, kv_memory_gb=args.kv_memory_gb)
         eng = CaptionEngine(model, cfg)
         eng.caption(vids[:1], controls=[control])  # warm-up (kernels, compilation)
         eng.reset_stats()
