@@ -227,7 +227,7 @@ def test_engine_on_cuda_matches_cpu_reference(model, video):
     compared with a bf16 baseline in tests/test_engine_batch.py, never with fp32 at an fp32 tolerance."""
     cuda_model = copy.deepcopy(model).to("cuda")
     ctl = DecodeControl(num_events=5, lengths=[2, 13, 1, 7, 3], trace=True)
-    got = CaptionEngine(cuda_model, dataclasses.replace(CPU, device="cuda", dtype="float32")).decode(video, ctl)
+    got = CaptionEngine(cuda_model, dataclasses.replace(CPU, device="cuda", dtype="float32", kv_memory_gb=1.0)).decode(video, ctl)
     ref = full_recompute(model, video, CPU, ctl)
     assert got.tokens == ref.tokens
     for a, b in zip(got.branch_logits, ref.branch_logits):

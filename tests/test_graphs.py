@@ -114,7 +114,8 @@ def test_graphs_need_flex_and_say_what_runs(model):
 def test_cuda_graphs_are_captured_and_replay_the_eager_step(model, videos, controls):
     """On CUDA (fp32): graphs captured at start-up for every bucket; the replayed steps give the eager
     engine's tokens and logits (1e-4: the padded GEMMs may sum in another order)."""
-    cfg = dataclasses.replace(CPU, device="cuda", dtype="float32", step_tokens=64, graph_tokens=64)
+    cfg = dataclasses.replace(CPU, device="cuda", dtype="float32", step_tokens=64, graph_tokens=64,
+                              kv_memory_gb=1.0)
     ref, _, _, _ = decode_all(copy.deepcopy(model), dataclasses.replace(cfg, cuda_graphs="off"), videos, controls)
     got, _, log, eng = decode_all(copy.deepcopy(model), cfg, videos, controls)
     g = eng.describe()["graphs"]
