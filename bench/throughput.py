@@ -116,7 +116,8 @@ def ops_per_layer(model, cfg: InferConfig, videos, n: int) -> float:
     ecfg = replace(cfg, max_batch_videos=n, max_batch_rows=max(cfg.max_events, n * cfg.max_events),
                    step_tokens=1 << 20, max_branch_tokens=max(cfg.max_branch_tokens, 24))
     eng = CaptionEngine(model, ecfg)
-    forward, counted = eng.runner.forward, []
+    stepper = eng.graphs or eng.runner  # what the engine calls each step (CUDA graphs: their replay and copies)
+    forward, counted = stepper.forward, []
 
     def recording(batch: ForwardBatch):
         decoding = [v for v in eng._in_flight if v.branches]
@@ -124,7 +125,7 @@ def ops_per_layer(model, cfg: InferConfig, videos, n: int) -> float:
             counted.append(count_ops(lambda: forward(batch)))
         return forward(batch)
 
-    eng.runner.forward = recording
+    stepper.forward = recording
     eng.caption([s for s, _ in videos[:n]], controls=[replace(c, lengths=[24]) for _, c in videos[:n]])
     if not counted:
         raise RuntimeError(f"no decode-only step with {n} videos decoding")
@@ -141,7 +142,8 @@ def engine_mode(model, cfg: InferConfig, videos, in_flight: int, decode_phase: b
     if decode_phase:
         ecfg = replace(ecfg, step_tokens=1 << 30)
     eng = CaptionEngine(model, ecfg)
-    forward = eng.runner.forward
+    stepper = eng.graphs or eng.runner
+    forward = stepper.forward
     peaks = {"allocated": 0, "live": 0}
 
     def recording(batch: ForwardBatch):
@@ -150,7 +152,7 @@ def engine_mode(model, cfg: InferConfig, videos, in_flight: int, decode_phase: b
         peaks["live"] = max(peaks["live"], live)
         return forward(batch)
 
-    eng.runner.forward = recording
+    stepper.forward = recording
     tokens = {}
     t0, c0 = time.perf_counter(), time.process_time()
     eng.run(iter([Request(s, c) for s, c in videos]), lambda req, res: tokens.__setitem__(req.sample.video_id, res.tokens))
