@@ -1,6 +1,7 @@
 """CUDA graphs of the decode step, captured at start-up for fixed buckets and replayed step after step.
 
-    graphs = StepGraphs(runner, buckets=graph_buckets(256, 32), capture=True)   # at engine start-up
+    graphs = step_graphs(cfg.infer, runner, device, tokens=256, q_block=sched.q_block,
+                         attn_q_block=sched.attn_q_block, capture_layers=capture_layers(model, release))
     hidden, states = graphs.forward(batch)      # a covered step replayed; any other runs eagerly
 
 Why. At the published model's size a decode step is a few milliseconds of weight reads on a
@@ -36,14 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.kernels import FlexMeta, flex_block_mask
-from infer.paged import FREE_SEQ, SCRATCH_SEQ
+from infer.kernels import SLOT_PAD, FlexMeta, flex_block_mask, pow2
 from infer.step import ForwardBatch, ModelRunner
 
 log = logging.getLogger("padcap.infer")
-
-# a padding query slot's (seq_a, lim_a, seq_b, lim_b): the scratch page's first key only (infer/kernels.py _per_slot)
-_SLOT_PAD = (SCRATCH_SEQ, 1, FREE_SEQ, 0)
 
 
 @dataclass(frozen=True)
@@ -70,17 +67,13 @@ def graph_buckets(max_tokens: int, max_blocks: int, min_tokens: int = 8) -> Buck
     """Powers of two from min_tokens up to max_tokens (tokens) and from 1 up to max_blocks (blocks)."""
     if max_tokens < 1 or max_blocks < 1:
         raise ValueError(f"graph buckets need max_tokens and max_blocks >= 1 (got {max_tokens}, {max_blocks})")
-    tokens, t = [], min(min_tokens, _pow2(max_tokens))
+    tokens, t = [], min(min_tokens, pow2(max_tokens))
     while t < max_tokens:
         tokens.append(t)
         t *= 2
-    tokens.append(_pow2(max_tokens))
-    blocks = [1 << i for i in range(_pow2(max_blocks).bit_length())]
+    tokens.append(pow2(max_tokens))
+    blocks = [1 << i for i in range(pow2(max_blocks).bit_length())]
     return Buckets(tuple(tokens), tuple(blocks))
-
-
-def _pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 @dataclass
@@ -148,7 +141,7 @@ class StepGraphs:
             blk = _BlockBuffers(torch.zeros(q, dtype=torch.int32, device=dev),
                                 torch.zeros(q, pool.pages, dtype=torch.int32, device=dev),
                                 torch.zeros(slots, dtype=torch.long, device=dev),
-                                tuple(torch.full((slots,), f, dtype=torch.long, device=dev) for f in _SLOT_PAD))
+                                tuple(torch.full((slots,), f, dtype=torch.long, device=dev) for f in SLOT_PAD))
             shape = self._meta(1, blk, self.tokens[buckets.tokens[0]])  # only the block fields are read
             blk.block_mask = flex_block_mask(shape, pool, indices=blk.indices)
             if blk.block_mask.kv_num_blocks.data_ptr() != blk.npages.data_ptr() or \
@@ -214,7 +207,7 @@ class StepGraphs:
         s = q * self.q_block
         blk.q_gather[:s].copy_(m.q_gather_clamped)
         blk.q_gather[s:].fill_(0)
-        for dst, src, pad in zip(blk.rules, (m.seq_a, m.lim_a, m.seq_b, m.lim_b), _SLOT_PAD):
+        for dst, src, pad in zip(blk.rules, (m.seq_a, m.lim_a, m.seq_b, m.lim_b), SLOT_PAD):
             dst[:s].copy_(src)
             dst[s:].fill_(pad)
 
@@ -231,7 +224,7 @@ class StepGraphs:
         blk.npages[0] = 1
         blk.indices[:, 0] = 0
         blk.q_gather.zero_()
-        for dst, pad in zip(blk.rules, _SLOT_PAD):
+        for dst, pad in zip(blk.rules, SLOT_PAD):
             dst.fill_(pad)
 
     @torch.no_grad()  # as the engine decodes: dynamo guards on grad mode, so warm-up compiles what decoding runs
@@ -254,7 +247,7 @@ class StepGraphs:
                 rec.graph = graph
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - any capture failure: eager, said in describe() and the log
-            for rec in self.recorded.values():
+            for rec in self.recorded.values():  # drop what was captured: its pool memory goes back
                 rec.graph, rec.hidden, rec.states = None, None, {}
             self.enabled = False
             self.reason = f"capture failed, running eagerly: {type(e).__name__}: {e}"

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.packing import SIZES, BlockPlan, plan_calls
+from infer.paged import FREE_SEQ, SCRATCH_SEQ
 
 log = logging.getLogger("padcap.infer")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -194,13 +195,20 @@ def _slots(blocks: Sequence[BlockPlan], n: int, q_block: int) -> tuple[torch.Ten
     return gather, page_t, npages
 
 
-def _per_slot(rules: list[torch.Tensor], gather: torch.Tensor) -> list[torch.Tensor]:
-    """The per-token (seq_a, lim_a, seq_b, lim_b) at each padded slot (padding: the scratch sequence,
-    limit 1, so it sees its block's first key and no row is all -inf)."""
-    from infer.paged import SCRATCH_SEQ
+# (seq_a, lim_a, seq_b, lim_b) of a padding query slot: the scratch sequence with limit 1 (it sees
+# its block's first key, so no row is all -inf) and no second rule. The CUDA graphs' static
+# buffers (infer/graphs.py) pad with the same values.
+SLOT_PAD = (SCRATCH_SEQ, 1, FREE_SEQ, 0)
 
-    fills = (SCRATCH_SEQ, 1, -1, 0)
-    return [torch.cat([r, torch.tensor([f])])[gather] for r, f in zip(rules, fills)]
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= max(n, 1)."""
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def _per_slot(rules: list[torch.Tensor], gather: torch.Tensor) -> list[torch.Tensor]:
+    """The per-token (seq_a, lim_a, seq_b, lim_b) at each padded slot (padding: SLOT_PAD)."""
+    return [torch.cat([r, torch.tensor([f])])[gather] for r, f in zip(rules, SLOT_PAD)]
 
 
 def _visibility(page_t: torch.Tensor, npages: torch.Tensor, slot_rules: list[torch.Tensor], pool) -> torch.Tensor:
@@ -276,7 +284,7 @@ def _flex_meta(blocks, rules, q_block: int, pool, kernel: "Kernel") -> FlexMeta:
     if max(len(b.tokens) for b in blocks) > q_block:
         raise ValueError(f"a query block of {max(len(b.tokens) for b in blocks)} tokens over q_block {q_block}")
     qb = len(blocks)
-    blocks = list(blocks) + [BlockPlan((), ())] * ((1 << (qb - 1).bit_length()) - qb)
+    blocks = list(blocks) + [BlockPlan((), ())] * (pow2(qb) - qb)
     gather, page_t, npages = _slots(blocks, n, q_block)
     gather = gather.flatten()
     out = torch.empty(n, dtype=torch.long)
