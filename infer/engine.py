@@ -112,7 +112,7 @@ class CaptionEngine:
                 model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
         model.eval()
         self.weights = w = StepWeights.of(model)
-        self.kernel = choose_kernel(cfg.kernel, dtype, self.device)
+        self.kernel = choose_kernel(cfg.kernel, dtype, self.device, max_calls=cfg.attention_calls)
         self.step_tokens, page_size, self.q_block = step_defaults(cfg, self.device)
         if self.kernel.name == "flex":  # the whole step attends in blocks of the prefill size
             self.kernel.contract.check_sizes(page_size, (4 * self.q_block,), "flex")

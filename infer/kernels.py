@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from infer.packing import SIZES, BlockPlan, plan_calls
+from infer.packing import MAX_CALLS, SIZES, BlockPlan, exact_calls, plan_calls
 from infer.paged import FREE_SEQ, SCRATCH_SEQ
 
 log = logging.getLogger("padcap.infer")
@@ -233,8 +233,11 @@ def _gather_meta(blocks, rules, pool, kernel: "Kernel", group: int, workspace: "
     kv = pool.layer[0]
     _, _, hkv, d = kv.shape
     hq = hkv * group
-    sizes = sorted({-(-f // mult) * mult for f in SIZES})
-    calls = plan_calls(blocks, sizes, group, S)
+    if kernel.max_calls:
+        calls = plan_calls(blocks, sizes=sorted({-(-f // mult) * mult for f in SIZES}), group=group, page_size=S,
+                           max_calls=kernel.max_calls)
+    else:  # one call per block, its own rows and pages
+        calls = exact_calls(blocks, mult)
     q_tok, q_head, pages, masks, shapes = [], [], [], [], []
     out_rows = torch.zeros(n * hq, dtype=torch.long)
     heads = torch.arange(hq).view(1, hkv, 1, group)
@@ -355,9 +358,11 @@ class Kernel:
     name = "base"
     reads_whole_pool = False  # True: reads pages outside the blocks' lists (masked), so the pool must be zeroed
 
-    def __init__(self, reason: str, contract: Contract):
+    def __init__(self, reason: str, contract: Contract, max_calls: int = MAX_CALLS):
         self.reason, self.contract = reason, contract
         self.workspace = Workspace()  # gathering kernels: one buffer reused by every layer and step
+        # gathering kernels: at most this many dense calls a layer (infer/packing.py); 0 = one per query block
+        self.max_calls = max_calls
 
     def __call__(self, q, pool, layer: int, meta: AttnMeta, scale: float) -> torch.Tensor:
         self.contract.check(q, pool.layer[layer], meta)
@@ -469,21 +474,27 @@ def _flex_unavailable(device: torch.device) -> str:
     return ""
 
 
-def choose_kernel(name: str, dtype: torch.dtype, device: torch.device, *, stand_in_for: str = "") -> Kernel:
+def choose_kernel(name: str, dtype: torch.dtype, device: torch.device, *, stand_in_for: str = "",
+                  max_calls: int = MAX_CALLS) -> Kernel:
     """The kernel `infer.kernel` asks for, on this device and dtype (module doc).
 
     "auto" = "flex" on CUDA, "sdpa" on the CPU. A kernel that cannot run raises with the
     reason (never a silent fallback). stand_in_for: for "reference", whose contract to enforce.
+    max_calls (`infer.attention_calls`): the gathering kernels' dense calls per layer at most
+    (infer/packing.py), 0 = one per query block; flex ignores it.
     """
+    if max_calls < 0:
+        raise ValueError(f"infer.attention_calls must be >= 0 (0 = one call per query block), got {max_calls}")
     chosen = name if name != "auto" else ("flex" if device.type == "cuda" else "sdpa")
     if chosen == "reference":
         contract = (FLEX_CUDA_CONTRACT if device.type == "cuda" else FLEX_CONTRACT) if stand_in_for == "flex" \
             else SDPA_CONTRACT
         kernel: Kernel = ReferenceKernel(f"requested ({'flex' if stand_in_for == 'flex' else 'sdpa'} contract)",
-                                         contract)
+                                         contract, max_calls)
     elif chosen == "sdpa":
         kernel = SdpaKernel("torch scaled_dot_product_attention over the gathered pages"
-                            + (" (auto on CPU)" if name == "auto" else ""), SDPA_CONTRACT)
+                            + (" (auto on CPU)" if name == "auto" else "")
+                            + (", one call per query block" if not max_calls else ""), SDPA_CONTRACT, max_calls)
     elif chosen == "flex":
         why = _flex_unavailable(device)
         if why:

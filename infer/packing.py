@@ -166,9 +166,18 @@ def plan_calls(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int, pa
     return calls
 
 
+def exact_calls(blocks: Sequence[BlockPlan], multiple: int = 1) -> list[Call]:
+    """One call per query block with tokens, as many rows (rounded up to `multiple`) and pages as it has: no
+    padding, at one call per block (`infer.attention_calls=0`; bench/packing.py measures both ways)."""
+    real = [b for b in blocks if len(b.tokens)]
+    if not real:
+        return [Call(1, list(blocks) or [BlockPlan((), ())])]
+    return [Call(-(-len(b.tokens) // multiple) * multiple, [b]) for b in real]
+
+
 def padded_work(calls: Sequence[Call], group: int) -> int:
     """Query rows x keys (in pages) the calls compute, padding included (for tests and benchmarks)."""
     return sum(len(c.bins) * c.q_block * group * c.width for c in calls)
 
 
-__all__ = ["BlockPlan", "Call", "plan_calls", "padded_work", "SIZES", "MAX_CALLS", "GATHER_ROWS", "CALL_COST"]
+__all__ = ["BlockPlan", "Call", "plan_calls", "exact_calls", "padded_work", "SIZES", "MAX_CALLS", "GATHER_ROWS", "CALL_COST"]

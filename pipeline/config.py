@@ -197,6 +197,12 @@ class InferConfig:
     # compiled through Triton) on CUDA, "sdpa" (torch scaled_dot_product_attention over the gathered
     # pages) on the CPU; "reference" = the pure-torch oracle. One that cannot run is an error.
     kernel: Literal["auto", "sdpa", "flex", "reference"] = "auto"
+    # the gathering kernels (sdpa, reference) run a step's attention as dense calls over gathered pages
+    # (infer/packing.py): at most this many per layer, the query blocks packed and padded into them (host
+    # ops bounded whatever the videos in flight); 0 = one call per query block, its own rows and pages
+    # (no padding: on the CPU box, 16 videos in flight, decode steps 1.37x faster, at one call per video
+    # per layer; bench/packing.py). flex reads each block's own pages and ignores it.
+    attention_calls: int = 3
     decoder: Literal["parallel", "monolithic"] = "parallel"
     # CUDA graphs of the decode step (infer/graphs.py): auto = captured at start-up on CUDA with the flex
     # kernel, for steps of up to graph_tokens tokens (larger steps and layered prefill run eagerly), off

@@ -13,6 +13,7 @@ its step or who held its pages before.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 
 import pytest
@@ -149,6 +150,16 @@ def test_every_kernel_decodes_the_same(model, videos, controls, alone, kernel):
     got, _, _, eng = decode_all(model, cfg, videos[:4], controls[:4])
     assert eng.describe()["kernel"] == kernel
     for a, b in zip(got, alone[:4]):
+        assert_same(a, b, atol=1e-5)
+
+
+def test_one_attention_call_per_block_decodes_the_same(model, videos, controls, alone):
+    """infer.attention_calls=0 (a call per query block, no padding) through the whole engine, chunked prefill
+    and planning riding with decoding: the same tokens and logits as each video alone, and reported."""
+    cfg = dataclasses.replace(CPU, attention_calls=0, max_batch_videos=3, step_tokens=64)
+    got, _, _, eng = decode_all(model, cfg, videos, controls)
+    assert "one call per query block" in eng.describe()["kernel_reason"]
+    for a, b in zip(got, alone):
         assert_same(a, b, atol=1e-5)
 
 
@@ -330,21 +341,25 @@ def test_bf16_is_the_cuda_default_and_batched_equals_alone(model, videos, contro
 # ------------------------------------------------------------------------ the benchmark
 
 
-def test_throughput_benchmark_smoke(capsys, monkeypatch):
-    """bench/throughput.py end to end on short prefixes: every engine mode writes the same tokens,
-    the JSON has the keys and ratios the issue asks for, and the single chain on the engine's
-    step writes exactly what the reference single chain writes."""
+def load_bench(name: str, monkeypatch):
+    """bench/<name>.py as a module (bench/ on the path for its own imports, for this test only)."""
     import importlib.util
-    import json
     from pathlib import Path
 
     bench_dir = Path(__file__).resolve().parents[1] / "bench"
     monkeypatch.syspath_prepend(str(bench_dir))
-    spec = importlib.util.spec_from_file_location("bench_throughput", bench_dir / "throughput.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench_dir / f"{name}.py")
     bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_throughput", bench)
+    monkeypatch.setitem(sys.modules, f"bench_{name}", bench)
     spec.loader.exec_module(bench)
-    out = bench.main(["--videos", "18", "--in-flight", "4,16", "--chain-videos", "1", "--prefix", "100,200",
+    return bench
+
+
+def test_throughput_benchmark_smoke(capsys, monkeypatch):
+    """bench/throughput.py end to end on short prefixes: every engine mode writes the same tokens,
+    the JSON has the keys and ratios the issue asks for, and the single chain on the engine's
+    step writes exactly what the reference single chain writes."""
+    out = load_bench("throughput", monkeypatch).main(["--videos", "18", "--in-flight", "4,16", "--chain-videos", "1", "--prefix", "100,200",
                       "--events", "2,4", "--lengths", "2,7", "--step-tokens", "64"])
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
     assert out["tokens_equal"] is True and set(out["throughput_speedup"]) == {"4", "16"}
@@ -360,6 +375,21 @@ def test_throughput_benchmark_smoke(capsys, monkeypatch):
     chain = out["single_chain"]
     assert chain["single_chain_fast"]["tokens_equal_single_chain"] is True
     assert chain["single_chain"]["tokens"] == chain["single_chain_fast"]["tokens"] == chain["single_chain"]["steps"]
+
+
+def test_packing_benchmark_smoke(capsys, monkeypatch):
+    """bench/packing.py end to end on short prefixes: the engine's decode steps recorded with their blocks,
+    each plan timed; exact shapes do no padded work, the engine's plan at least the work needed, and a
+    single call pads at least as much as any plan."""
+    out = load_bench("packing", monkeypatch).main(["--videos", "6", "--in-flight", "4", "--prefix", "100,300", "--events", "2,6",
+                      "--lengths", "2,9", "--repeats", "1"])
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
+    assert out["steps"] > 0 and out["padded_over_needed_work"]["exact"] == 1.0
+    work = out["padded_over_needed_work"]
+    assert work["packed"] == work["max_calls_3"] >= 1.0
+    assert all(work["max_calls_1"] >= w for w in work.values())
+    assert out["calls_per_layer"]["max_calls_1"] == 1.0 and out["calls_per_layer"]["exact"] >= 4 - 1e-9
+    assert all(v > 0 for v in out["attention_ms_per_layer_summed"].values()) and out["step_ms_packed_over_exact"] > 0
 
 
 def test_per_request_options_share_one_batch(model, videos):

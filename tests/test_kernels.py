@@ -120,6 +120,20 @@ def test_gathering_kernels_over_several_calls_equal_dense_sdpa(name, seed, page_
     torch.testing.assert_close(got.double(), _oracle(q, dense, scale).flatten(1), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["reference", "sdpa"])
+@pytest.mark.parametrize("seed,page_size,q_block", [(0, 4, 2), (1, 16, 16), (2, 1, 5), (6, 2, 8)])
+def test_one_call_per_block_equals_dense_sdpa(name, seed, page_size, q_block):
+    """infer.attention_calls=0: every query block its own call, with its own rows and pages (no bin is padded
+    to another block's width), and every token still gets exactly its own attention."""
+    kernel = choose_kernel(name, torch.float32, torch.device("cpu"), max_calls=0)
+    pool, q, meta, dense = _layout(seed, page_size, q_block, kernel)
+    assert len(meta.calls) == sum(-(-n // q_block) for n in (7, 2, 3))  # the layout's blocks
+    assert all(c.bins == 1 and c.q_block <= q_block for c in meta.calls)
+    scale = D ** -0.5
+    got = kernel(q, pool, 0, meta, scale)
+    torch.testing.assert_close(got.double(), _oracle(q, dense, scale).flatten(1), atol=1e-5, rtol=0)
+
+
 def test_compiled_flex_equals_dense_sdpa():
     """FlexAttention compiled (inductor; its C++ backend here, Triton on CUDA) on the step's BlockMask:
     the same lowering a GPU runs, and what the eager tests cannot check (block lists as wide as the
@@ -170,6 +184,11 @@ def test_kernel_choice_is_explicit():
     assert choose_kernel("reference", torch.float32, cpu).name == "reference"
     with pytest.raises(ValueError, match="unknown infer.kernel"):
         choose_kernel("flash", torch.float32, cpu)
+    assert choose_kernel("sdpa", torch.float32, cpu).max_calls == 3
+    exact = choose_kernel("sdpa", torch.float32, cpu, max_calls=0)
+    assert exact.max_calls == 0 and "one call per query block" in exact.reason
+    with pytest.raises(ValueError, match="attention_calls must be >= 0"):
+        choose_kernel("sdpa", torch.float32, cpu, max_calls=-1)
 
 
 def test_no_private_aten_calls():
