@@ -200,8 +200,9 @@ class InferConfig:
     # the gathering kernels (sdpa, reference) run a step's attention as dense calls over gathered pages
     # (infer/packing.py): at most this many per layer, the query blocks packed and padded into them (host
     # ops bounded whatever the videos in flight); 0 = one call per query block, its own rows and pages
-    # (no padding: on the CPU box, 16 videos in flight, decode steps 1.37x faster, at one call per video
-    # per layer; bench/packing.py). flex reads each block's own pages and ignores it.
+    # (no padding: on a 2-core CPU box, 16 videos in flight, decode steps 150 ms against 196, at 2-3 host
+    # ops per video per layer; infer/DECODING.md, bench/packing.py). flex reads each block's own pages and
+    # ignores it.
     attention_calls: int = 3
     decoder: Literal["parallel", "monolithic"] = "parallel"
     # CUDA graphs of the decode step (infer/graphs.py): auto = captured at start-up on CUDA with the flex
