@@ -7,14 +7,17 @@ bench/throughput.py's video mix with N videos in flight, records the query block
 decode-only step in which all N decode, and times one layer's attention for each of them, on
 tensors of the model's attention shape (page gather + SDPA with an additive mask), under
 
-  packed        the engine's own plan (infer/packing.py plan_calls, MAX_CALLS calls)
+  packed        the engine's own plan (`infer.attention_calls`, default 3: infer/packing.py plan_calls;
+                0: the exact plan below)
   max_calls_K   the same planner allowed K calls, K = 1..6
   exact         one call per query block, its own rows and pages: no padding at all, the lower
                 bound of dense-SDPA attention, at the price of one call per video per layer
                 (the host work the engine's step is built not to have)
 
-Per plan: ms per layer summed over the steps, padded work over the work the blocks need (query
-tokens x pages), calls per layer. Then, from the steps' own measured wall time, what the
+Each call is timed at the shape the engine runs it (its bins, each padded to the fullest bin's
+tokens, and its widest bin's pages; infer/packing.py Call.rows / Call.width). Per plan: ms per
+layer summed over the steps, padded work over the work the blocks need (query tokens x pages),
+calls per layer. Then, from the steps' own measured wall time, what the
 decode steps would take with exact attention (`step_ms_packed_over_exact`): the factor by which
 throughput_speedup at N in flight would rise if padding were free (one video at a time is one
 block a step, already exact). Plans are timed interleaved, step by step, so drift on a shared
@@ -44,7 +47,7 @@ from throughput import make_videos  # noqa: E402
 
 import infer.kernels as kernels  # noqa: E402
 from infer.engine import CaptionEngine  # noqa: E402
-from infer.packing import MAX_CALLS, SIZES, BlockPlan, Call, padded_work, plan_calls  # noqa: E402
+from infer.packing import SIZES, BlockPlan, Call, exact_calls, padded_work, plan_calls  # noqa: E402
 from infer.step import ForwardBatch  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 
@@ -53,17 +56,18 @@ def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[
     """(query blocks, wall ms) of every decode-only step in which `in_flight` videos decode.
 
     The engine runs as bench/throughput.py's decode phase (each newcomer's prefill in a step of its
-    own); the blocks are what the scheduler hands the planner, the ms the step's own forward."""
+    own); the blocks are those of the step's attention metadata (the last one built before its forward:
+    a layered block's own metadata comes first, infer/scheduler.py), the ms the step's own forward."""
     ecfg = replace(cfg, max_batch_videos=in_flight, max_batch_rows=in_flight * cfg.max_events, step_tokens=1 << 30)
     eng = CaptionEngine(model, ecfg)
     if eng.kernel.name not in ("sdpa", "reference"):
         raise SystemExit(f"bench/packing.py measures the gathering kernels; the engine chose {eng.kernel.name}")
     asked: list[list[BlockPlan]] = []
-    planner = kernels.plan_calls
+    build = kernels._gather_meta
 
-    def recording_planner(blocks, *args, **kw):
+    def recording_build(blocks, *args, **kw):
         asked.append([BlockPlan(list(b.tokens), list(b.pages)) for b in blocks])
-        return planner(blocks, *args, **kw)
+        return build(blocks, *args, **kw)
 
     forward, steps = eng.runner.forward, []
 
@@ -76,17 +80,12 @@ def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[
         return out
 
     eng.runner.forward = timed
-    kernels.plan_calls = recording_planner
+    kernels._gather_meta = recording_build
     try:
         eng.caption([s for s, _ in videos], controls=[c for _, c in videos])
     finally:
-        kernels.plan_calls = planner
+        kernels._gather_meta = build
     return steps
-
-
-def exact_calls(blocks: list[BlockPlan]) -> list[Call]:
-    """One call per non-empty block, as many rows and pages as it has."""
-    return [Call(len(b.tokens), [b]) for b in blocks if len(b.tokens)]
 
 
 def needed_work(blocks: list[BlockPlan], group: int) -> int:
@@ -98,12 +97,14 @@ class AttentionTimer:
     """One layer's attention for a list of calls, on random tensors of the model's shape: the gather
     of every call's pages from a pool, then one SDPA per call with an additive mask of its shape."""
 
-    def __init__(self, kv_heads: int, head_dim: int, group: int, page_size: int, pool_pages: int, dtype):
+    def __init__(self, kv_heads: int, head_dim: int, group: int, page_size: int, pool_pages: int, dtype,
+                 multiple: int = 1):
         self.hkv, self.d, self.g, self.S, self.dtype = kv_heads, head_dim, group, page_size, dtype
+        self.multiple = multiple  # the kernel's query-block alignment
         self.pool = torch.randn(pool_pages, page_size * 2 * kv_heads * head_dim, dtype=dtype)
 
     def prepare(self, calls: list[Call]):
-        shapes = [(len(c.bins), c.q_block, c.width) for c in calls]
+        shapes = [(len(c.bins), c.rows(self.multiple), c.width) for c in calls]
         pages = sum(b * w for b, _, w in shapes)
         idx = torch.randint(0, self.pool.shape[0], (pages,))
         out = torch.empty(pages, self.pool.shape[1], dtype=self.dtype)
@@ -129,6 +130,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--events", default="2,16")
     ap.add_argument("--lengths", default="8,80")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--attention-calls", type=int, default=InferConfig.attention_calls,
+                    help="infer.attention_calls of the engine (its plan is `packed`)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     rng_of = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
@@ -141,7 +144,8 @@ def main(argv=None) -> dict:
     model = build_model(preset, torch.device("cpu"), max_len=pr[1] + kr[1] + lr[1] + 256,
                         segments=pr[1] // (V_TOKENS + A_TOKENS) + 1)
     videos = make_videos(model, args.videos, pr, kr, lr)
-    cfg = InferConfig(device="cpu", max_events=kr[1], max_branch_tokens=lr[1], temperature=0.0)
+    cfg = InferConfig(device="cpu", max_events=kr[1], max_branch_tokens=lr[1], temperature=0.0,
+                      attention_calls=args.attention_calls)
     with torch.inference_mode():
         CaptionEngine(model, cfg).decode(videos[0][0], replace(videos[0][1], lengths=[2]))  # warm-up
         steps = record_steps(model, cfg, videos, args.in_flight)
@@ -152,14 +156,14 @@ def main(argv=None) -> dict:
     layers, hkv = c.num_hidden_layers, c.num_key_value_heads
     group = c.num_attention_heads // hkv
     probe = CaptionEngine(model, cfg)
-    S = probe.pool.page_size
-    sizes = sorted({-(-f // probe.kernel.contract.q_block_multiple) * probe.kernel.contract.q_block_multiple
-                    for f in SIZES})
-    plans = {"packed": lambda b: plan_calls(b, sizes, group, S),
+    S, mult = probe.pool.page_size, probe.kernel.contract.q_block_multiple
+    sizes = sorted({-(-f // mult) * mult for f in SIZES})
+    plans = {"packed": (lambda b: plan_calls(b, sizes, group, S, max_calls=cfg.attention_calls))
+             if cfg.attention_calls else (lambda b: exact_calls(b, mult)),
              **{f"max_calls_{k}": (lambda b, k=k: plan_calls(b, sizes, group, S, max_calls=k)) for k in range(1, 7)},
-             "exact": exact_calls}
+             "exact": lambda b: exact_calls(b, mult)}
     timer = AttentionTimer(hkv, c.hidden_size // c.num_attention_heads, group, S,
-                           pool_pages=probe.pool.pages, dtype=probe.weights.dtype)
+                           pool_pages=probe.pool.pages, dtype=probe.weights.dtype, multiple=mult)
     ms = {name: 0.0 for name in plans}
     work = {name: 0 for name in plans}
     calls = {name: 0 for name in plans}
@@ -169,7 +173,7 @@ def main(argv=None) -> dict:
             needed += needed_work(blocks, group)
             for name, plan in plans.items():
                 planned = plan(blocks)
-                work[name] += padded_work(planned, group)
+                work[name] += padded_work(planned, group, mult)
                 calls[name] += len(planned)
                 run = timer.prepare(planned)
                 run()  # warm: first touch of the buffers
@@ -179,13 +183,16 @@ def main(argv=None) -> dict:
                 ms[name] += (time.perf_counter() - t0) * 1000.0 / args.repeats
     step_ms = sum(m for _, m in steps)
     exact_step_ms = step_ms - layers * (ms["packed"] - ms["exact"])
+    if exact_step_ms <= 0:
+        raise SystemExit(f"the timed attention ({layers} x {ms['packed']:.1f} ms) exceeds the steps' own "
+                         f"{step_ms:.1f} ms: the box was too loaded to compare them; run again")
     out = {
         "command": command("packing.py", argv), "preset": args.preset, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "videos": args.videos, "in_flight": args.in_flight, "prefix_range": pr, "events_range": kr,
         "length_range": lr, "page_size": S, "layers": layers, "kv_heads": hkv, "group": group,
-        "max_calls": MAX_CALLS, "steps": len(steps),
+        "attention_calls": cfg.attention_calls, "steps": len(steps),
         "rows_per_step": round(statistics.mean(sum(len(b.tokens) for b in bl) for bl, _ in steps), 1),
-        "attention_ms_per_layer_summed": {k: round(v, 1) for k, v in ms.items()},
+        "attention_ms_per_layer_summed": {k: round(v, 3) for k, v in ms.items()},
         "padded_over_needed_work": {k: round(v / needed, 3) for k, v in work.items()},
         "calls_per_layer": {k: round(v / len(steps), 2) for k, v in calls.items()},
         "packed_over_exact_attention": round(ms["packed"] / ms["exact"], 3),

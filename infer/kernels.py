@@ -27,7 +27,9 @@ Kernels (`infer.kernel`; chosen explicitly, never a silent fallback):
                the oracle. It enforces the contract of the kernel it stands in for
                (`contract=`), so CPU tests drive the exact glue a GPU kernel runs.
   "sdpa"       the same gather, then torch.nn.functional.scaled_dot_product_attention with
-               the additive mask, one call per width class (public API; CPU default).
+               the additive mask, one call per width class (public API; CPU default). With
+               `infer.attention_calls=0` both gathering kernels make one call per query block
+               instead: no padding, at 2-3 host ops per block per layer.
   "flex"       torch.nn.attention.flex_attention over the whole pool with the BlockMask
                (public API; compiled through Triton on CUDA, the CUDA default; eager on the
                CPU, for tests on small pools).
@@ -243,7 +245,7 @@ def _gather_meta(blocks, rules, pool, kernel: "Kernel", group: int, workspace: "
     heads = torch.arange(hq).view(1, hkv, 1, group)
     row, dev = 0, pool.device
     for c in calls:
-        bm = -(-max(1, max(len(b.tokens) for b in c.bins)) // mult) * mult
+        bm = c.rows(mult)
         gather, page_t, npages = _slots(c.bins, n, bm)
         vis = _visibility(page_t.to(dev), npages.to(dev), [r.to(dev) for r in _per_slot(rules, gather)], pool)
         vis[..., 0] |= (gather == n).to(dev)  # a padding slot sees its block's first key; vis [bins, BM, W*S]
@@ -489,8 +491,8 @@ def choose_kernel(name: str, dtype: torch.dtype, device: torch.device, *, stand_
     if chosen == "reference":
         contract = (FLEX_CUDA_CONTRACT if device.type == "cuda" else FLEX_CONTRACT) if stand_in_for == "flex" \
             else SDPA_CONTRACT
-        kernel: Kernel = ReferenceKernel(f"requested ({'flex' if stand_in_for == 'flex' else 'sdpa'} contract)",
-                                         contract, max_calls)
+        kernel: Kernel = ReferenceKernel(f"requested ({'flex' if stand_in_for == 'flex' else 'sdpa'} contract"
+                                         + (", one call per query block)" if not max_calls else ")"), contract, max_calls)
     elif chosen == "sdpa":
         kernel = SdpaKernel("torch scaled_dot_product_attention over the gathered pages"
                             + (" (auto on CPU)" if name == "auto" else "")

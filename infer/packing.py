@@ -63,6 +63,11 @@ class Call:
     def width(self) -> int:
         return max(1, max(len(b.pages) for b in self.bins))
 
+    def rows(self, multiple: int = 1) -> int:
+        """The query tokens a gathering kernel pads every bin to: the fullest bin's, rounded up to `multiple`
+        (the kernel's query-block alignment); at most q_block."""
+        return -(-max(1, max(len(b.tokens) for b in self.bins)) // multiple) * multiple
+
 
 Piece = tuple[list[int], list[int]]  # (tokens, pages)
 
@@ -175,9 +180,10 @@ def exact_calls(blocks: Sequence[BlockPlan], multiple: int = 1) -> list[Call]:
     return [Call(-(-len(b.tokens) // multiple) * multiple, [b]) for b in real]
 
 
-def padded_work(calls: Sequence[Call], group: int) -> int:
-    """Query rows x keys (in pages) the calls compute, padding included (for tests and benchmarks)."""
-    return sum(len(c.bins) * c.q_block * group * c.width for c in calls)
+def padded_work(calls: Sequence[Call], group: int, multiple: int = 1) -> int:
+    """Query rows x keys (in pages) a gathering kernel computes for the calls, padding included (each bin at
+    `Call.rows(multiple)` tokens and the call's width; for tests and benchmarks)."""
+    return sum(len(c.bins) * c.rows(multiple) * group * c.width for c in calls)
 
 
 __all__ = ["BlockPlan", "Call", "plan_calls", "exact_calls", "padded_work", "SIZES", "MAX_CALLS", "GATHER_ROWS", "CALL_COST"]

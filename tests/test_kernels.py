@@ -129,9 +129,21 @@ def test_one_call_per_block_equals_dense_sdpa(name, seed, page_size, q_block):
     pool, q, meta, dense = _layout(seed, page_size, q_block, kernel)
     assert len(meta.calls) == sum(-(-n // q_block) for n in (7, 2, 3))  # the layout's blocks
     assert all(c.bins == 1 and c.q_block <= q_block for c in meta.calls)
+    # each call as wide as its own block: its mask has a visible key in its last page
+    assert all(bool((c.visible[..., -page_size:] == 0).any()) for c in meta.calls)
     scale = D ** -0.5
     got = kernel(q, pool, 0, meta, scale)
     torch.testing.assert_close(got.double(), _oracle(q, dense, scale).flatten(1), atol=1e-5, rtol=0)
+
+
+def test_one_call_per_block_pads_rows_to_the_contract():
+    """The reference kernel standing in for flex (query blocks in multiples of 16) with a call per block:
+    blocks of 2-7 tokens become calls of 16 padded rows, whose padding rows see one key and are never read."""
+    kernel = choose_kernel("reference", torch.float32, torch.device("cpu"), stand_in_for="flex", max_calls=0)
+    pool, q, meta, dense = _layout(1, 16, 16, kernel)
+    assert [c.q_block for c in meta.calls] == [16] * len(meta.calls) and len(meta.calls) == 3
+    got = kernel(q, pool, 0, meta, D ** -0.5)
+    torch.testing.assert_close(got.double(), _oracle(q, dense, D ** -0.5).flatten(1), atol=1e-5, rtol=0)
 
 
 def test_compiled_flex_equals_dense_sdpa():
