@@ -89,7 +89,7 @@ def main() -> int:
         model = random_model(base, os.path.join(tmp, "model"))
     info = generate_corpus(os.path.join(tmp, "synth"), base.data.synthetic, progress=False)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     result = {"videos": len(info.videos), "seconds_per_video": args.seconds,
               "model": f"{args.shape} random" if args.shape else (model or "tiny random"),
               "max_branch_tokens": args.max_tokens}

@@ -71,7 +71,7 @@ def main() -> int:
     from preprocess.job import run_preprocess
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     try:
         t0 = time.perf_counter()
         summary = run_preprocess(cfg, {s: (p, "longvale") for s, p in info.longvale.items()}, info.video_dir,

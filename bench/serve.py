@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f"serve.allowed_roots=[{work}]", *args.overrides]
     cfg = load_config(args.config, overrides)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
     port = _free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -134,7 +134,7 @@ def ray_scaling(steps: int, workers: list[int]) -> dict:
 
     tmp = Path(tempfile.mkdtemp(prefix="padcap-bench-train-"))
     shards = write_shards(tmp / "data")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     out = {}
     try:
         for n in workers:

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             for vid in order[g::3]:
                 sink.write({KEY: vid, **{f: rng.bytes(per_field) for f in FIELDS}})
         keys[path] = sorted(order[g::3])
-    ray.init(num_cpus=2, object_store_memory=1_500_000_000, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, object_store_memory=1_500_000_000, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     try:
         results, orders = {}, {}

@@ -43,7 +43,11 @@ def node_id() -> str:
 
 def init_ray(cfg: Config) -> None:
     """Connect to the cluster the config names (`cluster.address`, else `RAY_ADDRESS`), or start a
-    private local instance on 127.0.0.1 with `cluster.num_cpus` CPUs (0 = all). No-op if connected."""
+    private local instance on 127.0.0.1 with `cluster.num_cpus` CPUs (0 = all). No-op if connected.
+
+    The private instance is asked for by address "local": with no address, ray.init would attach to
+    the last cluster `ray start` left on this machine (its /tmp/ray/ray_current_cluster, stale after a
+    killed one) and then refuse the CPU count."""
     import ray
 
     if ray.is_initialized():
@@ -54,7 +58,7 @@ def init_ray(cfg: Config) -> None:
     else:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind to 127.0.0.1
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private local instance
-        kwargs: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+        kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
         if cfg.cluster.num_cpus:
             kwargs["num_cpus"] = cfg.cluster.num_cpus
         ray.init(**kwargs)

@@ -142,7 +142,10 @@ def s3_server(tmp_path_factory):
 # shares: started by the first of them, kept for the next, stopped by a module that needs a
 # cluster of another shape (`own_ray_cluster`) and started again by the next `ray_local`, and at
 # the end of the session. One cluster at a time: nothing here starts one while another runs.
-LOCAL_RAY = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False, "_node_ip_address": "127.0.0.1"}
+# address "local": a new instance even where a `ray start` cluster (or a killed one's stale address file) is
+# on the machine, which ray.init with no address would attach to (and then refuse num_cpus)
+LOCAL_RAY = {"address": "local", "num_cpus": 2, "include_dashboard": False, "log_to_driver": False,
+             "_node_ip_address": "127.0.0.1"}
 _shared = {"id": None, "env": None}  # the shared instance's (GCS address, driver's node id), its AWS_* env
 RELEASE_S = 30.0  # a module's CPUs come back to the shared instance within this, or it is restarted
 

@@ -112,3 +112,26 @@ def test_client_retries_a_dropped_connection(flaky_server):
     ok = {"video_id": "v", "duration": 1.0, "events": [], "timings": {}}
     answers += [(0, b""), (200, json.dumps(ok).encode())]  # status 0: close the connection, no answer
     assert CaptionClient(url, retries=2, retry_pause_s=0.01).caption(uri="/v.mp4") == ok and seen == [0, 200]
+
+
+def test_init_ray_starts_a_private_instance_or_joins_the_named_cluster(monkeypatch):
+    """No address: a new local instance (address "local"), never the last `ray start` cluster that ray.init
+    with no address would attach to (a killed one leaves its address file behind, and then ray.init refuses
+    the CPU count); an address (config or RAY_ADDRESS): that cluster, with no resources of its own."""
+    import os
+
+    import ray
+
+    from pipeline.cluster import init_ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    init_ray(load_config(None, ["cluster.num_cpus=2"]))
+    init_ray(load_config(None, ["cluster.address=10.0.0.1:6379"]))
+    os.environ["RAY_ADDRESS"] = "10.0.0.2:6379"
+    init_ray(load_config(None))
+    assert calls[0]["address"] == "local" and calls[0]["num_cpus"] == 2 and calls[0]["_node_ip_address"] == "127.0.0.1"
+    assert calls[1] == {"address": "10.0.0.1:6379", "log_to_driver": True}
+    assert calls[2] == {"address": "10.0.0.2:6379", "log_to_driver": True}
