@@ -47,7 +47,7 @@ from throughput import make_videos  # noqa: E402
 
 import infer.kernels as kernels  # noqa: E402
 from infer.engine import CaptionEngine  # noqa: E402
-from infer.packing import SIZES, BlockPlan, Call, exact_calls, padded_work, plan_calls  # noqa: E402
+from infer.packing import BlockPlan, Call, kernel_calls, padded_work  # noqa: E402
 from infer.step import ForwardBatch  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 
@@ -157,11 +157,7 @@ def main(argv=None) -> dict:
     group = c.num_attention_heads // hkv
     probe = CaptionEngine(model, cfg)
     S, mult = probe.pool.page_size, probe.kernel.contract.q_block_multiple
-    sizes = sorted({-(-f // mult) * mult for f in SIZES})
-    plans = {"packed": (lambda b: plan_calls(b, sizes, group, S, max_calls=cfg.attention_calls))
-             if cfg.attention_calls else (lambda b: exact_calls(b, mult)),
-             **{f"max_calls_{k}": (lambda b, k=k: plan_calls(b, sizes, group, S, max_calls=k)) for k in range(1, 7)},
-             "exact": lambda b: exact_calls(b, mult)}
+    plans = {"packed": cfg.attention_calls, **{f"max_calls_{k}": k for k in range(1, 7)}, "exact": 0}  # -> max_calls
     timer = AttentionTimer(hkv, c.hidden_size // c.num_attention_heads, group, S,
                            pool_pages=probe.pool.pages, dtype=probe.weights.dtype, multiple=mult)
     ms = {name: 0.0 for name in plans}
@@ -171,8 +167,8 @@ def main(argv=None) -> dict:
     with torch.inference_mode():
         for blocks, _ in steps:
             needed += needed_work(blocks, group)
-            for name, plan in plans.items():
-                planned = plan(blocks)
+            for name, max_calls in plans.items():
+                planned = kernel_calls(blocks, group, S, max_calls, mult)
                 work[name] += padded_work(planned, group, mult)
                 calls[name] += len(planned)
                 run = timer.prepare(planned)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from infer.packing import MAX_CALLS, SIZES, BlockPlan, exact_calls, plan_calls
+from infer.packing import MAX_CALLS, BlockPlan, kernel_calls
 from infer.paged import FREE_SEQ, SCRATCH_SEQ
 
 log = logging.getLogger("padcap.infer")
@@ -235,11 +235,7 @@ def _gather_meta(blocks, rules, pool, kernel: "Kernel", group: int, workspace: "
     kv = pool.layer[0]
     _, _, hkv, d = kv.shape
     hq = hkv * group
-    if kernel.max_calls:
-        calls = plan_calls(blocks, sizes=sorted({-(-f // mult) * mult for f in SIZES}), group=group, page_size=S,
-                           max_calls=kernel.max_calls)
-    else:  # one call per block, its own rows and pages
-        calls = exact_calls(blocks, mult)
+    calls = kernel_calls(blocks, group, S, kernel.max_calls, mult)
     q_tok, q_head, pages, masks, shapes = [], [], [], [], []
     out_rows = torch.zeros(n * hq, dtype=torch.long)
     heads = torch.arange(hq).view(1, hkv, 1, group)
@@ -488,15 +484,15 @@ def choose_kernel(name: str, dtype: torch.dtype, device: torch.device, *, stand_
     if max_calls < 0:
         raise ValueError(f"infer.attention_calls must be >= 0 (0 = one call per query block), got {max_calls}")
     chosen = name if name != "auto" else ("flex" if device.type == "cuda" else "sdpa")
+    calls = "" if max_calls else ", one call per query block"  # the gathering kernels' infer.attention_calls=0
     if chosen == "reference":
         contract = (FLEX_CUDA_CONTRACT if device.type == "cuda" else FLEX_CONTRACT) if stand_in_for == "flex" \
             else SDPA_CONTRACT
-        kernel: Kernel = ReferenceKernel(f"requested ({'flex' if stand_in_for == 'flex' else 'sdpa'} contract"
-                                         + (", one call per query block)" if not max_calls else ")"), contract, max_calls)
+        kernel: Kernel = ReferenceKernel(f"requested ({'flex' if stand_in_for == 'flex' else 'sdpa'} contract{calls})",
+                                         contract, max_calls)
     elif chosen == "sdpa":
         kernel = SdpaKernel("torch scaled_dot_product_attention over the gathered pages"
-                            + (" (auto on CPU)" if name == "auto" else "")
-                            + (", one call per query block" if not max_calls else ""), SDPA_CONTRACT, max_calls)
+                            + (" (auto on CPU)" if name == "auto" else "") + calls, SDPA_CONTRACT, max_calls)
     elif chosen == "flex":
         why = _flex_unavailable(device)
         if why:

@@ -66,7 +66,11 @@ class Call:
     def rows(self, multiple: int = 1) -> int:
         """The query tokens a gathering kernel pads every bin to: the fullest bin's, rounded up to `multiple`
         (the kernel's query-block alignment); at most q_block."""
-        return -(-max(1, max(len(b.tokens) for b in self.bins)) // multiple) * multiple
+        return round_up(max(1, max(len(b.tokens) for b in self.bins)), multiple)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 Piece = tuple[list[int], list[int]]  # (tokens, pages)
@@ -177,7 +181,16 @@ def exact_calls(blocks: Sequence[BlockPlan], multiple: int = 1) -> list[Call]:
     real = [b for b in blocks if len(b.tokens)]
     if not real:
         return [Call(1, list(blocks) or [BlockPlan((), ())])]
-    return [Call(-(-len(b.tokens) // multiple) * multiple, [b]) for b in real]
+    return [Call(round_up(len(b.tokens), multiple), [b]) for b in real]
+
+
+def kernel_calls(blocks: Sequence[BlockPlan], group: int, page_size: int, max_calls: int = MAX_CALLS,
+                 multiple: int = 1) -> list[Call]:
+    """The calls a gathering kernel makes for a step's blocks: `plan_calls` over the bin sizes aligned to
+    `multiple` (the kernel's query-block alignment), at most `max_calls`; 0 = `exact_calls`."""
+    if not max_calls:
+        return exact_calls(blocks, multiple)
+    return plan_calls(blocks, sorted({round_up(f, multiple) for f in SIZES}), group, page_size, max_calls)
 
 
 def padded_work(calls: Sequence[Call], group: int, multiple: int = 1) -> int:
@@ -186,4 +199,4 @@ def padded_work(calls: Sequence[Call], group: int, multiple: int = 1) -> int:
     return sum(len(c.bins) * c.rows(multiple) * group * c.width for c in calls)
 
 
-__all__ = ["BlockPlan", "Call", "plan_calls", "exact_calls", "padded_work", "SIZES", "MAX_CALLS", "GATHER_ROWS", "CALL_COST"]
+__all__ = ["BlockPlan", "Call", "plan_calls", "exact_calls", "kernel_calls", "padded_work", "round_up", "SIZES", "MAX_CALLS", "GATHER_ROWS", "CALL_COST"]
