@@ -21,7 +21,7 @@ from preprocess.encoders import (
     register_visual,
 )
 from preprocess.media import DecodedVideo, decode_video, frame_schedule
-from preprocess.synthetic_media import _shape_mask
+from preprocess.synthetic_media import BACKGROUND_RGB, COLOUR_RGB, _shape_mask
 from tests.support.hf_towers import tiny_vision_dirs, tiny_whisper_dir
 from tests.support.mp4 import moving_square, solid_frames, tone, write_mp4
 
@@ -106,18 +106,41 @@ def clips(tmp_path_factory):
 def test_pixels_shape_and_colours(clips):
     cfg = FeaturesConfig()
     enc = get_visual_encoder(cfg)
-    assert (enc.dim, enc.tokens) == (14, 4)
+    assert (enc.dim, enc.tokens) == (17, 4)
     red = enc.encode(decode_video(clips["red"], cfg))
     green = enc.encode(decode_video(clips["green"], cfg))
-    assert red.shape == (32, 8, 14) and red.dtype == np.float16
+    assert red.shape == (32, 8, 17) and red.dtype == np.float16
     rgb_red = (red[..., :3].astype(np.float32).mean((0, 1)) + 1) / 2 * 255
     rgb_green = (green[..., :3].astype(np.float32).mean((0, 1)) + 1) / 2 * 255
     np.testing.assert_allclose(rgb_red, (230, 20, 20), atol=10)
     np.testing.assert_allclose(rgb_green, (20, 200, 40), atol=10)
     assert np.abs(red[..., 3:6].astype(np.float32) + 1).max() < 0.1  # flat colour: ~zero std
     assert np.abs(red[..., 6:9].astype(np.float32) - [-1, 0, 0]).max() < 0.05  # static: no change, no motion
-    edges = red[..., 9:].astype(np.float32)  # flat frames: no edge energy, a uniform orientation histogram
+    edges = red[..., 9:14].astype(np.float32)  # flat frames: no edge energy, a uniform orientation histogram
     assert np.abs(edges - [-1, 0, 0, 0, 0]).max() < 0.05
+    np.testing.assert_allclose(red[..., 14:].astype(np.float32), red[..., :3].astype(np.float32), atol=0.02)  # one colour
+
+
+@pytest.mark.parametrize("side", [0.9, 0.5, 0.25])
+def test_pixels_chroma_colour_ignores_coverage(tmp_path, side):
+    """Channels 14-16 give the colour of a patch's coloured pixels whatever share of the patch they
+    cover (real mp4 round trip), where the plain mean (0-2) fades to the grey background with coverage."""
+    h = w = 64
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32) + 0.5
+    frame = np.full((h, w, 3), 48, np.uint8)
+    frame[_shape_mask("square", xx, yy, w / 2, h / 2, side * w)] = (250, 135, 20)  # orange
+    path = write_mp4(tmp_path / "orange.mp4", np.repeat(frame[None], 16, 0), fps=8)
+    cfg = FeaturesConfig()
+    v = get_visual_encoder(cfg).encode(decode_video(str(path), cfg)).astype(np.float32)
+    chroma_rgb = (v[..., 14:].mean((0, 1)) + 1) / 2 * 255
+    plain_rgb = (v[..., :3].mean((0, 1)) + 1) / 2 * 255
+    palette = {**COLOUR_RGB, "background": BACKGROUND_RGB}
+    nearest = min(palette, key=lambda c: np.linalg.norm(chroma_rgb - np.array(palette[c])))
+    assert nearest == "orange", (side, chroma_rgb)  # at 6 % of each patch (side 0.25) too
+    if side >= 0.5:
+        np.testing.assert_allclose(chroma_rgb, (250, 135, 20), atol=25)
+    cover = side * side  # the square's share of the frame
+    np.testing.assert_allclose(plain_rgb, 48 + cover * (np.array([250, 135, 20]) - 48), atol=25)
 
 
 @pytest.mark.parametrize("shape", ["square", "stripes", "circle", "triangle"])
@@ -292,4 +315,4 @@ def test_tower_dims_come_from_the_configs_without_loading_weights(vision_dirs, w
     monkeypatch.setattr(HFVisionEncoder, "__init__", refuse)
     monkeypatch.setattr(WhisperAudioEncoder, "__init__", refuse)
     assert encoder_dims(cfg) == built == (32, 32)
-    assert encoder_dims(FeaturesConfig()) == (14, FeaturesConfig().n_mels + 2)  # pixels / mel: built, no weights
+    assert encoder_dims(FeaturesConfig()) == (17, FeaturesConfig().n_mels + 2)  # pixels / mel: built, no weights

@@ -39,7 +39,7 @@ def test_featurize_builds_a_valid_sample(clip):
     ann = Ann("vid/1", 4.2, [Event(0.5, 2.0, "a red square"), Event(2.0, 4.3, "a blue square", "blue", "a beep")])
     sample = featurize(clip["av"], ann, cfg)
     assert sample.video_id == "vid/1" and sample.duration == pytest.approx(4.0)
-    assert sample.visual.shape == (32, 8, 14) and sample.audio.shape == (32, 1, 34)
+    assert sample.visual.shape == (32, 8, 17) and sample.audio.shape == (32, 1, 34)
     assert sample.has_audio and sample.feature_hash == section_hash(cfg.features)
     assert (sample.split, sample.source) == ("train", "longvale")
     assert [(e.start, e.end) for e in sample.events] == [(0.5, 2.0), (2.0, 4.0)]  # 0.3 s overshoot clipped

@@ -340,9 +340,13 @@ def test_grammar_round_trip_and_size():
 
 def test_parse_caption_is_tolerant():
     assert syn.dense_caption("red", "circle", "moves to the left", "high beep") == \
-        "Visual: a red circle moves to the left. Audio: a high beep."
-    assert syn.visual_caption("orange", "square", "grows") == "an orange square grows."
+        "Visual: the red circle moves to the left. Audio: a high beep."
+    assert syn.visual_caption("orange", "square", "grows") == "the orange square grows."
+    assert syn.visual_caption("red", "stripes", "moves up") == "the red striped square moves up."
+    assert syn.parse_caption("Visual: the red striped square moves up. Audio: silence.")["shape"] == "stripes"
+    # the earlier template ('a' / 'an', 'a set of ... stripes') still parses
     assert syn.parse_caption("Visual: an orange square grows. Audio: a low beep.")["colour"] == "orange"
+    assert syn.parse_caption("Visual: a set of red stripes moves up.")["shape"] == "stripes"
     p = syn.parse_caption("visual: A WHITE square blinks.  audio: white noise")
     assert p == {"colour": "white", "shape": "square", "motion": "blinks", "sound": "white noise"}
     p = syn.parse_caption("a blue triangle with white noise")  # no Audio: marker
