@@ -268,8 +268,20 @@ def test_a_video_over_the_kv_pool_is_refused_alone(model, videos, controls, alon
 # ------------------------------------------------------------------------ bf16
 
 
-def _max_err(a, b):
-    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a.branch_logits, b.branch_logits))
+def _parting(a, ref) -> list[int | None]:
+    """Per branch, the first position where `a` chose another token than `ref` (None: never)."""
+    return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), None) for p, q in zip(a.tokens, ref.tokens)]
+
+
+def _max_err(a, ref) -> float:
+    """Max |logit difference| of `a` against `ref` over the positions both computed from the same tokens:
+    every position up to and excluding where the branch parts from `ref`."""
+    err = 0.0
+    for x, y, at in zip(a.branch_logits, ref.branch_logits, _parting(a, ref)):
+        n = min(len(x), len(y)) if at is None else at
+        if n:
+            err = max(err, float((x[:n].float() - y[:n].float()).abs().max()))
+    return err
 
 
 def _bf16(model):
@@ -279,9 +291,10 @@ def _bf16(model):
 
 
 def test_bf16_engine_is_as_exact_as_a_single_kernel(model, videos):
-    """bf16 on CPU: the engine's logits are as close to the fp32 reference as HF's own bf16
-    forward (`branch_sequential`, one SDPA kernel per call); tokens agree; batched bf16 ==
-    bf16 alone, token for token."""
+    """bf16 on CPU: the engine picks the tokens of HF's own bf16 forward (`branch_sequential`, one SDPA
+    kernel per call) and its logits are as close to the fp32 reference as that forward's; where bf16 parts
+    from fp32 at all, it is on a near-tie (fp32's margin there below what bf16 is off by elsewhere in the
+    video); batched bf16 == bf16 alone, token for token."""
     m16 = _bf16(model)
     cfg = dataclasses.replace(CPU, dtype="auto")
     cases = [(videos[1], DecodeControl(num_events=4, lengths=[2, 6, 1, 3], trace=True)),
@@ -294,10 +307,15 @@ def test_bf16_engine_is_as_exact_as_a_single_kernel(model, videos):
         base = branch_sequential(m16, v, cfg, c)  # single-kernel bf16 baseline
         got = eng.decode(v, c)
         alone16.append(got)
-        assert got.tokens == base.tokens == fp32.tokens
+        assert got.tokens == base.tokens
         e_base, e_eng = _max_err(base, fp32), _max_err(got, fp32)
         assert e_base > 0
         assert e_eng <= 1.5 * e_base, (e_eng, e_base)
+        for b, at in enumerate(_parting(got, fp32)):
+            if at is not None:
+                ref = fp32.branch_logits[b][at].float()
+                margin = float(ref[fp32.tokens[b][at]] - ref[got.tokens[b][at]])
+                assert 0 <= margin < 2 * e_base, (b, at, margin, e_base)
     batched, _, _, _ = decode_all(m16, dataclasses.replace(cfg, step_tokens=32), [v for v, _ in cases],
                                   [c for _, c in cases])
     for a, b in zip(batched, alone16):
