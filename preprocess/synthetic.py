@@ -140,6 +140,11 @@ def parse_caption(text: str) -> dict[str, str | None]:
     }
 
 
+# How a value is spelled in the generated captions where that is not the value itself (regular
+# expressions): what train/evaluate.py's attribute_token_spans looks for in a reference.
+parse_caption.surface = {"stripes": r"striped square|stripes"}
+
+
 # --------------------------------------------------------------------------- planning
 
 

@@ -96,3 +96,22 @@ def test_ablation_budget_hard_selects_the_regime_and_full_stays_default():
     assert full == SyntheticConfig(num_videos=128, min_duration=14.0, max_duration=24.0, max_events=4, seed=0,
                                    num_workers=2)
     assert bench_config(FULL, "full", 0).infer.max_events == 8
+
+
+def test_teacher_forced_scoring_finds_every_attribute_of_every_generated_caption():
+    """Teacher-forced attribute accuracy scores the tokens that spell each attribute in the reference
+    (train/evaluate.py `attribute_token_spans`): every value the generator writes must be found there,
+    spelled as the caption spells it (stripes as 'striped square'), or its events count as misses."""
+    import itertools
+
+    from pipeline.config import ModelConfig
+    from pipeline.tokens import build_tokenizer
+    from preprocess.synthetic import ATTRIBUTES, COLOURS, MOTIONS, SHAPES, SOUNDS, dense_caption
+    from train.evaluate import attribute_token_spans
+
+    tok = build_tokenizer(ModelConfig())
+    for combo in itertools.product(COLOURS, SHAPES, MOTIONS[:3], SOUNDS):
+        texts = [tok.decode([i]) for i in tok(dense_caption(*combo))["input_ids"]]
+        spans = attribute_token_spans(texts, parse_caption)
+        spelled = {a: "".join(texts[j] for j in spans.get(a, [])).strip() for a in ATTRIBUTES}
+        assert spelled == {a: "striped square" if v == "stripes" else v for a, v in zip(ATTRIBUTES, combo)}, combo

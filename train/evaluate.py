@@ -182,8 +182,10 @@ def attribute_token_spans(token_texts: list[str], parse: Callable[[str], dict]) 
 
     token_texts: the caption's tokens decoded one by one (their concatenation is the text).
     The attribute value comes from `parse`; its first whole-word occurrence in the visual part
-    (colour, shape, motion: before "Audio:") or the audio part (sound) is located and the
-    tokens overlapping it are returned. Attributes not found are left out.
+    (colour, shape, motion: before "Audio:") or the audio part (sound) is located (spelled as
+    `parse.surface[value]` says, a regular expression, where the captions spell it otherwise,
+    e.g. stripes as 'striped square') and the tokens overlapping it are returned. Attributes
+    not found are left out.
     """
     import re
 
@@ -198,7 +200,8 @@ def attribute_token_spans(token_texts: list[str], parse: Callable[[str], dict]) 
         if not word:
             continue
         lo, hi = (cut, len(low)) if (a == "sound" and cut >= 0) else (0, cut if cut >= 0 else len(low))
-        m = re.compile(r"\b" + re.escape(word) + r"\b").search(low, lo, hi)
+        spelled = getattr(parse, "surface", {}).get(word, re.escape(word))
+        m = re.compile(r"\b(?:" + spelled + r")\b").search(low, lo, hi)
         if m is None:
             continue
         spans[a] = [j for j in range(len(token_texts)) if bounds[j] < m.end() and bounds[j + 1] > m.start()]
