@@ -115,3 +115,34 @@ def test_teacher_forced_scoring_finds_every_attribute_of_every_generated_caption
         spans = attribute_token_spans(texts, parse_caption)
         spelled = {a: "".join(texts[j] for j in spans.get(a, [])).strip() for a in ATTRIBUTES}
         assert spelled == {a: "striped square" if v == "stripes" else v for a, v in zip(ATTRIBUTES, combo)}, combo
+
+
+def test_colour_by_caption_form_counts_each_form_and_the_former_one():
+    """bench/colour_forms.py: each reference matched to its best prediction at tIoU >= 0.5, the colour
+    scored under the form its caption is written in and the form the former template gave it."""
+    from bench.colour_forms import caption_form, colour_by_form
+
+    assert [caption_form(c) for c in ("Visual: the red circle moves to the left.", "Visual: an orange square grows.",
+                                      "Visual: a set of red stripes moves up.", "Visual: a red circle blinks.")] \
+        == ["the", "an", "set of", "a"]
+    refs = {"v": {"timestamps": [[0, 4], [5, 9], [10, 14], [15, 19]],
+                  "sentences": ["Visual: an orange square grows. Audio: silence.",
+                                "Visual: a set of red stripes moves up. Audio: a high beep.",
+                                "Visual: a blue circle blinks. Audio: a low beep.",
+                                "Visual: the green triangle shrinks. Audio: a low beep."]}}
+    outputs = {"v": {"events": [{"start": 0, "end": 4, "caption": "Visual: a red square grows."},      # orange -> red
+                                {"start": 5, "end": 9, "caption": "Visual: a set of red stripes."},    # right
+                                {"start": 10, "end": 12.5, "caption": "Visual: a blue circle."},       # tIoU 0.625: right
+                                {"start": 15, "end": 16, "caption": "Visual: the green triangle."}]}}  # tIoU 0.25: unmatched
+    t = colour_by_form(refs, outputs)
+    assert (t["matched"], t["unmatched"]) == (3, 1)
+    assert t["forms"] == {"a": {"events": 1, "accuracy": 1.0}, "an": {"events": 1, "accuracy": 0.0},
+                          "set of": {"events": 1, "accuracy": 1.0}}
+    assert t["former_forms"] == t["forms"]
+    assert t["confusion"] == {"blue": {"blue": 1}, "orange": {"red": 1}, "red": {"red": 1}}
+    # generator 2's captions: one form as written, the former one still told apart
+    refs["v"]["sentences"][:3] = ["Visual: the orange square grows.", "Visual: the red striped square moves up.",
+                                  "Visual: the blue circle blinks."]
+    t = colour_by_form(refs, outputs)
+    assert t["forms"] == {"the": {"events": 3, "accuracy": round(2 / 3, 4)}}
+    assert set(t["former_forms"]) == {"a", "an", "set of"}
