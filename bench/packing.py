@@ -45,7 +45,7 @@ from decode import A_TOKENS, PRESETS, V_TOKENS, build_model  # noqa: E402
 from output import command, emit  # noqa: E402
 from throughput import make_videos  # noqa: E402
 
-import infer.kernels as kernels  # noqa: E402
+import infer.attn_meta as attn_meta  # noqa: E402
 from infer.engine import CaptionEngine  # noqa: E402
 from infer.packing import BlockPlan, Call, kernel_calls, padded_work  # noqa: E402
 from infer.step import ForwardBatch  # noqa: E402
@@ -63,7 +63,7 @@ def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[
     if eng.kernel.name not in ("sdpa", "reference"):
         raise SystemExit(f"bench/packing.py measures the gathering kernels; the engine chose {eng.kernel.name}")
     asked: list[list[BlockPlan]] = []
-    build = kernels._gather_meta
+    build = attn_meta._gather_meta
 
     def recording_build(blocks, *args, **kw):
         asked.append([BlockPlan(list(b.tokens), list(b.pages)) for b in blocks])
@@ -80,11 +80,11 @@ def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[
         return out
 
     eng.runner.forward = timed
-    kernels._gather_meta = recording_build
+    attn_meta._gather_meta = recording_build
     try:
         eng.caption([s for s, _ in videos], controls=[c for _, c in videos])
     finally:
-        kernels._gather_meta = build
+        attn_meta._gather_meta = build
     return steps
 
 

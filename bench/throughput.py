@@ -66,8 +66,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import (A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token,  # noqa: E402
                     measure_bandwidth, weight_bytes)
 
+from infer.attn_meta import AttnMeta  # noqa: E402
 from infer.engine import CaptionEngine  # noqa: E402
-from infer.kernels import AttnMeta, BlockPlan  # noqa: E402
+from infer.packing import BlockPlan  # noqa: E402
 from infer.paged import FREE_SEQ  # noqa: E402
 from infer.programs import PadProgram  # noqa: E402
 from infer.reference import monolithic  # noqa: E402

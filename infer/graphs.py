@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.kernels import SLOT_PAD, FlexMeta, flex_block_mask, pow2
+from infer.attn_meta import SLOT_PAD, FlexMeta, flex_block_mask, pow2
 from infer.step import ForwardBatch, ModelRunner
 
 log = logging.getLogger("padcap.infer")

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.kernels import AttnMeta, BlockPlan, Workspace
+from infer.attn_meta import AttnMeta, Workspace
+from infer.packing import BlockPlan
 from infer.paged import FREE_SEQ, PagePool, Seq, pages_for
 from infer.step import ForwardBatch, LayerJob, ModelRunner
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from infer.kernels import AttnMeta, Kernel
+from infer.attn_meta import AttnMeta
+from infer.kernels import Kernel
 from infer.paged import PagePool
 from infer.step_weights import StepWeights
 

@@ -17,7 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.kernels import FLEX_CONTRACT, AttnMeta, BlockPlan, choose_kernel
+from infer.attn_meta import AttnMeta
+from infer.kernels import FLEX_CONTRACT, choose_kernel
+from infer.packing import BlockPlan
 from infer.paged import FREE_SEQ, OutOfPages, PagePool, pages_for
 
 HKV, G, D = 2, 3, 16
