@@ -90,6 +90,7 @@ class Budget:
     min_frames: int = 8  # features.min_frames: 2 s segments from 8 frames up (the default's 32 cuts 14 s into 0.9 s)
     regime: str = "default"  # data.synthetic.regime; hard: the durations and events set data.synthetic.hard.*
     min_events: int = 2
+    overrides: tuple[str, ...] = ()  # extra config overrides (`--set`), applied to every variant alike
 
 
 FULL = Budget(videos=128, min_duration=14.0, max_duration=24.0, max_events=4, steps=2400, batch=4, warmup=50,
@@ -121,6 +122,7 @@ def bench_config(budget: Budget, variant: str, seed: int) -> Config:
         "train.val_every=0", "train.val_samples=8", "train.checkpoint_every=0", "train.log_every=250",
         f"model.backbone_seed={seed}", f"infer.max_events={max(8, budget.max_events)}", "infer.max_branch_tokens=64",
         "infer.max_batch_videos=1", "infer.videos_per_call=1",
+        *budget.overrides,
         *VARIANTS[variant],
     ]
     return load_config(DEFAULT_CONFIG, over)
@@ -192,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=0, help="seeds per variant (0 = the budget's)")
     ap.add_argument("--steps", type=int, default=0, help="training steps per run (0 = the budget's)")
     ap.add_argument("--batch", type=int, default=0, help="samples per step (0 = the budget's)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every variant and seed alike (repeatable; recorded in the budget)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one process each)")
     ap.add_argument("--inline", action="store_true", help="run every variant in this process (no subprocesses)")
     ap.add_argument("--rescore", action="store_true", help="train nothing: score the runs already under --work")
@@ -201,13 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     work = Path(args.work)
     if args.one:  # a child: one variant, one seed
-        run_one(Budget(**json.loads(args.budget_json)), args.one, args.seed, work)
+        fields = json.loads(args.budget_json)
+        run_one(Budget(**{**fields, "overrides": tuple(fields.get("overrides", ()))}), args.one, args.seed, work)
         return 0
 
     budget_name = "smoke" if args.smoke else args.budget
     budget = {"full": FULL, "smoke": SMOKE, "default": DEFAULT, "hard": HARD}[budget_name]
     budget = replace(budget, seeds=args.seeds or budget.seeds, steps=args.steps or budget.steps,
-                     batch=args.batch or budget.batch)
+                     batch=args.batch or budget.batch, overrides=budget.overrides + tuple(args.set))
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:

@@ -98,6 +98,16 @@ def test_ablation_budget_hard_selects_the_regime_and_full_stays_default():
     assert bench_config(FULL, "full", 0).infer.max_events == 8
 
 
+def test_ablation_set_overrides_reach_every_variant_and_the_variant_keeps_its_own():
+    from dataclasses import replace
+
+    budget = replace(HARD, overrides=("train.lr=0.001", "model.aggregation=mean"))
+    assert bench_config(budget, "full", 0).train.lr == 0.001
+    assert bench_config(budget, "sequential", 2).train.lr == 0.001
+    assert bench_config(budget, "agg_none", 0).model.aggregation == "none"  # the variant's setting wins
+    assert bench_config(HARD, "full", 0).train.lr != 0.001
+
+
 def test_teacher_forced_scoring_finds_every_attribute_of_every_generated_caption():
     """Teacher-forced attribute accuracy scores the tokens that spell each attribute in the reference
     (train/evaluate.py `attribute_token_spans`): every value the generator writes must be found there,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,8 @@ def test_killed_worker_restarts_from_the_latest_checkpoint(ray_local, shards, tm
     monkeypatch.setenv("PADCAP_TRAIN_CRASH_AT_STEP", "3")
     monkeypatch.setenv("PADCAP_TRAIN_CRASH_MARKER", str(marker))
     monkeypatch.setenv("PADCAP_TRAIN_CRASH_RANK", "1")
+    restored = lambda: set(Path(tempfile.gettempdir()).glob("padcap-restore-*"))  # noqa: E731
+    before = restored()
     cfg = small_cfg("train.max_steps=5", "train.checkpoint_every=2", "train.val_every=0", "train.max_failures=1",
                     "train.backend=ddp")
     summary = run_train(cfg, shards, str(tmp_path / "out"))
@@ -129,3 +132,4 @@ def test_killed_worker_restarts_from_the_latest_checkpoint(ray_local, shards, tm
     assert state["step"] == 5
     assert json.loads((Path(summary["checkpoint"]) / "config.json").read_text())["train"]["max_steps"] == 5
     assert [h["resumes"] for h in hist] == [0, 0, 1, 1, 1]  # steps 1-2 from attempt 1, 3-5 after the restart
+    assert restored() - before == set(), "the restored checkpoint copies were left behind"

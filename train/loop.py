@@ -63,6 +63,7 @@ class LoopContext(Protocol):
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None: ...
     def latest_checkpoint(self) -> str | None: ...
+    def release_checkpoint(self) -> None: ...
     def on_step(self, step: int) -> None: ...
 
 
@@ -92,6 +93,9 @@ class LocalContext:
     def latest_checkpoint(self) -> str | None:
         found = sorted(Path(self.root).glob("checkpoint_*")) if Path(self.root).exists() else []
         return str(found[-1]) if found else None
+
+    def release_checkpoint(self) -> None:
+        """The checkpoint dir is the run's own: nothing to free."""
 
     def on_step(self, step: int) -> None:
         if self.stop_after is not None and step >= self.stop_after:
@@ -410,6 +414,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
                                      scheduler=backend.scheduler if is_ddp else None)
         backend.load(Path(resume))
         ckpt.load_rank_state(resume, ctx.rank, generator)
+        ctx.release_checkpoint()  # everything is loaded: a restored copy is not kept for the run's length
         state.resumes += 1
         if ctx.rank == 0:
             print(f"[train] resumed from {resume} at step {state.step} (epoch {state.epoch}, "

@@ -106,6 +106,13 @@ class RayContext:
         self._restored = tempfile.TemporaryDirectory(prefix="padcap-restore-")
         return found.to_directory(self._restored.name)
 
+    def release_checkpoint(self) -> None:
+        """Delete the local copy `latest_checkpoint` made, once loaded: a worker that is killed later (a
+        crash, a preemption) runs no finalizer, and each restart would leave a checkpoint-sized copy in /tmp."""
+        if self._restored is not None:
+            self._restored.cleanup()
+            self._restored = None
+
     def on_step(self, step: int) -> None:
         """Fault injection for the kill-restart tests (off unless PADCAP_TRAIN_CRASH_AT_STEP or
         PADCAP_TRAIN_PAUSE_AT_STEP is set)."""
