@@ -49,11 +49,11 @@ def shards(ray_local, tmp_path_factory):
     return out
 
 
-def check_outputs(summary, out_dir, steps):
+def check_outputs(summary, out_dir, steps, local_dir=None):
     assert summary["steps"] == steps and summary["loss_total"] > 0
     assert any(row.startswith("held-out") for row in summary["table"])
     summary = storage.read_json(summary["details"])  # the full record
-    model = PadCaptioner.from_pretrained(_local(storage.join(out_dir, "model"), out_dir))
+    model = PadCaptioner.from_pretrained(_local(storage.join(out_dir, "model"), local_dir))
     assert model.trainable_parameters()
     assert storage.exists(storage.join(out_dir, "learning_curve.png"))
     hist = storage.read_json(storage.join(out_dir, "history.json"))
@@ -66,16 +66,18 @@ def check_outputs(summary, out_dir, steps):
     return hist
 
 
-def _local(path, out_dir):
+def _local(path, local_dir):
+    """A remote model dir copied under the test's own tmp dir (a fixed /tmp path would outlive the test and
+    could hand a later run a stale model)."""
     if not storage.is_remote(path):
         return path
-    local = Path(storage.join("/tmp", "padcap-test-model")) / Path(out_dir).name
+    local = Path(local_dir) / "model"
     fs, inner = storage.filesystem(path)
     fs.get(inner.rstrip("/") + "/", str(local), recursive=True)
     return local
 
 
-def test_ddp_two_workers_s3_in_and_out(ray_local, shards, s3_server):
+def test_ddp_two_workers_s3_in_and_out(ray_local, shards, s3_server, tmp_path):
     from train.trainer import run_train
 
     storage.upload_dir(shards, "s3://test/train-shards")
@@ -86,7 +88,7 @@ def test_ddp_two_workers_s3_in_and_out(ray_local, shards, s3_server):
     cfg = small_cfg("train.max_steps=4", "train.checkpoint_every=2", "train.val_every=2", "train.keep_checkpoints=1",
                     "train.backend=ddp")
     summary = run_train(cfg, "s3://test/train-shards", "s3://test/train-out")
-    hist = check_outputs(summary, "s3://test/train-out", 4)
+    hist = check_outputs(summary, "s3://test/train-out", 4, local_dir=tmp_path)
     summary = storage.read_json(summary["details"])
     assert summary["backend"] == "ddp" and summary["workers"] == 2
     assert [h["step"] for h in hist if "val_token_acc" in h] == [2, 4]
