@@ -54,7 +54,7 @@ from infer.sampling import NO_CONTROL, DecodeControl, video_chooser
 from infer.scheduler import Branch, Phase, Scheduler, StepPlan, VideoState
 from infer.step import Mode, ModelRunner
 from infer.step_weights import StepWeights
-from pipeline.backbone import DTYPES
+from pipeline.backbone import DTYPES, cast_keeping_rope
 from pipeline.config import InferConfig
 from pipeline.schema import Sample
 
@@ -107,7 +107,7 @@ class CaptionEngine:
         if model.device.type != self.device.type:
             model.to(self.device)
         if model.dtype != dtype:  # both models read it from their weights
-            model.to(dtype)
+            cast_keeping_rope(model, dtype)
             if not self.release:
                 model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
         model.eval()

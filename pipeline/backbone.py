@@ -59,6 +59,27 @@ def preset_config(name: str, vocab_size: int, init_std: float = 0.0) -> Qwen2Con
     )
 
 
+# the rotary embeddings' frequency buffers (HF's text and vision rotary modules, the dynamic-RoPE copy)
+ROPE_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def cast_keeping_rope(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """module.to(dtype), except the rotary frequency buffers (ROPE_BUFFERS), which stay float32.
+
+    HF computes `inv_freq` in float32 whatever the model's dtype and takes the angles in float32, and
+    `from_pretrained(dtype=torch.bfloat16)` (how the release runs its model) keeps it so; DeepSpeed's bf16
+    casts parameters only, for the same reason. A blanket `.to(torch.bfloat16)` rounds each frequency to 8
+    bits, and the angle at position p moves by up to p x 2^-9 of it: cos/sin off by up to 0.9 at position
+    1,000 (head dim 128, theta 1e6), so a bf16 decode of a long prompt would not be the model that was
+    trained. Returns the module."""
+    kept = [(m, name, buf.detach().clone()) for m in module.modules() for name, buf in m._buffers.items()
+            if name in ROPE_BUFFERS and buf is not None and buf.is_floating_point()]
+    module.to(dtype)
+    for m, name, buf in kept:
+        m._buffers[name] = buf.to(device=m._buffers[name].device, dtype=torch.float32)
+    return module
+
+
 def scale_attention_init(model: PreTrainedModel, std: float, init_std: float) -> None:
     """A random-init preset's query and key projections rescaled from `init_std` to `std` (0: left as
     they are). The same random directions, so the rest of the seeded init is unchanged; attention

@@ -290,6 +290,25 @@ def _bf16(model):
     return m16.eval()
 
 
+def test_an_engine_that_casts_to_bf16_keeps_the_rotary_frequencies_in_fp32(model):
+    """A float32 model decoded in bf16 (the CUDA default) is cast by the engine: its weights, not RoPE's
+    frequencies, which stay the float32 ones HF computes (and from_pretrained in bf16 keeps), so the
+    angles at long positions are the float32 angles rounded once, not angles of rounded frequencies."""
+    import copy
+
+    from pipeline.backbone import ROPE_BUFFERS
+
+    eng = CaptionEngine(copy.deepcopy(model), dataclasses.replace(CPU, dtype="bfloat16"))
+    assert eng.model.dtype == torch.bfloat16
+    ref = dict(model.named_buffers())
+    kept = {n: b for n, b in eng.model.named_buffers() if n.endswith(ROPE_BUFFERS)}
+    assert kept and all(b.dtype == torch.float32 and torch.equal(b, ref[n]) for n, b in kept.items())
+    positions = torch.arange(0, 8000, 7)[None].expand(3, -1)
+    cos, sin = eng.runner.rope(positions, torch.bfloat16)
+    cos32, sin32 = CaptionEngine(copy.deepcopy(model), CPU).runner.rope(positions, torch.float32)
+    assert torch.equal(cos, cos32.to(torch.bfloat16)) and torch.equal(sin, sin32.to(torch.bfloat16))
+
+
 def test_bf16_engine_is_as_exact_as_a_single_kernel(model, videos):
     """bf16 on CPU: the engine picks the tokens of HF's own bf16 forward (`branch_sequential`, one SDPA
     kernel per call) and its logits are as close to the fp32 reference as that forward's; where bf16 parts

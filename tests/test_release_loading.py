@@ -79,6 +79,11 @@ def test_an_fp32_checkpoint_loads_in_bf16_and_on_a_named_device():
     assert model.decoder.rotary_emb.inv_freq.device.type == "cpu"
     fp32 = ReleaseCaptioner.from_release(CHECKPOINT)
     assert fp32.dtype == torch.float32
+    # RoPE's frequencies (the LLM's and the vision tower's) stay float32, as the release's bf16 load keeps them
+    rope = {n: b for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    assert len(rope) >= 2 and all(b.dtype == torch.float32 for b in rope.values()), {n: b.dtype for n, b in rope.items()}
+    ref = dict(fp32.named_buffers())
+    assert all(torch.equal(b, ref[n]) for n, b in rope.items())
     assert torch.equal(fp32.decoder.layers[1].self_attn.q_proj.weight, w)
 
 

@@ -35,6 +35,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
+from pipeline.backbone import cast_keeping_rope
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
 from pipeline.release.geometry import Geometry
@@ -145,7 +146,7 @@ class ReleaseCaptioner(nn.Module):
         if not raw.get("use_evidence", True) or raw.get("use_score_head", False) or raw.get("union_aggregation", False):
             raise ReleaseError("only the shipped evidence setting is supported (use_evidence true, use_score_head "
                                "false, union_aggregation false); this config.json asks for another")
-        self.to(DTYPES[settings.dtype])
+        cast_keeping_rope(self, DTYPES[settings.dtype])  # rotary frequencies in fp32, as the release loads them
 
     # ------------------------------------------------------------------ building
 
