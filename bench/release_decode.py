@@ -127,7 +127,10 @@ def main(argv=None) -> dict:
     for n, graphs in [(1, "auto"), *((n, "auto") for n in args.in_flight), *((n, "off") for n in args.eager_at)]:
         cfg = InferConfig(max_events=args.events, max_branch_tokens=args.caption_tokens + 1, device=args.device,
                           dtype=args.dtype, max_batch_videos=n, max_batch_rows=n * args.events, step_tokens=1 << 30,
-                          cuda_graphs=graphs, kv_memory_gb=args.kv_memory_gb)
+                          cuda_graphs=graphs, kv_memory_gb=args.kv_memory_gb,
+                          # a decode step of n videos carries up to n x events rows: recorded up to that, so the
+                          # 64-in-flight steps replay graphs too (the default 256 would leave them eager)
+                          graph_tokens=max(InferConfig.graph_tokens, n * args.events))
         eng = CaptionEngine(model, cfg)
         eng.caption(vids[:1], controls=[control])  # warm-up (kernels, compilation)
         eng.reset_stats()

@@ -25,14 +25,15 @@ from infer.paged import FREE_SEQ, OutOfPages, PagePool, pages_for
 HKV, G, D = 2, 3, 16
 
 
-def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32):
+def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32, device: str = "cpu"):
     """A pool with a few prefixes and branches at random pages, and a step of queries over them.
 
     Returns (pool, q [N, Hq, D], meta, dense: list of (k [Hkv, L, D], v, token) per query) where
-    dense holds exactly the keys each query may see, in order, for a dense SDPA oracle."""
+    dense holds exactly the keys each query may see, in order, for a dense SDPA oracle (on the CPU;
+    the pool, q and meta on `device`)."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    pool = PagePool(1, 64, page_size, HKV, D, dtype, torch.device("cpu"),  # kv: [1, 64 * S, 2, Hkv, D]
+    pool = PagePool(1, 64, page_size, HKV, D, dtype, torch.device(device),  # kv: [1, 64 * S, 2, Hkv, D]
                     zero=kernel.reads_whole_pool)
     pool.reserve(pool.free_pages)
     # churn: open and close sequences so live pages are scattered and reused
@@ -40,7 +41,7 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
         junk = pool.open()
         pool.grow(junk, rnd.randint(1, 3 * page_size))
         pool.sync()
-        pool.layer[0][pool.slots(junk, 0, junk.length)] = 9.0  # stale keys of a dead owner
+        pool.layer[0][pool.slots(junk, 0, junk.length).to(device)] = 9.0  # stale keys of a dead owner
         pool.close(junk)
         pool.reserve(pool.free_pages)
     seqs = []
@@ -50,9 +51,9 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
         pool.sync()  # pages handed out (zeroed) before the step writes them, as in the engine
         keys = torch.randn(HKV, length, D, generator=gen).to(dtype)
         vals = torch.randn(HKV, length, D, generator=gen).to(dtype)
-        slots = pool.slots(s, 0, length)
-        pool.layer[0][slots, 0] = keys.transpose(0, 1)
-        pool.layer[0][slots, 1] = vals.transpose(0, 1)
+        slots = pool.slots(s, 0, length).to(device)
+        pool.layer[0][slots, 0] = keys.transpose(0, 1).to(device)
+        pool.layer[0][slots, 1] = vals.transpose(0, 1).to(device)
         seqs.append((s, keys, vals))
     prefix, b1, b2, other = seqs
     rows = []  # (seq_a, lim_a, seq_b, lim_b)
@@ -79,7 +80,7 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
             ks.append(b[1][:, :lb])
             vs.append(b[2][:, :lb])
         dense.append((torch.cat(ks, 1), torch.cat(vs, 1)))
-    return pool, q, meta, dense
+    return pool, q.to(device), meta, dense
 
 
 def _oracle(q, dense, scale):
@@ -159,6 +160,20 @@ def test_compiled_flex_equals_dense_sdpa():
     assert meta.blocks & (meta.blocks - 1) == 0  # a power of two
     got = kernel(q, pool, 0, meta, D ** -0.5)
     torch.testing.assert_close(got.double(), _oracle(q, dense, D ** -0.5).flatten(1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_flex_equals_dense_sdpa_on_a_random_paged_layout(dtype):
+    """The CUDA default: FlexAttention compiled through Triton, pages and query blocks of 128 (its contract),
+    on a churned pool with prefixes, branches and stale keys, against the fp64 oracle; chosen by "auto"."""
+    kernel = choose_kernel("auto", dtype, torch.device("cuda"))
+    assert kernel.name == "flex" and kernel.compiled
+    pool, q, meta, dense = _layout(4, 128, 128, kernel, dtype=dtype, device="cuda")
+    got = kernel(q, pool, 0, meta, D ** -0.5)
+    assert got.dtype == dtype and got.device.type == "cuda"
+    err = float((got.double().cpu() - _oracle(q.cpu(), dense, D ** -0.5).flatten(1)).abs().max())
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
 def test_bf16_kernels_stay_within_one_rounding_of_fp64():
