@@ -24,6 +24,9 @@ COLUMNS = METRICS + COSTS + HELD
 HELD_SPLIT = ("attr_acc_unique", "attr_acc_repeated", "colour_acc_unique", "colour_acc_repeated", "sound_acc_unique",
               "sound_acc_repeated", "overlap_grounding_f1@0.5", "overlap_events")
 PARSE = ("parse_unparsable_videos", "parse_problems", "parse_unparsable_share")
+# each attribute's held-out accuracy (train/evaluate.py) and its chance level on the synthetic grammar
+# (preprocess/synthetic.py: 8 colours, 4 shapes, 8 sounds, 8 motions): the plot's last panel
+ATTRS = {"colour_acc": 1 / 8, "shape_acc": 1 / 4, "sound_acc": 1 / 8, "motion_acc": 1 / 8}
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -38,7 +41,7 @@ def summarize(rows: list[dict], scored: dict[str, list[dict]]) -> list[dict]:
     out = []
     for row in rows:
         runs = scored.get(row["variant"], [])
-        stats = {c: spread([r[c] for r in runs]) for c in COLUMNS + HELD_SPLIT + PARSE
+        stats = {c: spread([r[c] for r in runs]) for c in COLUMNS + HELD_SPLIT + PARSE + tuple(ATTRS)
                  if runs and all(c in r for r in runs)}
         out.append({**row, "seeds": [r["seed"] for r in runs], "stats": stats})
     return out
@@ -68,26 +71,66 @@ def write_markdown(rows: list[dict], path: str | Path, header: str) -> None:
 
 
 def write_plot(rows: list[dict], path: str | Path) -> None:
-    """F1 and Sim (mean, sd error bars) per variant next to the paper's values (hollow markers)."""
+    """Per variant (mean, sd error bars): F1 and Sim next to the paper's values (hollow markers), CIDEr,
+    and each attribute's held-out accuracy against its chance level (dashes): where a table's variants
+    differ in what they learnt when F1 and Sim, which score timing and the grammar too, do not."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [r["label"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=False)
-    for ax, (i, col) in zip(axes, enumerate(("F1", "Sim"))):
-        mean = [r["stats"].get(col, {}).get("mean", float("nan")) * 100 for r in rows]
-        sd = [r["stats"].get(col, {}).get("sd", 0.0) * 100 for r in rows]
-        x = range(len(rows))
-        ax.bar(x, mean, yerr=sd, capsize=3, color="#4c72b0", label="this bench (mean ± sd over seeds)")
-        paper = [r["paper"][i] if r.get("paper") else float("nan") for r in rows]
-        ax.scatter(x, paper, marker="D", facecolors="none", edgecolors="#c44e52", zorder=3, label="paper (ChronusAV, 3B)")
-        ax.set_xticks(list(x))
+    x = list(range(len(rows)))
+    stat = lambda r, c, f: r["stats"].get(c, {}).get(f, float("nan") if f == "mean" else 0.0)  # noqa: E731
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9.6))
+    for ax, col in zip(axes.flat, ("F1", "Sim", "CIDEr")):
+        ax.bar(x, [stat(r, col, "mean") * 100 for r in rows], yerr=[stat(r, col, "sd") * 100 for r in rows],
+               capsize=3, color="#4c72b0", label="this bench (mean ± sd over seeds)")
+        if col in ("F1", "Sim"):
+            i = ("F1", "Sim").index(col)
+            paper = [r["paper"][i] if r.get("paper") else float("nan") for r in rows]
+            ax.scatter(x, paper, marker="D", facecolors="none", edgecolors="#c44e52", zorder=3,
+                       label="paper (ChronusAV, 3B)")
+        ax.set_title(col + (" (x100)" if col == "CIDEr" else ""))
+    ax = axes.flat[3]
+    width = 0.8 / len(ATTRS)
+    colours = ("#dd8452", "#55a868", "#8172b3", "#937860")
+    for j, ((col, chance), colour) in enumerate(zip(ATTRS.items(), colours)):
+        at = [i - 0.4 + width * (j + 0.5) for i in x]
+        ax.bar(at, [stat(r, col, "mean") for r in rows], width, yerr=[stat(r, col, "sd") for r in rows], capsize=2,
+               color=colour, label=col.removesuffix("_acc"))
+        ax.hlines([chance] * len(rows), [a - width / 2 for a in at], [a + width / 2 for a in at], colors="black",
+                  linestyles="dashed", linewidth=0.8)
+    ax.set_title("held-out attribute accuracy (dashes: chance)")
+    ax.set_ylim(0, 1)
+    for ax in axes.flat:
+        ax.set_xticks(x)
         ax.set_xticklabels(names, rotation=40, ha="right", fontsize=8)
-        ax.set_title(col)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def redraw(json_path: str | Path) -> None:
+    """A results JSON of bench/ablation.py -> its rows re-summarized from its own runs, and its .md and .png
+    rewritten beside it (the .md's header kept); nothing is trained or scored again."""
+    import json
+
+    path = Path(json_path)
+    result = json.loads(path.read_text())
+    result["rows"] = summarize([{k: v for k, v in r.items() if k not in ("seeds", "stats")} for r in result["rows"]],
+                               result["runs"])
+    path.write_text(json.dumps(result, indent=1))
+    md = path.with_suffix(".md")
+    header = md.read_text().split("\n\n")[0] if md.exists() else f"Ablation ({path.stem})"
+    write_markdown(result["rows"], md, header)
+    write_plot(result["rows"], path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    for arg in sys.argv[1:]:
+        redraw(arg)

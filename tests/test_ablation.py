@@ -34,3 +34,12 @@ def test_smoke_run_writes_the_table(tmp_path):
     assert "1 run(s) at a time" in table.splitlines()[0]  # how the decode ms were measured
     assert "| ++ parallel decoding (full) | 61.8 / 38.8 |" in table and table.count("\n| ") == len(ROWS) + 1
     assert (tmp_path / "out" / "ablation_smoke.png").stat().st_size > 10_000
+    assert all(r["stats"]["sound_acc"]["n"] == 2 for r in rows)  # each attribute's accuracy: the plot's last panel
+    # redraw: the rows re-summarized from the JSON's own runs, the table kept, nothing retrained
+    from bench.ablation_report import redraw
+
+    (tmp_path / "out" / "ablation_smoke.png").unlink()
+    redraw(tmp_path / "out" / "ablation_smoke.json")
+    again = json.loads((tmp_path / "out" / "ablation_smoke.json").read_text())
+    assert again == result and (tmp_path / "out" / "ablation_smoke.md").read_text() == table
+    assert (tmp_path / "out" / "ablation_smoke.png").stat().st_size > 10_000
