@@ -62,6 +62,10 @@ class Contract:
     page_multiple: int = 1
     q_block_multiple: int = 1
     max_head_dim: int = 256
+    # elements one pool layer may hold (0 = no limit): compiled FlexAttention computes a key's offset in
+    # int32 (key x 2*Hkv*D), and past 2**31 it wraps: an illegal access or, silently, wrong keys
+    # (pytorch/pytorch#190857; vLLM caps its flex pools the same way, vllm-project/vllm#50427)
+    max_layer_elements: int = 0
 
     def check(self, q: torch.Tensor, kv: torch.Tensor, meta: "AttnMeta") -> None:
         """Raise ValueError naming the broken rule (shapes, dtypes, alignment). kv: one layer of the pool."""
@@ -81,6 +85,9 @@ class Contract:
             raise ValueError(f"query block {meta.q_block} must be a multiple of {self.q_block_multiple}")
         if n != meta.tokens:
             raise ValueError(f"{n} queries for a step of {meta.tokens} tokens")
+        if self.max_layer_elements and kv.numel() > self.max_layer_elements:
+            raise ValueError(f"a pool layer of {kv.numel()} elements is over the kernel's {self.max_layer_elements} "
+                             f"(int32 offsets): a smaller infer.kv_memory_gb / kv_memory_fraction")
 
     def check_sizes(self, page_size: int, q_blocks: tuple[int, ...], kernel: str) -> None:
         """At start-up: the engine's page size and query blocks suit this kernel (else a clear error then,
@@ -199,11 +206,13 @@ class FlexKernel(Kernel):
         return o[0].transpose(0, 1)[meta.q_out].flatten(1)
 
 
+INT32_ELEMENTS = 2 ** 31  # the elements a tensor's int32 offsets address (0 .. 2**31 - 1)
 # FlexAttention's compiled Triton kernel tiles queries by BLOCK_M and keys by BLOCK_N (128 x 64 for bf16 at
 # head dim 128, 128 x 32 for fp32 at 64 on sm80/sm90) and needs the BlockMask's block sizes divisible by
 # them: pages and query blocks of 128 on CUDA. Eager (and inductor's C++ backend) take multiples of 16.
 FLEX_CONTRACT = Contract(dtypes=_DTYPES, page_multiple=16, q_block_multiple=16, max_head_dim=256)
-FLEX_CUDA_CONTRACT = Contract(dtypes=_DTYPES, page_multiple=128, q_block_multiple=128, max_head_dim=256)
+FLEX_CUDA_CONTRACT = Contract(dtypes=_DTYPES, page_multiple=128, q_block_multiple=128, max_head_dim=256,
+                              max_layer_elements=INT32_ELEMENTS)
 SDPA_CONTRACT = Contract()
 
 

@@ -50,6 +50,13 @@ def page_bytes(layers: int, kv_heads: int, head_dim: int, page_size: int, dtype:
     return 2 * layers * page_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+def max_pages(kv_heads: int, head_dim: int, page_size: int, max_layer_elements: int) -> int:
+    """The most pages a pool layer of at most `max_layer_elements` elements holds (0 = no limit: a huge number)."""
+    if max_layer_elements <= 0:
+        return 1 << 62
+    return max_layer_elements // (2 * page_size * kv_heads * head_dim)
+
+
 @dataclass
 class Seq:
     """One sequence in the pool: its id, block table (page ids, host) and key count."""
@@ -90,10 +97,12 @@ class PagePool:
 
     @classmethod
     def for_budget(cls, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                   page_size: int, memory_bytes: int, zero: bool = False) -> "PagePool":
-        """A pool of as many pages as `memory_bytes` holds (at least 2)."""
+                   page_size: int, memory_bytes: int, zero: bool = False, max_layer_elements: int = 0) -> "PagePool":
+        """A pool of as many pages as `memory_bytes` holds (at least 2), and no more than keep one layer
+        within `max_layer_elements` (a kernel's addressing limit, infer/kernels.py Contract; 0 = none)."""
         per = page_bytes(layers, kv_heads, head_dim, page_size, dtype)
-        return cls(layers, max(2, int(memory_bytes) // per), page_size, kv_heads, head_dim, dtype, device, zero)
+        return cls(layers, max(2, min(int(memory_bytes) // per, max_pages(kv_heads, head_dim, page_size, max_layer_elements))),
+                   page_size, kv_heads, head_dim, dtype, device, zero)
 
     # ------------------------------------------------------------------ accounting
 

@@ -30,6 +30,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from infer.kernels import FLEX_CUDA_CONTRACT
+from infer.paged import max_pages
+
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4,
           "U8": 1, "I8": 1, "BOOL": 1}
 CUDA_CONTEXT_GB = 1.0
@@ -93,7 +96,9 @@ def plan(shape: Shape, weights_bytes: int, device_memory_gb: float, prefixes: li
     free = max(0.0, device_memory_gb * 1e9 - weights_bytes - CUDA_CONTEXT_GB * 1e9)
     pool_bytes = kv_memory_gb * 1e9 if kv_memory_gb > 0 else free * kv_fraction
     per_token = kv_bytes_per_token(shape, dtype_bytes)
-    pages = int(pool_bytes // (per_token * page_size))
+    # the CUDA kernel (compiled flex) addresses a pool layer in int32: the engine caps its pool the same way
+    pages = min(int(pool_bytes // (per_token * page_size)),
+                max_pages(shape.kv_heads, shape.head_dim, page_size, FLEX_CUDA_CONTRACT.max_layer_elements))
     return Plan(device_memory_gb=device_memory_gb, weights_gb=round(weights_bytes / 1e9, 3), working_gb=round(working / 1e9, 3),
                 headroom_gb=round((free - pages * per_token * page_size) / 1e9, 3),
                 kv_pool_gb=round(pages * per_token * page_size / 1e9, 3), kv_bytes_per_token=per_token,

@@ -69,3 +69,34 @@ def test_command_line_on_a_checkpoint_and_a_shape(capsys):
     table = main(["--shape", "release-3b", "--device-memory-gb", "24", "80", "--prefix-tokens", "10000"])
     text = capsys.readouterr().out
     assert "videos@10000" in text and len(table["plans"]) == 2
+
+
+def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets():
+    """Compiled flex addresses a pool layer with int32 offsets: a small model on a large GPU would pass 2**31
+    elements a layer and read wrong keys silently, so the plan and the pool stop short of it, and the
+    contract refuses a layer over it."""
+    import torch
+
+    from infer.kernels import FLEX_CUDA_CONTRACT, INT32_ELEMENTS
+    from infer.paged import PagePool, max_pages
+
+    small = Shape(layers=24, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864, vocab=151936)  # 0.5B
+    p = plan(small, int(1e9), 139.0, [10000])
+    assert p.pages == max_pages(2, 64, 128, INT32_ELEMENTS) == INT32_ELEMENTS // (2 * 128 * 2 * 64)  # capped
+    assert p.pages * 128 * 2 * 2 * 64 <= INT32_ELEMENTS < (p.pages + 1) * 128 * 2 * 2 * 64
+    assert p.kv_pool_gb < 0.85 * (139.0 - 1.0 - 1.0)  # what the fraction alone would have given
+    assert plan(small, int(1e9), 24.0, [10000]).pages < p.pages  # a smaller card: the budget decides
+
+    pool = PagePool.for_budget(2, 2, 4, torch.float32, torch.device("cpu"), 4, 1 << 30, max_layer_elements=2 * 4 * 2 * 4 * 10)
+    assert pool.pages == 10 and pool.layer[0].numel() == 2 * 4 * 2 * 4 * 10
+    assert PagePool.for_budget(2, 2, 4, torch.float32, torch.device("cpu"), 4, 1 << 20).pages == (1 << 20) // page_bytes(
+        2, 2, 4, 4, torch.float32)  # no limit: the budget alone
+
+    tight = dataclasses.replace(FLEX_CUDA_CONTRACT, page_multiple=1, q_block_multiple=1, max_layer_elements=100)
+    from tests.test_kernels import _layout
+    from infer.kernels import choose_kernel
+
+    kernel = choose_kernel("reference", torch.float32, torch.device("cpu"))
+    pool, q, meta, _ = _layout(0, 4, 2, kernel)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        tight.check(q, pool.layer[0], meta)
