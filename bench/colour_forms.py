@@ -57,10 +57,12 @@ def colour_by_form(references: dict, outputs: dict, min_iou: float = 0.5) -> dic
         ref = references[video]
         events = pred.get("events", [])
         for (s, e), sentence in zip(ref["timestamps"], ref["sentences"]):
-            best = max(events, key=lambda p: tiou((s, e), (p["start"], p["end"])), default=None)
-            if best is None or tiou((s, e), (best["start"], best["end"])) < min_iou:
+            overlap, best = max(((tiou((s, e), (p["start"], p["end"])), i) for i, p in enumerate(events)),
+                                default=(0.0, None))
+            if best is None or overlap < min_iou:
                 unmatched += 1
                 continue
+            best = events[best]
             ref_attrs = parse_caption(sentence)
             truth, said = ref_attrs["colour"], parse_caption(best["caption"])["colour"]
             form, former = caption_form(sentence), former_form(truth, ref_attrs["shape"])

@@ -116,13 +116,9 @@ class CaptionEngine:
         self.step_tokens, page_size, self.q_block = step_defaults(cfg, self.device)
         if self.kernel.name == "flex":  # the whole step attends in blocks of the prefill size
             self.kernel.contract.check_sizes(page_size, (4 * self.q_block,), "flex")
-        budget, limit = kv_budget_bytes(cfg, self.device), self.kernel.contract.max_layer_elements
-        self.pool = PagePool.for_budget(w.num_layers, w.kv_heads, w.head_dim, dtype, self.device, page_size, budget,
-                                        zero=self.kernel.reads_whole_pool, max_layer_elements=limit)
-        if self.pool.pages * self.pool.bytes_per_page < budget - self.pool.bytes_per_page:
-            log.warning("KV pool capped at %d pages (%.1f GB of the %.1f GB budget): the %s kernel addresses a pool "
-                        "layer with int32 offsets (%d elements at most)", self.pool.pages,
-                        self.pool.pages * self.pool.bytes_per_page / 1e9, budget / 1e9, self.kernel.name, limit)
+        self.pool = PagePool.for_budget(w.num_layers, w.kv_heads, w.head_dim, dtype, self.device, page_size,
+                                        kv_budget_bytes(cfg, self.device), zero=self.kernel.reads_whole_pool,
+                                        max_layer_elements=self.kernel.contract.max_layer_elements)
         self.runner = ModelRunner(w, self.pool, self.kernel)
         self.scheduler = Scheduler(self.runner, self.pool, step_tokens=self.step_tokens, max_rows=cfg.max_batch_rows,
                                    q_block=self.q_block, prefill_block=4 * self.q_block)

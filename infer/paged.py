@@ -32,9 +32,12 @@ Pure torch; no ray.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
+
+log = logging.getLogger("padcap.infer")
 
 SCRATCH_SEQ = -2  # owner id of the scratch page (page 0)
 FREE_SEQ = -1  # owner id of a page nobody holds
@@ -51,9 +54,7 @@ def page_bytes(layers: int, kv_heads: int, head_dim: int, page_size: int, dtype:
 
 
 def max_pages(kv_heads: int, head_dim: int, page_size: int, max_layer_elements: int) -> int:
-    """The most pages a pool layer of at most `max_layer_elements` elements holds (0 = no limit: a huge number)."""
-    if max_layer_elements <= 0:
-        return 1 << 62
+    """The most pages a pool layer of at most `max_layer_elements` (> 0) elements holds."""
     return max_layer_elements // (2 * page_size * kv_heads * head_dim)
 
 
@@ -101,8 +102,13 @@ class PagePool:
         """A pool of as many pages as `memory_bytes` holds (at least 2), and no more than keep one layer
         within `max_layer_elements` (a kernel's addressing limit, infer/kernels.py Contract; 0 = none)."""
         per = page_bytes(layers, kv_heads, head_dim, page_size, dtype)
-        return cls(layers, max(2, min(int(memory_bytes) // per, max_pages(kv_heads, head_dim, page_size, max_layer_elements))),
-                   page_size, kv_heads, head_dim, dtype, device, zero)
+        pages = int(memory_bytes) // per
+        if max_layer_elements and pages > max_pages(kv_heads, head_dim, page_size, max_layer_elements):
+            pages = max_pages(kv_heads, head_dim, page_size, max_layer_elements)
+            log.warning("KV pool capped at %d pages (%.1f GB of the %.1f GB budget): the kernel addresses a pool "
+                        "layer with int32 offsets (%d elements at most)", pages, pages * per / 1e9,
+                        memory_bytes / 1e9, max_layer_elements)
+        return cls(layers, max(2, pages), page_size, kv_heads, head_dim, dtype, device, zero)
 
     # ------------------------------------------------------------------ accounting
 

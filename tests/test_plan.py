@@ -71,7 +71,7 @@ def test_command_line_on_a_checkpoint_and_a_shape(capsys):
     assert "videos@10000" in text and len(table["plans"]) == 2
 
 
-def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets():
+def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets(caplog):
     """Compiled flex addresses a pool layer with int32 offsets: a small model on a large GPU would pass 2**31
     elements a layer and read wrong keys silently, so the plan and the pool stop short of it, and the
     contract refuses a layer over it."""
@@ -87,8 +87,11 @@ def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets():
     assert p.kv_pool_gb < 0.85 * (139.0 - 1.0 - 1.0)  # what the fraction alone would have given
     assert plan(small, int(1e9), 24.0, [10000]).pages < p.pages  # a smaller card: the budget decides
 
-    pool = PagePool.for_budget(2, 2, 4, torch.float32, torch.device("cpu"), 4, 1 << 30, max_layer_elements=2 * 4 * 2 * 4 * 10)
+    with caplog.at_level("WARNING", logger="padcap.infer"):
+        pool = PagePool.for_budget(2, 2, 4, torch.float32, torch.device("cpu"), 4, 1 << 30,
+                                   max_layer_elements=2 * 4 * 2 * 4 * 10)
     assert pool.pages == 10 and pool.layer[0].numel() == 2 * 4 * 2 * 4 * 10
+    assert "KV pool capped at 10 pages" in caplog.text  # said, not silent
     assert PagePool.for_budget(2, 2, 4, torch.float32, torch.device("cpu"), 4, 1 << 20).pages == (1 << 20) // page_bytes(
         2, 2, 4, 4, torch.float32)  # no limit: the budget alone
 
