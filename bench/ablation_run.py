@@ -7,7 +7,7 @@ on the records of shards["train"] in a seeded order (`InMemoryEpochs`), exactly 
 Ray Train worker runs it. The published model is reloaded with
 `PadCaptioner.from_pretrained` and every held-out video is decoded ALONE (one video per
 call, greedy, the same infer.* settings for every variant) by the decoder its layout
-needs (infer/ordered.py `decoder_for`: the parallel engine for PadCaptioner and the
+needs (infer/oracles/ablation.py `decoder_for`: the parallel engine for PadCaptioner and the
 aggregation variants, `layout_ordered` for the causal mask and own-<G> visibility,
 `monolithic` for the chain, `text_chain` for the text baselines). The first video is
 decoded once untimed (warm-up) so no variant pays one-off set-up in its latency.
@@ -30,8 +30,8 @@ from pipeline.config import Config
 
 
 def _decode_all(model, cfg: Config, samples: list) -> tuple[dict[str, dict], list[dict[str, float]], str]:
-    from infer.engine import CaptionEngine
-    from infer.ordered import decode_events, decoder_for
+    from infer.engine.core import CaptionEngine
+    from infer.oracles.ablation import decode_events, decoder_for
 
     decoder = decoder_for(model, cfg.infer)
     if decoder is None:
@@ -64,7 +64,7 @@ def run_variant(cfg: Config, shards: dict[str, str] | None, out_dir: str | Path,
 
     data: (training records, held-out samples) already read (instead of `shards`); probe: the
     loop's probe hook (train/loop.py), whose history then goes into the record."""
-    from infer.ordered import output_events
+    from infer.oracles.ablation import output_events
     from pipeline.model import PadCaptioner
     from train.data import InMemoryEpochs, read_samples, read_shard_records
     from train.evaluate import caption_parser, engine_counts, summary

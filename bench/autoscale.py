@@ -4,7 +4,7 @@
         [--out bench/results/autoscale.json]      # + autoscale.png beside it
 
 A head, two CPU nodes and one "GPU" node (tests/support/sim_cluster.py); the endpoint
-(`infer.serve:app_builder`, the tiny random-init model) with its replicas on the GPU node.
+(`infer.serving.deployment:app_builder`, the tiny random-init model) with its replicas on the GPU node.
 Phases, in order:
 
 1. idle: `min_replicas` replicas.
@@ -55,7 +55,7 @@ class Request:
     t_sent: float
     t_done: float
     status: int | None  # the final status; None: no answer (connection error, timeout)
-    attempts: int  # retried answers (infer.client.should_retry) count as extra attempts
+    attempts: int  # retried answers (infer.serving.client.should_retry) count as extra attempts
     lost_replica_retries: int = 0  # of those, Ray Serve's own 5xx: the replica died with the request
     dropped_retries: int = 0  # of those, connections the server closed without an answer
 
@@ -85,10 +85,10 @@ def post_full(url: str, video: str, timeout: float) -> tuple[int | None, Any]:
 
 
 def caption_with_retry(url: str, video: str, timeout: float, deadline: float) -> tuple[int | None, int, int, int]:
-    """POST until the answer is not one `infer.client.should_retry` names, nor a connection the
+    """POST until the answer is not one `infer.serving.client.should_retry` names, nor a connection the
     server dropped (or `deadline`, monotonic, passes) -> (status, attempts, retries after Ray
     Serve's own 5xx, retries after a dropped connection)."""
-    from infer.client import should_retry
+    from infer.serving.client import should_retry
 
     attempts = lost = dropped = 0
     while True:
@@ -330,7 +330,7 @@ def deploy(cfg, app: str = "padcap") -> tuple[str, str]:
     """Start Serve on 127.0.0.1 (a free port) and run the endpoint for `cfg` -> (url, deployment name)."""
     from ray import serve
 
-    from infer.serve import build_application
+    from infer.serving.deployment import build_application
     from tests.support.serve_cases import free_port, wait_healthy
 
     port = free_port()

@@ -4,7 +4,7 @@
     python bench/caption.py --shape bench-small        # a random model of the cpu-small shape
 
 Generates a synthetic corpus, then runs the same Ray Data captioning job
-(infer/batch.py: featurize actor pool -> engine actor pool -> JSONL/Parquet) three times
+(infer/offline/job.py: featurize actor pool -> engine actor pool -> JSONL/Parquet) three times
 on the same videos: `batched` (the parallel engine, infer.videos_per_call videos handed
 to each engine call and decoded together, up to infer.max_batch_videos per step),
 `one_at_a_time` (the parallel engine with infer.videos_per_call=1 and
@@ -75,7 +75,7 @@ def main() -> int:
 
     import ray
 
-    from infer.batch import read_results, run_caption
+    from infer.offline.job import read_results, run_caption
     from pipeline.config import load_config
     from preprocess.synthetic import generate_corpus
 

@@ -4,11 +4,11 @@ Same weights (random init, no download), same prefix, same forced branch lengths
 (<eos> suppressed until each branch's length, so every mode generates the same
 tokens), side by side in one run, modes interleaved per repeat:
 
-  monolithic         one causal chain, HF DynamicCache (infer/reference.py)   sum(len) steps
+  monolithic         one causal chain, HF DynamicCache (infer/oracles/decoders.py)   sum(len) steps
   branch_sequential  the factorized model, one branch after another            sum(len) steps
   parallel_copy      K rows in lock-step, prefix KV copied per branch, masked
                      SDPA, finished rows kept (the public release's way)       max(len) steps
-  engine             infer/engine.py: cascade attention, shared prefix read
+  engine             infer/engine/core.py: cascade attention, shared prefix read
                      once, finished branches dropped                           max(len) steps
 
 Prints JSON: per mode the wall time per video (prefill + planning + grounding +
@@ -47,9 +47,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infer.engine import CaptionEngine  # noqa: E402
-from infer.reference import branch_sequential, monolithic, parallel_copy  # noqa: E402
-from infer.sampling import DecodeControl  # noqa: E402
+from infer.engine.core import CaptionEngine  # noqa: E402
+from infer.oracles.decoders import branch_sequential, monolithic, parallel_copy  # noqa: E402
+from infer.engine.sampling import DecodeControl  # noqa: E402
 from pipeline import backbone as backbone_mod  # noqa: E402
 from pipeline.config import InferConfig, ModelConfig  # noqa: E402
 from pipeline.schema import Sample  # noqa: E402
@@ -352,7 +352,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--kernel", default="auto", choices=["auto", "sdpa", "flex", "reference"],
-                    help="the decode step's attention kernel (infer/kernels.py)")
+                    help="the decode step's attention kernel (infer/engine/kernels.py)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = 1 on CPU, torch default on CUDA)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth for the floor (default: known GPU, else measured)")
     ap.add_argument("--out", default="", help="also write the JSON here")

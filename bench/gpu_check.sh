@@ -8,7 +8,7 @@
 # 2. bench/release_decode.py at the published model's shape (Qwen2.5-VL-3B LLM, random weights, bf16):
 #    the kernel chosen; ms per decode step at 1, 16 and 64 videos in flight against the weight-bandwidth
 #    floor (target: within 3x at 16); tokens/s at 64 over one at a time (target: >= 20x); batched == alone
-#    in bf16 (or the first differing token and its logit margin); peak memory against infer.plan's figure;
+#    in bf16 (or the first differing token and its logit margin); peak memory against infer.engine.memory_plan's figure;
 #    the 16-in-flight step without CUDA graphs beside it (eager_over_graphs_ms_per_step, tokens_equal_graphs).
 #    Results under $OUT.
 set -u

@@ -1,13 +1,13 @@
 """Where a decode step's CPU attention time goes: the packed calls against exact shapes.
 
 The gathering kernel (`infer.kernel=sdpa`, the CPU default) runs a step's attention as at most
-MAX_CALLS dense SDPA calls over gathered pages (infer/packing.py): every query block of a call
+MAX_CALLS dense SDPA calls over gathered pages (infer/engine/packing.py): every query block of a call
 is padded to the call's fullest and widest bin. This benchmark runs the engine on
 bench/throughput.py's video mix with N videos in flight, records the query blocks of every
 decode-only step in which all N decode, and times one layer's attention for each of them, on
 tensors of the model's attention shape (page gather + SDPA with an additive mask), under
 
-  packed        the engine's own plan (`infer.attention_calls`, default 3: infer/packing.py plan_calls;
+  packed        the engine's own plan (`infer.attention_calls`, default 3: infer/engine/packing.py plan_calls;
                 0: the exact plan below)
   max_calls_K   the same planner allowed K calls, K = 1..6
   exact         one call per query block, its own rows and pages: no padding at all, the lower
@@ -15,7 +15,7 @@ tensors of the model's attention shape (page gather + SDPA with an additive mask
                 (the host work the engine's step is built not to have)
 
 Each call is timed at the shape the engine runs it (its bins, each padded to the fullest bin's
-tokens, and its widest bin's pages; infer/packing.py Call.rows / Call.width). Per plan: ms per
+tokens, and its widest bin's pages; infer/engine/packing.py Call.rows / Call.width). Per plan: ms per
 layer summed over the steps, padded work over the work the blocks need (query tokens x pages),
 calls per layer. Then, from the steps' own measured wall time, what the
 decode steps would take with exact attention (`step_ms_packed_over_exact`): the factor by which
@@ -45,10 +45,10 @@ from decode import A_TOKENS, PRESETS, V_TOKENS, build_model  # noqa: E402
 from output import command, emit  # noqa: E402
 from throughput import make_videos  # noqa: E402
 
-import infer.attn_meta as attn_meta  # noqa: E402
-from infer.engine import CaptionEngine  # noqa: E402
-from infer.packing import BlockPlan, Call, kernel_calls, padded_work  # noqa: E402
-from infer.step import ForwardBatch  # noqa: E402
+import infer.engine.attn_meta as attn_meta  # noqa: E402
+from infer.engine.core import CaptionEngine  # noqa: E402
+from infer.engine.packing import BlockPlan, Call, kernel_calls, padded_work  # noqa: E402
+from infer.engine.step import ForwardBatch  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[
 
     The engine runs as bench/throughput.py's decode phase (each newcomer's prefill in a step of its
     own); the blocks are those of the step's attention metadata (the last one built before its forward:
-    a layered block's own metadata comes first, infer/scheduler.py), the ms the step's own forward."""
+    a layered block's own metadata comes first, infer/engine/scheduler.py), the ms the step's own forward."""
     ecfg = replace(cfg, max_batch_videos=in_flight, max_batch_rows=in_flight * cfg.max_events, step_tokens=1 << 30)
     eng = CaptionEngine(model, ecfg)
     if eng.kernel.name not in ("sdpa", "reference"):

@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.output import emit  # noqa: E402
-from infer.engine import CaptionEngine  # noqa: E402
-from infer.requests import Request  # noqa: E402
-from infer.sampling import DecodeControl  # noqa: E402
+from infer.engine.core import CaptionEngine  # noqa: E402
+from infer.engine.requests import Request  # noqa: E402
+from infer.engine.sampling import DecodeControl  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings  # noqa: E402
 from pipeline.release.video import ReleaseVideo  # noqa: E402
@@ -70,9 +70,9 @@ def video(i: int, d: int, timesteps: int, tokens: int, seconds: float) -> Releas
 
 
 def planned_bytes(model, eng, step_tokens: int) -> int:
-    """What infer.plan predicts this process holds: the weights, the engine's KV pool, the working memory
+    """What infer.engine.memory_plan predicts this process holds: the weights, the engine's KV pool, the working memory
     of its largest step (CUDA context included)."""
-    from infer.plan import Shape, working_bytes
+    from infer.engine.memory_plan import Shape, working_bytes
 
     w = eng.weights
     shape = Shape(w.num_layers, w.hidden, w.heads, w.kv_heads, w.head_dim, w.layers[0].up[0].shape[0], w.head.shape[0])

@@ -3,7 +3,7 @@
     flock /tmp/padcap-ray.lock .venv/bin/python bench/serve.py [--seconds 20] [--concurrency 1 4 16]
         [--config cluster/configs/default.yaml] [--model-dir D] [--set k=v ...] [--upload] [--out runs/bench/serve.json]
 
-Starts a local Ray + Serve app (infer.serve:app_builder; no --model-dir = the tiny
+Starts a local Ray + Serve app (infer.serving.deployment:app_builder; no --model-dir = the tiny
 random-init model), generates a synthetic video, then for each concurrency level
 runs that many clients in a closed loop (each sends its next request when the
 last one answers) for --seconds. Per level it reports requests/s, p50/p99
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from infer.serve import app_builder
+    from infer.serving.deployment import app_builder
     from pipeline.config import SyntheticConfig, load_config
     from preprocess.synthetic import generate_corpus
 

@@ -9,11 +9,11 @@ by
   one_at_a_time      the engine with one video in flight (its K branches per step)
   in_flight_N        N videos in flight, N = 4, 16, 64: a finished video's pages go to the
                      next at once, whose prefill chunks and planning rows ride in the steps
-                     of the videos already decoding (infer/scheduler.py)
-  single_chain       the standard decoder (infer/reference.py `monolithic`: HF forward,
+                     of the videos already decoding (infer/engine/scheduler.py)
+  single_chain       the standard decoder (infer/oracles/decoders.py `monolithic`: HF forward,
                      DynamicCache, an explicit mask per step), all events in one chain
   single_chain_fast  the best single chain this code can run: the engine's own step
-                     (infer/step.py) with one row over the paged pool, i.e. the honest
+                     (infer/engine/step.py) with one row over the paged pool, i.e. the honest
                      baseline for the step ratio
 
 Each mode runs twice: `modes` with each newcomer's prefill in one step of its own (unlimited
@@ -66,15 +66,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import (A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token,  # noqa: E402
                     measure_bandwidth, weight_bytes)
 
-from infer.attn_meta import AttnMeta  # noqa: E402
-from infer.engine import CaptionEngine  # noqa: E402
-from infer.packing import BlockPlan  # noqa: E402
-from infer.paged import FREE_SEQ  # noqa: E402
-from infer.programs import PadProgram  # noqa: E402
-from infer.reference import monolithic  # noqa: E402
-from infer.requests import Request  # noqa: E402
-from infer.sampling import DecodeControl  # noqa: E402
-from infer.step import ForwardBatch  # noqa: E402
+from infer.engine.attn_meta import AttnMeta  # noqa: E402
+from infer.engine.core import CaptionEngine  # noqa: E402
+from infer.engine.packing import BlockPlan  # noqa: E402
+from infer.engine.paged import FREE_SEQ  # noqa: E402
+from infer.engine.programs import PadProgram  # noqa: E402
+from infer.oracles.decoders import monolithic  # noqa: E402
+from infer.engine.requests import Request  # noqa: E402
+from infer.engine.sampling import DecodeControl  # noqa: E402
+from infer.engine.step import ForwardBatch  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 from pipeline.layout import shared_position  # noqa: E402
 from pipeline.schema import Sample  # noqa: E402
@@ -189,7 +189,7 @@ def single_chain_fast(model, eng: CaptionEngine, sample: Sample, control: Decode
     The prefix and the K serial <G>s go through the engine's step in one forward (K is forced,
     so no decision is read), the anchors come from the program's own rules; the chain (anchor 1, caption 1, anchor 2, ...) is one sequence in the pool at
     consecutive positions after the serial <G>s, each token seeing the prefix, the <G>s and
-    the chain before it, as infer/reference.py `monolithic` decodes. -> (tokens, decode ms, steps).
+    the chain before it, as infer/oracles/decoders.py `monolithic` decodes. -> (tokens, decode ms, steps).
     """
     prog = PadProgram(model, sample, eng.cfg, control)
     k = min(control.num_events, eng.cfg.max_events)  # planning is forced to K in this benchmark

@@ -2,7 +2,7 @@
 checkpoint (the published PadCaptioner-3B's directory), or the tiny smoke model.
 
     engine_factory, card, cfg = load_engine(cfg, model_dir)
-    engine = engine_factory(cfg.infer)          # infer.engine.CaptionEngine(model, infer_cfg)
+    engine = engine_factory(cfg.infer)          # infer.engine.core.CaptionEngine(model, infer_cfg)
     model_id, cfg = resolve_model(cfg, model_dir)   # the same id and features, no weights loaded
 
 model_dir = a directory written by `PadCaptioner.save_pretrained` (the training
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from infer.service import ModelCard
+from infer.serving.service import ModelCard
 from pipeline.config import Config, ConfigError, section_hash
 
 log = logging.getLogger("padcap.serve")
@@ -68,7 +68,7 @@ def weights_fingerprint(model_dir: Path, length: int = 8) -> str:
     """Content hash of every file in a saved model directory (weights, configs, tokenizer).
 
     It names *these* weights: a retrained model saved to the same directory gets a new id,
-    so captions written with the old one (infer/batch.py resume) are never taken for its own.
+    so captions written with the old one (infer/offline/job.py resume) are never taken for its own.
     Reading a 3B checkpoint's ~9 GB takes a while, and every caption actor and replica asks, so the
     hash is kept in a per-machine cache (`fingerprint_cache_dir`) under the directory's file list
     with each file's size, mtime and inode: a file rewritten in any way changes that key.
@@ -183,7 +183,7 @@ def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
 
 def load_engine(cfg: Config, model_dir: str) -> tuple[Callable[[Any], Any], ModelCard, Config]:
     """(InferConfig -> CaptionEngine factory sharing one loaded model, card, cfg)."""
-    from infer.engine import CaptionEngine
+    from infer.engine.core import CaptionEngine
 
     model, card, cfg = load_model(cfg, model_dir)
     return functools.partial(CaptionEngine, model), card, cfg

@@ -193,19 +193,19 @@ class InferConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
-    # the attention kernel of the decode step (infer/kernels.py): auto = "flex" (torch FlexAttention,
+    # the attention kernel of the decode step (infer/engine/kernels.py): auto = "flex" (torch FlexAttention,
     # compiled through Triton) on CUDA, "sdpa" (torch scaled_dot_product_attention over the gathered
     # pages) on the CPU; "reference" = the pure-torch oracle. One that cannot run is an error.
     kernel: Literal["auto", "sdpa", "flex", "reference"] = "auto"
     # the gathering kernels (sdpa, reference) run a step's attention as dense calls over gathered pages
-    # (infer/packing.py): at most this many per layer, the query blocks packed and padded into them (host
+    # (infer/engine/packing.py): at most this many per layer, the query blocks packed and padded into them (host
     # ops bounded whatever the videos in flight); 0 = one call per query block, its own rows and pages
     # (no padding: on a 2-core CPU box, 16 videos in flight, decode steps 150 ms against 196, at 2-3 host
     # ops per video per layer; infer/DECODING.md, bench/packing.py). flex reads each block's own pages and
     # ignores it.
     attention_calls: int = 3
     decoder: Literal["parallel", "monolithic"] = "parallel"
-    # CUDA graphs of the decode step (infer/graphs.py): auto = captured at start-up on CUDA with the flex
+    # CUDA graphs of the decode step (infer/engine/graphs.py): auto = captured at start-up on CUDA with the flex
     # kernel, for steps of up to graph_tokens tokens (larger steps and layered prefill run eagerly), off
     # elsewhere; static = the graphs' static buffers and padding run eagerly, on any device (what the
     # CPU tests drive); off = every step eager. A failed capture runs eagerly, with the reason logged.
@@ -217,10 +217,10 @@ class InferConfig:
     # finished videos make room for new ones (infer/DECODING.md)
     max_batch_rows: int = 128
     max_batch_videos: int = 16
-    # tokens per decode step (the token budget, infer/scheduler.py): every branch row, then every
+    # tokens per decode step (the token budget, infer/engine/scheduler.py): every branch row, then every
     # planning row, then prefill chunks of new videos up to this; 0 = auto (512 on CPU, 2048 on CUDA)
     step_tokens: int = 0
-    # the paged KV pool (infer/paged.py): its memory budget in GB (0 = auto: kv_memory_fraction of the
+    # the paged KV pool (infer/engine/paged.py): its memory budget in GB (0 = auto: kv_memory_fraction of the
     # free device memory on CUDA, 1 GB on the CPU), keys per page (0 = auto: 128 on CUDA, 16 on the CPU)
     # and query tokens per attention block (0 = auto: 16; prefill chunks attend in blocks of 4x that)
     kv_memory_gb: float = 0.0
@@ -233,7 +233,7 @@ class InferConfig:
     # torch intra-op threads when decoding on the CPU (0 = torch's default). On small shared
     # boxes an oversubscribed OpenMP team stalls the K-row steps (measured 4x slower on 2 cores).
     cpu_threads: int = 0
-    # offline captioning (infer.batch, the caption stage) still succeeds when at most this share
+    # offline captioning (infer.offline.job, the caption stage) still succeeds when at most this share
     # of the videos failed with a recorded per-video error (bad media or annotation, a video the
     # engine refuses or fails on alone); more, or the engine failing on every video, fails the job.
     # Not part of the caption rows' hash: changing it re-judges the same rows.

@@ -2,7 +2,7 @@
 
     summary = evaluate_run(cfg, captions_dir, "longvale_test.json", "longvale", out_dir)
 
-Reads the consolidated caption rows (`captions.jsonl`, written by infer/batch.py),
+Reads the consolidated caption rows (`captions.jsonl`, written by infer/offline/job.py),
 scores them with the configured protocol (`eval.protocol`, default the paper's
 table: F1, Sim, SODA_c, CIDEr, METEOR), writes `result.json` and the HTML report
 with per-video timelines (pipeline.metrics.write_report). On the synthetic corpus

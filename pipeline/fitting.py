@@ -7,7 +7,7 @@ A video with more segments than `model.max_segments`, or whose layout would exce
 `model.max_seq_len` tokens, keeps `keep` of its T segments spread evenly over the
 video (`keep_indices`); a segment's visual and audio tokens go together, so a layout
 is never cut inside a segment, and every event is re-mapped onto the kept segments'
-times (`remap_interval`). Training (train/data.py) and decoding (infer/front.py) use the
+times (`remap_interval`). Training (train/data.py) and decoding (infer/oracles/front.py) use the
 same functions, so a long video is shortened the same way in both. Pure numpy; no ray.
 """
 

@@ -38,12 +38,12 @@ invisible to every other branch. Under `mask="causal"` a later branch would see 
 earlier branches' padding, whose length is the LONGEST caption's (later ones
 included), which no decoder can know while it writes; so causal layouts keep every
 branch at its own length (inputs = the caption tokens; the <eos> is its last label)
-and `infer/ordered.py` decodes them in exactly this layout.
+and `infer/oracles/ablation.py` decodes them in exactly this layout.
 
 `chain=True` (model.layout=chain, "latent planning, sequential": the paper's
 "+ latent planning" row, mask causal): after the serial <G>s one causal chain
 anchor_1 b_1 anchor_2 b_2 ... with consecutive positions (order = position = index),
-which is what infer/reference.py `monolithic` decodes.
+which is what infer/oracles/decoders.py `monolithic` decodes.
 
 Positions: shared tokens sit at their index (`shared_position`); every anchor at
 A = pos(<G>_K) + 1 = P + K (`anchor_position`); step j of every branch at A + j

@@ -155,9 +155,9 @@ def _test_samples(paths: RunPaths, limit: int) -> list:
 
 
 def stage_caption(cfg: Config, paths: RunPaths) -> dict[str, Any]:
-    from infer.batch import run_caption
+    from infer.offline.job import run_caption
     from infer.loading import load_model, release_dir
-    from infer.speedup import measure_speedup
+    from infer.oracles.speedup import measure_speedup
 
     summary = run_caption(cfg, _test_videos(paths), paths.model, paths.captions)
     if "failure" in summary:  # per-video errors within infer.max_failed_fraction are not one

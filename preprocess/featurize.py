@@ -12,8 +12,8 @@ It runs in two halves, so that the decoding and the encoders can live in differe
                                                # the release front end's ReleaseInputs: picklable arrays)
     sample = featurizer.encode(media, annotation)   # the encoders (towers), then align the events
 
-A Serve replica's decode workers run a `MediaReader` alone (infer/decode_pool.py) and the
-replica encodes what they send back with its one Featurizer (infer/service.py).
+A Serve replica's decode workers run a `MediaReader` alone (infer/serving/media_pool.py) and the
+replica encodes what they send back with its one Featurizer (infer/serving/service.py).
 
 The sample's duration is the media's (see `preprocess.media`), not the annotated
 one. Annotated events are checked against it: an event whose start or end lies

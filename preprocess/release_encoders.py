@@ -14,7 +14,7 @@ them, by features.release_features:
           audio), grid_thw and seconds_per_timestep. ~35 MB per 256-frame video at d = 2048 (RELEASE.md §7).
   online  the featurizer runs only the front end: a `pipeline.release.video.ReleaseVideo` holding
           pixel_values and mel, which the captioning engine encodes with its own model on its own device
-          (infer/release_front.py `media_tokens`), so a Serve replica or caption actor holds one copy of
+          (infer/oracles/release_front.py `media_tokens`), so a Serve replica or caption actor holds one copy of
           the towers and nothing is stored. Not storable in shards (schema.encode refuses it).
 
 `release_video(sample)` turns a stored schema-2 Sample into the ReleaseVideo the engine takes.
@@ -153,7 +153,7 @@ class ReleaseAudioEncoder(_ReleaseTower, AudioEncoder):
 
 class ReleaseReader:
     """The release front end alone: a video -> its `ReleaseInputs` (resized uint8 frames, log-mel chunks), no
-    weights (what a Serve decode worker runs, infer/decode_pool.py)."""
+    weights (what a Serve decode worker runs, infer/serving/media_pool.py)."""
 
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
         self.path = _need_release_path(cfg.features)

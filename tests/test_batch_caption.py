@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.batch import list_videos, read_results, run_caption
+from infer.offline.job import list_videos, read_results, run_caption
 from pipeline.config import load_config
 from preprocess.synthetic import generate_corpus
 from tests.support.mp4 import solid_frames, tone, write_mp4
@@ -69,7 +69,7 @@ def test_same_file_name_in_several_folders_gets_distinct_ids(tmp_path):
 
 
 def test_videos_path_that_does_not_exist_is_an_error(tmp_path, capsys):
-    from infer.batch import main
+    from infer.offline.job import main
 
     missing = tmp_path / "archvie"  # a typo must not look like an empty archive captioned without failures
     for spec in (str(missing), str(missing / "*.mp4"), str(tmp_path / "*.mp4")):
@@ -85,7 +85,7 @@ def test_cli_starts_ray_as_the_cluster_section_says(tmp_path, monkeypatch):
     """--set cluster.num_cpus=1 must reach the local Ray instance (as pipeline/run.py does), not be dropped."""
     import ray
 
-    from infer import batch
+    from infer.offline import job as batch
 
     calls, captioned = [], []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -140,7 +140,7 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
 
     # The CLI's exit status: 0 when the recorded per-video errors are within infer.max_failed_fraction
     # (the bad files are retried, fail again, and are judged with the rows already there), else 1.
-    from infer.batch import main
+    from infer.offline.job import main
 
     args = ["--videos", str(vids), "--out", out, "--config", str(PRESET), "--chunk-videos", "3"]
     for item in SMALL:
@@ -151,10 +151,10 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
     assert [r["video_id"] for r in read_results(out)] == ids  # still each video once
 
     # The same video gives the same events as the engine called directly.
-    from infer.engine import CaptionEngine
+    from infer.engine.core import CaptionEngine
     from infer.loading import load_model
     from preprocess.featurize import Featurizer
-    from infer.batch import _Annotation
+    from infer.offline.job import _Annotation
 
     model, _, resolved = load_model(cfg, "")
     vid = sorted(info.videos)[0]
@@ -169,7 +169,7 @@ def _rows(*kinds: str) -> list[dict]:
 
 
 def test_judge_fails_a_job_only_past_the_threshold_or_when_the_engine_is_broken(tmp_path):
-    from infer.batch import judge
+    from infer.offline.job import judge
 
     out = str(tmp_path)
     one_bad = _rows(*["ok"] * 39, "input")  # one corrupt upload in 40
@@ -193,7 +193,7 @@ def test_judge_fails_a_job_only_past_the_threshold_or_when_the_engine_is_broken(
 
 
 def test_a_retried_video_is_committed_once_and_a_lost_one_is_an_error():
-    from infer.batch import once_per_video
+    from infer.offline.job import once_per_video
 
     row = lambda vid, status, chunk="c": {"video_id": vid, "status": status, "chunk": chunk}  # noqa: E731
     # b came back twice (its task re-run after a lost node): first as an error of the lost try, then ok

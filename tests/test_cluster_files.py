@@ -353,7 +353,7 @@ def test_serve_yaml_validates_against_serve_schema(own_ray_cluster):
     schema = _serve_schema(data)
     assert len(schema.applications) == 1
     app = schema.applications[0]
-    assert app.import_path == "infer.serve:app_builder"
+    assert app.import_path == "infer.serving.deployment:app_builder"
     assert app.route_prefix == "/"
     assert schema.http_options.host == "127.0.0.1" and schema.http_options.port == 8000
     assert set(app.args) == {"config", "model_dir", "overrides"}
@@ -401,17 +401,17 @@ def test_rayservice_gpu_group_holds_the_replicas():
 
 
 def test_serve_yaml_deployment_name_exists_in_the_app():
-    """The deployment named in serve.yaml must be one infer/serve.py defines (else `serve deploy` fails)."""
+    """The deployment named in serve.yaml must be one infer/serving/deployment.py defines (else `serve deploy` fails)."""
     if not (ROOT / "infer" / "serve.py").is_file():
-        pytest.skip("infer/serve.py is not in this tree yet")
+        pytest.skip("infer/serving/deployment.py is not in this tree yet")
     import importlib
 
     from ray.serve.deployment import Deployment
 
-    module = importlib.import_module("infer.serve")
+    module = importlib.import_module("infer.serving.deployment")
     names = {v.name for v in vars(module).values() if isinstance(v, Deployment)}
     if not names:  # built inside app_builder: build it (no Ray needed to build an Application)
         (app,) = _yaml(SERVE_YAML)["applications"]
         names = {module.app_builder(dict(app["args"]))._bound_deployment.name}
     wanted = {d["name"] for d in _yaml(SERVE_YAML)["applications"][0]["deployments"]}
-    assert wanted <= names, f"serve.yaml names deployments {wanted}; infer/serve.py defines {names}"
+    assert wanted <= names, f"serve.yaml names deployments {wanted}; infer/serving/deployment.py defines {names}"

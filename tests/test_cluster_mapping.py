@@ -37,7 +37,7 @@ def test_a_custom_gpu_resource_and_an_accelerator_type():
 
 
 def test_serve_replicas_and_the_presets_follow_the_rule():
-    from infer.serve import deployment_options
+    from infer.serving.deployment import deployment_options
 
     cfg = load_config(None, ["cluster.gpu_resource=sim_gpu", "serve.num_gpus_per_replica=1",
                              "serve.look_back_period_s=2", "serve.metrics_interval_s=0.5"])
@@ -49,7 +49,7 @@ def test_serve_replicas_and_the_presets_follow_the_rule():
 
 
 def test_should_retry_503_and_ray_serves_own_5xx_not_the_services():
-    from infer.client import should_retry
+    from infer.serving.client import should_retry
 
     ours = {"error": {"code": "internal", "message": "bug", "request_id": "abc"}}
     assert should_retry(503, ours) and should_retry(503, None)
@@ -88,7 +88,7 @@ def flaky_server():
 
 
 def test_client_retries_back_pressure_and_a_lost_replica(flaky_server):
-    from infer.client import CaptionClient, CaptionError
+    from infer.serving.client import CaptionClient, CaptionError
 
     url, answers, seen = flaky_server
     ok = {"video_id": "v", "duration": 1.0, "events": [], "timings": {}}
@@ -106,7 +106,7 @@ def test_client_retries_back_pressure_and_a_lost_replica(flaky_server):
 
 
 def test_client_retries_a_dropped_connection(flaky_server):
-    from infer.client import CaptionClient
+    from infer.serving.client import CaptionClient
 
     url, answers, seen = flaky_server
     ok = {"video_id": "v", "duration": 1.0, "events": [], "timings": {}}

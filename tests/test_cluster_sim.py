@@ -199,7 +199,7 @@ def test_preprocess_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpu
 
 
 def caption_rows(out):
-    from infer.batch import read_results
+    from infer.offline.job import read_results
 
     rows = read_results(out)
     ids = [r["video_id"] for r in rows]
@@ -209,7 +209,7 @@ def caption_rows(out):
 
 @pytest.fixture(scope="module")
 def baseline_captions(sim, corpus, tmp_path_factory):
-    from infer.batch import run_caption
+    from infer.offline.job import run_caption
 
     out = str(tmp_path_factory.mktemp("captions-baseline"))
     summary = run_caption(sim_cfg(), corpus.video_dir, "", out)
@@ -224,7 +224,7 @@ def test_caption_actors_on_the_gpu_node_featurizers_on_cpu_nodes(sim, baseline_c
 
 def test_offline_captioning_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpus, baseline_captions,
                                                                               tmp_path, monkeypatch):
-    from infer.batch import run_caption
+    from infer.offline.job import run_caption
 
     out = str(tmp_path / "captions")
     parts = Path(out) / "parts"
@@ -245,7 +245,7 @@ def test_offline_captioning_survives_losing_the_gpu_node_with_videos_in_flight(s
     """Two "GPU" nodes; the caption actor's node goes while it holds a call's videos, the actor is
     started again on the other one, and the run ends with every video exactly once, captioned as in
     the uninterrupted run. The cluster is left with one "GPU" node, as before."""
-    from infer.batch import run_caption
+    from infer.offline.job import run_caption
 
     out = str(tmp_path / "captions")
     parts = Path(out) / "parts"
@@ -423,7 +423,7 @@ def test_serve_keeps_every_accepted_request_when_a_gpu_node_is_lost(sim, serve_a
         assert after and all(r.status == 200 for r in after[-4:])  # serving again at the end
         assert statuses.count(None) == 0, "a request got no answer"
         # every request completed; the ones in flight on the lost replica got Ray Serve's own 500
-        # or a dropped connection and were sent again (infer.client), the documented client rule
+        # or a dropped connection and were sent again (infer.serving.client), the documented client rule
         assert set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
         print(f"[node loss under load] {len(results)} requests, {sum(r.lost_replica_retries for r in results)} "
               f"retried after Ray Serve's 500, {sum(r.dropped_retries for r in results)} after a dropped connection, "

@@ -1,4 +1,4 @@
-"""The decoding engine (infer/engine.py) against the reference decoders (infer/reference.py).
+"""The decoding engine (infer/engine/core.py) against the reference decoders (infer/oracles/decoders.py).
 
 Tiny random-init PadCaptioner, fp32, CPU. The backbone weights are re-drawn with a larger
 spread (and grounding keeps only near-max segments) so that a random model grounds
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from infer.engine import CaptionEngine
-from infer.reference import branch_sequential, full_recompute, monolithic, parallel_copy
-from infer.sampling import DecodeControl
+from infer.engine.core import CaptionEngine
+from infer.oracles.decoders import branch_sequential, full_recompute, monolithic, parallel_copy
+from infer.engine.sampling import DecodeControl
 from pipeline.config import InferConfig
 from pipeline.model import PadCaptioner
 from tests.support.padcap import decoding_model, sample, tiny_cfg

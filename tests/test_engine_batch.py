@@ -1,4 +1,4 @@
-"""Many videos per step (infer/engine.py, infer/scheduler.py, infer/step.py) against each video alone.
+"""Many videos per step (infer/engine/core.py, infer/engine/scheduler.py, infer/engine/step.py) against each video alone.
 
 The same randomised tiny PadCaptioner as tests/test_engine.py (fp32, CPU). A mix of videos
 with different prefix lengths, event counts and forced caption lengths is decoded (a) one
@@ -19,11 +19,11 @@ import sys
 import pytest
 import torch
 
-from infer.engine import CaptionEngine
-from infer.paged import pages_for
-from infer.requests import Request
-from infer.reference import branch_sequential, full_recompute
-from infer.sampling import DecodeControl
+from infer.engine.core import CaptionEngine
+from infer.engine.paged import pages_for
+from infer.engine.requests import Request
+from infer.oracles.decoders import branch_sequential, full_recompute
+from infer.engine.sampling import DecodeControl
 from pipeline.config import InferConfig
 from pipeline.model import PadCaptioner
 from tests.support.padcap import decoding_model, sample, tiny_cfg
@@ -91,7 +91,7 @@ def assert_pool_empty(eng):
 
 
 def test_all_videos_in_one_batch_equal_each_alone(model, videos, controls, alone, monkeypatch):
-    from infer.programs import PadProgram
+    from infer.engine.programs import PadProgram
 
     groups, finish_all = [], PadProgram.finish_all
     monkeypatch.setattr(PadProgram, "finish_all", staticmethod(lambda progs: groups.append(len(progs)) or finish_all(progs)))
@@ -443,7 +443,7 @@ def test_packing_benchmark_smoke(capsys, monkeypatch):
 def test_per_request_options_share_one_batch(model, videos):
     """Requests with their own max_events / max_branch_tokens / sampling in one batch get what an
     engine configured with those options gives each alone; out-of-range options are refused."""
-    from infer.requests import VideoOptions
+    from infer.engine.requests import VideoOptions
 
     opts = [VideoOptions(max_events=2, max_branch_tokens=4), VideoOptions(),
             VideoOptions(temperature=0.8, top_p=0.9, seed=3, max_branch_tokens=6), VideoOptions(max_events=1)]

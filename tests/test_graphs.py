@@ -1,4 +1,4 @@
-"""The step's CUDA graphs (infer/graphs.py): buckets, static buffers and padding, against the eager step.
+"""The step's CUDA graphs (infer/engine/graphs.py): buckets, static buffers and padding, against the eager step.
 
 On the CPU the graphs' static path runs with the eager forward standing in for the replay
 (infer.cuda_graphs=static): the same buffers, copies and padding a replay reads, so a step in
@@ -15,9 +15,9 @@ import dataclasses
 import pytest
 import torch
 
-from infer.engine import CaptionEngine
-from infer.graphs import Buckets, graph_buckets
-from infer.requests import Request
+from infer.engine.core import CaptionEngine
+from infer.engine.graphs import Buckets, graph_buckets
+from infer.engine.requests import Request
 from tests.test_engine_batch import controls, model, videos  # noqa: F401 - the same module fixtures
 from tests.test_engine_batch import CPU, assert_pool_empty, assert_same, decode_all
 

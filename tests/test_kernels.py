@@ -1,4 +1,4 @@
-"""The paged attention kernels (infer/kernels.py) and the KV pool (infer/paged.py).
+"""The paged attention kernels (infer/engine/kernels.py) and the KV pool (infer/engine/paged.py).
 
 Each kernel against torch's own dense SDPA on random paged layouts (sequences scattered over
 a pool, pages shared by several queries, prefix + own-branch visibility, causal and
@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infer.attn_meta import AttnMeta
-from infer.kernels import FLEX_CONTRACT, choose_kernel
-from infer.packing import BlockPlan
-from infer.paged import FREE_SEQ, OutOfPages, PagePool, pages_for
+from infer.engine.attn_meta import AttnMeta
+from infer.engine.kernels import FLEX_CONTRACT, choose_kernel
+from infer.engine.packing import BlockPlan
+from infer.engine.paged import FREE_SEQ, OutOfPages, PagePool, pages_for
 
 HKV, G, D = 2, 3, 16
 
@@ -111,7 +111,7 @@ def test_gathering_kernels_over_several_calls_equal_dense_sdpa(name, seed, page_
     """With calls free (CALL_COST 0), the planner cuts the step into calls of different widths and bin
     sizes: each call's queries, pages and mask, and the outputs put back in step order, still give every
     token exactly its own attention."""
-    from infer import packing
+    from infer.engine import packing
 
     monkeypatch.setattr(packing, "CALL_COST", 0)
     kernel = choose_kernel(name, torch.float32, torch.device("cpu"))
@@ -153,7 +153,7 @@ def test_compiled_flex_equals_dense_sdpa():
     """FlexAttention compiled (inductor; its C++ backend here, Triton on CUDA) on the step's BlockMask:
     the same lowering a GPU runs, and what the eager tests cannot check (block lists as wide as the
     pool, blocks padded to a power of two)."""
-    from infer.kernels import FLEX_CONTRACT, FlexKernel
+    from infer.engine.kernels import FLEX_CONTRACT, FlexKernel
 
     kernel = FlexKernel("compiled on the CPU for this test", FLEX_CONTRACT, compiled=True)
     pool, q, meta, dense = _layout(3, 16, 16, kernel)
@@ -262,7 +262,7 @@ def test_plan_calls_keeps_every_token_once_with_its_pages_and_pads_less():
     MAX_CALLS calls, every token sits in exactly one bin of at most F tokens whose pages hold all its
     block's pages; the padded work is less than one call of one block per video, and less than the best
     single call; blocks of one width (one video) make one call."""
-    from infer.packing import GATHER_ROWS, MAX_CALLS, padded_work, plan_calls
+    from infer.engine.packing import GATHER_ROWS, MAX_CALLS, padded_work, plan_calls
 
     rnd = random.Random(0)
     blocks, n, first = [], 0, 1

@@ -14,10 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-from infer.decoded import to_events
-from infer.ordered import decoder_for, engine_refusal, layout_ordered, text_chain
-from infer.reference import monolithic
-from infer.sampling import DecodeControl
+from infer.engine.decoded import to_events
+from infer.oracles.ablation import decoder_for, engine_refusal, layout_ordered, text_chain
+from infer.oracles.decoders import monolithic
+from infer.engine.sampling import DecodeControl
 from pipeline.batch import collate
 from pipeline.config import InferConfig
 from pipeline.layout import IGNORE, Role, dense_layout
@@ -102,7 +102,7 @@ def test_text_chain_equals_training_forward():
 
 
 def test_engine_single_chain_path_uses_the_training_layout():
-    from infer.engine import CaptionEngine
+    from infer.engine.core import CaptionEngine
 
     model = decoding_model(mask="causal")
     video = sample()

@@ -1,4 +1,4 @@
-"""infer.parity can fail: it passes on both copies of release-golden (fp32 and bf16) and exits non-zero
+"""infer.parity.check can fail: it passes on both copies of release-golden (fp32 and bf16) and exits non-zero
 on a corrupted copy, one test per kind of corruption; its weights table catches a wrong loader mapping;
 an exception is a FAIL line and the run goes on."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer import parity
-from infer.parity_weights import weight_problems
+from infer.parity import check as parity
+from infer.parity.weights import weight_problems
 from pipeline.release.checkpoint import read_state_dict
 from pipeline.release.model import ReleaseCaptioner
 from tests.support.release import CHECKPOINT, FIXTURE
@@ -132,7 +132,7 @@ def test_bf16_judges_each_planning_row_on_the_release_history_and_fails_a_far_de
 def test_forced_steps_keep_the_model_s_own_rows_on_another_history():
     """release_front's teacher forcing: K and the intervals are the forced ones; row 0 (before any
     forced choice) is the free run's, row 1 follows the forced interval instead of the model's."""
-    from infer.release_front import release_front
+    from infer.oracles.release_front import release_front
     from transformers.cache_utils import DynamicCache
 
     inputs, golden, _, _ = parity.load_case(FIXTURE)

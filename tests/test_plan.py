@@ -1,4 +1,4 @@
-"""The memory plan (infer/plan.py) against what the engine really admits, and its command line.
+"""The memory plan (infer/engine/memory_plan.py) against what the engine really admits, and its command line.
 
 Run: .venv/bin/python -m pytest tests/test_plan.py -q
 """
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from infer.engine import CaptionEngine
-from infer.paged import page_bytes
-from infer.plan import Shape, main, plan, videos_that_fit, worst_pages
-from infer.sampling import DecodeControl
+from infer.engine.core import CaptionEngine
+from infer.engine.paged import page_bytes
+from infer.engine.memory_plan import Shape, main, plan, videos_that_fit, worst_pages
+from infer.engine.sampling import DecodeControl
 from pipeline.config import InferConfig
 from tests.support.padcap import decoding_model, sample
 
@@ -77,8 +77,8 @@ def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets(caplog):
     contract refuses a layer over it."""
     import torch
 
-    from infer.kernels import FLEX_CUDA_CONTRACT, INT32_ELEMENTS
-    from infer.paged import PagePool, max_pages
+    from infer.engine.kernels import FLEX_CUDA_CONTRACT, INT32_ELEMENTS
+    from infer.engine.paged import PagePool, max_pages
 
     small = Shape(layers=24, hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864, vocab=151936)  # 0.5B
     p = plan(small, int(1e9), 139.0, [10000])
@@ -97,7 +97,7 @@ def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets(caplog):
 
     tight = dataclasses.replace(FLEX_CUDA_CONTRACT, page_multiple=1, q_block_multiple=1, max_layer_elements=100)
     from tests.test_kernels import _layout
-    from infer.kernels import choose_kernel
+    from infer.engine.kernels import choose_kernel
 
     kernel = choose_kernel("reference", torch.float32, torch.device("cpu"))
     pool, q, meta, _ = _layout(0, 4, 2, kernel)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from infer import parity
-from infer.engine import CaptionEngine
-from infer.release_reference import branch_mask, release_reference
+from infer.parity import check as parity
+from infer.engine.core import CaptionEngine
+from infer.oracles.release_loop import branch_mask, release_reference
 from pipeline.config import InferConfig
 from pipeline.release.checkpoint import ReleaseError, read_state_dict, weight_files
 from pipeline.release.grounding import find_and_merge
@@ -187,7 +187,7 @@ def test_engine_reproduces_the_fixture_and_marks_the_capped_branch(model):
 
 def test_release_steps_through_the_step_graphs_reproduce_the_fixture(model):
     """The release model with the flex kernel (eager here) and every step through the CUDA graphs'
-    static buffers and padding (infer.cuda_graphs=static, infer/graphs.py): the fixture's captions."""
+    static buffers and padding (infer.cuda_graphs=static, infer/engine/graphs.py): the fixture's captions."""
     eng = engine_for(model, kernel="flex", cuda_graphs="static", kv_memory_gb=0.02)
     res = eng.caption([fixture_video()])[0]
     assert res.error is None

@@ -16,10 +16,10 @@ import pytest
 import numpy as np
 import torch
 
-from infer.engine import CaptionEngine
-from infer.release_front import media_tokens
-from infer.sampling import DecodeControl
-from infer.service import CaptionService, ModelCard
+from infer.engine.core import CaptionEngine
+from infer.oracles.release_front import media_tokens
+from infer.engine.sampling import DecodeControl
+from infer.serving.service import CaptionService, ModelCard
 from pipeline.config import Config
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import SchemaError, decode, encode
@@ -166,7 +166,7 @@ def test_a_serve_replica_runs_the_release_front_end_online(videos, model):
 
 @pytest.mark.parametrize("mode", ["online", "stored"])
 def test_caption_actor_rows_feed_the_release_engine(videos, model, mode, monkeypatch):
-    from infer.batch import RELEASE_INPUTS, FeaturizeForCaption, engine_input
+    from infer.offline.job import RELEASE_INPUTS, FeaturizeForCaption, engine_input
     from preprocess import release_encoders
 
     monkeypatch.setattr(release_encoders, "_MODELS", {})  # this process's loaded towers, from none
@@ -188,7 +188,7 @@ def test_caption_actor_rows_feed_the_release_engine(videos, model, mode, monkeyp
 
 def test_a_caption_actor_loads_the_whole_model_once_and_no_other_towers(videos, monkeypatch):
     import infer.loading as loading
-    from infer.batch import CaptionVideos, FeaturizeForCaption
+    from infer.offline.job import CaptionVideos, FeaturizeForCaption
     from preprocess import release_encoders
 
     monkeypatch.setattr(release_encoders, "_MODELS", {})
@@ -209,7 +209,7 @@ def test_a_caption_actor_loads_the_whole_model_once_and_no_other_towers(videos, 
 
 @pytest.mark.integration
 def test_offline_captioning_with_the_release_checkpoint_runs_its_encoders_online(ray_local, videos, tmp_path):
-    from infer.batch import read_results, run_caption
+    from infer.offline.job import read_results, run_caption
     from infer.loading import load_model
     from preprocess.featurize import Featurizer as DirectFeaturizer
 

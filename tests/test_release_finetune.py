@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from infer import parity
-from infer.engine import CaptionEngine
-from infer.release_front import release_prefill
-from infer.release_reference import release_reference
+from infer.parity import check as parity
+from infer.engine.core import CaptionEngine
+from infer.oracles.release_front import release_prefill
+from infer.oracles.release_loop import release_reference
 from pipeline.config import InferConfig
 from pipeline.release.checkpoint import read_state_dict
 from pipeline.release.finetune import ReleaseFinetune, TrainVideo, collate_release, timestep_interval

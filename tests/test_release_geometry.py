@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from infer.engine import CaptionEngine
+from infer.engine.core import CaptionEngine
 from pipeline.config import FeaturesConfig, InferConfig
 from pipeline.release.geometry import RELEASE, Geometry
 from pipeline.release.layout import build_layout, mrope_ids, tau

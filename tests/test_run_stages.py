@@ -206,11 +206,11 @@ def test_no_test_split_stops_the_run_before_preprocess_and_train(monkeypatch, tm
 
 
 def test_caption_stage_fails_the_run_only_when_captioning_judged_the_job_failed(monkeypatch, tmp_path):
-    """The caption stage passes infer.batch's verdict on: per-video errors within
+    """The caption stage passes infer.offline.job's verdict on: per-video errors within
     infer.max_failed_fraction are rows, more (or a broken engine) stop the run with the reason."""
     import pytest
 
-    from infer import batch
+    from infer.offline import job as batch
     from pipeline import run as run_mod
 
     monkeypatch.setattr(run_mod, "_test_videos", lambda paths: [])

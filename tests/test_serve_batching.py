@@ -1,4 +1,4 @@
-"""EngineBatcher (infer/batching.py): concurrent requests share engine calls, keys never mix.
+"""EngineBatcher (infer/serving/engine_loop.py): concurrent requests share engine calls, keys never mix.
 
 The engine here is a recording stand-in: these tests are about the queueing rule
 (which requests go into which call), not about decoding.
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from infer.batching import EngineBatcher
+from infer.serving.engine_loop import EngineBatcher
 
 
 class Recorder:

@@ -1,8 +1,8 @@
 """A Serve replica's decode workers decode media only; the replica runs the encoders, once.
 
-infer/decode_pool.py workers run preprocess.featurize.MediaReader (frames and audio as arrays,
+infer/serving/media_pool.py workers run preprocess.featurize.MediaReader (frames and audio as arrays,
 no encoder weights) and the replica's one Featurizer encodes what they send back
-(infer/service.py). Checked on real mp4s with the tiny HF towers (`hf_vision` + `whisper`, what
+(infer/serving/service.py). Checked on real mp4s with the tiny HF towers (`hf_vision` + `whisper`, what
 the GPU presets serve with): the workers hold no torch module, the towers are built once per
 replica, and the features and captions equal the Featurizer's own in one process.
 """
@@ -15,9 +15,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from infer.decode_pool import DecodePool
-from infer.errors import RequestError
-from infer.service import CaptionService, NoAnnotation
+from infer.serving.media_pool import DecodePool
+from infer.serving.errors import RequestError
+from infer.serving.service import CaptionService, NoAnnotation
 from preprocess.featurize import Featurizer
 from preprocess.media import DecodedVideo, decode_video
 from tests.support.hf_towers import tiny_vision_dirs, tiny_whisper_dir

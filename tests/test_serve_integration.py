@@ -4,7 +4,7 @@ shared local Ray instance (tests/conftest.py `ray_local`).
 Run under the Ray lock:
     flock /tmp/padcap-ray.lock .venv/bin/python -m pytest tests/test_serve_integration.py -q
 
-The app is built by `infer.serve:app_builder` (a YAML preset + overrides, no
+The app is built by `infer.serving.deployment:app_builder` (a YAML preset + overrides, no
 model_dir: the tiny random-init model) exactly as `serve run cluster/serve.yaml`
 builds it. It checks: a synthetic video by URI and by upload gives well-formed
 events equal to CaptionEngine called directly; every bad or hostile request of
@@ -42,7 +42,7 @@ def tree(tmp_path_factory):
 def app_url(ray_local, tree, tmp_path_factory):
     from ray import serve
 
-    from infer.serve import app_builder
+    from infer.serving.deployment import app_builder
 
     cfg = serve_test_config(tree, min_replicas=1, max_replicas=1, max_ongoing_requests=MAX_ONGOING,
                             max_queued_requests=MAX_QUEUED, num_cpus_per_replica=0.5)

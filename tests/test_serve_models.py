@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from infer.errors import RequestError
-from infer.service import CaptionService
+from infer.serving.errors import RequestError
+from infer.serving.service import CaptionService
 from tests.support.serve_cases import events_of, make_video_tree, serve_test_config, well_formed_body
 from tests.support.serve_engine import direct_caption, synthetic_videos, tiny_engine
 

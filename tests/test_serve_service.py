@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from infer.errors import RequestError
-from infer.service import CaptionService
+from infer.serving.errors import RequestError
+from infer.serving.service import CaptionService
 from tests.support.serve_cases import (BOUNDARY, bad_requests, events_of, free_port, make_video_tree, post_json,
                                        post_upload, send, serve_test_config, wait_healthy, well_formed_body)
 from tests.support.serve_engine import direct_caption, synthetic_videos, tiny_engine
@@ -265,7 +265,7 @@ def test_model_info_and_health(service):
 def base_url(service):
     import uvicorn
 
-    from infer.api import build_app
+    from infer.serving.api import build_app
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(lambda: service), host="127.0.0.1", port=port, log_level="warning"))
@@ -355,7 +355,7 @@ def test_client_disconnect_mid_upload_is_survived(base_url, tree):
 def test_engine_failure_is_a_500_with_a_request_id(service, tree):
     import uvicorn
 
-    from infer.api import build_app
+    from infer.serving.api import build_app
 
     class Broken:
         def __init__(self, cfg):
@@ -393,7 +393,7 @@ def test_openapi_and_info_routes(base_url):
 
 
 def test_python_client_and_cli(base_url, tree, capsys):
-    from infer.client import CaptionClient, CaptionError, main
+    from infer.serving.client import CaptionClient, CaptionError, main
 
     client = CaptionClient(base_url)
     by_uri = client.caption(uri=str(tree.good), options={"max_events": 2})
@@ -415,11 +415,11 @@ def test_python_client_and_cli(base_url, tree, capsys):
 
 
 def test_serve_cli_starts_ray_as_the_cluster_section_says(monkeypatch):
-    """`python -m infer.serve --set cluster.num_cpus=1` must size the local Ray instance, not drop the value."""
+    """`python -m infer.serving.deployment --set cluster.num_cpus=1` must size the local Ray instance, not drop the value."""
     import ray
     from ray import serve
 
-    from infer import serve as serve_module
+    from infer.serving import deployment as serve_module
 
     calls, started = [], []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

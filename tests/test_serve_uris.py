@@ -1,4 +1,4 @@
-"""The serving endpoint's URI allow-list (infer/uris.py): many hostile and benign cases, no Ray.
+"""The serving endpoint's URI allow-list (infer/serving/uris.py): many hostile and benign cases, no Ray.
 
 Also the capped readers: local size check before reading, http(s) fetches against a
 real http.server on 127.0.0.1 (declared and undeclared oversize bodies, redirects,
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from infer.errors import RequestError
-from infer.uris import Source, UriError, UriPolicy, materialize
+from infer.serving.errors import RequestError
+from infer.serving.uris import Source, UriError, UriPolicy, materialize
 
 EXTS = [".mp4", ".mkv"]
 

@@ -7,12 +7,12 @@ exercised), reads the held-out split's samples and reports the numbers of
 train/evaluate.py twice:
   teacher_forced  one forward per video with the true layout (true K, true intervals
                   for the anchors); exact and fast;
-  free_running    the real decoder (infer.engine.CaptionEngine: greedy planning,
+  free_running    the real decoder (infer.engine.core.CaptionEngine: greedy planning,
                   grounding, parallel branch decoding; an ablation model decodes in its
-                  own training layout, infer/ordered.py `decoder_for`), compared with the references
+                  own training layout, infer/oracles/ablation.py `decoder_for`), compared with the references
                   (with the unique / repeated attribute split and the overlap grounding where the
                   videos have them, and a text baseline's parse failures, pipeline/textual.py).
-                  Used when infer/engine.py is importable; otherwise reported as
+                  Used when infer/engine/core.py is importable; otherwise reported as
                   unavailable with the reason.
 `headline` names which of the two the top-level numbers come from (free-running when
 available). Attribute accuracies need a caption parser: the synthetic grammar's
@@ -53,12 +53,12 @@ def teacher_forced(model, samples: list, parse=None) -> dict[str, float]:
 def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any]:
     """The engine's captions scored against the references, or {"unavailable": reason}."""
     try:
-        from infer.engine import CaptionEngine
+        from infer.engine.core import CaptionEngine
     except ImportError as e:
-        return {"unavailable": f"infer.engine not importable ({e})"}
-    from infer.ordered import decode_events, decoder_for, output_events
+        return {"unavailable": f"infer.engine.core not importable ({e})"}
+    from infer.oracles.ablation import decode_events, decoder_for, output_events
 
-    from infer.requests import model_caps
+    from infer.engine.requests import model_caps
 
     if hasattr(model, "model"):  # the release fine-tuning wrapper: its ReleaseCaptioner decodes
         model = model.model

@@ -11,7 +11,7 @@ the grounding heads (`frm_head`, `evi_head`) and the rows of <G> and <S> (a sepa
 [2, d] parameter substituted into the embedding table and the tied head, so the
 vocab-size matrix gets no gradient and no optimizer state). Everything else is frozen.
 
-The training sequence of one video is the decoding layout (infer/release_front.py) with
+The training sequence of one video is the decoding layout (infer/oracles/release_front.py) with
 the ground truth in place, M-RoPE ids in the settings' mode (`training` is what the
 release trained with):
   prompt (L tokens, causal + AV bidirectional) | serial <G>_1..<G>_K | anchors_1..K |
@@ -24,7 +24,7 @@ Labels: the last prompt row and each serial <G> row predict the next planning to
 <|im_end|>. Grounding: the event vector of the row that predicts <G>_k against the
 segment keys, BCE with the soft targets of pipeline/grounding.py. Intervals are mapped
 to timesteps [floor(s / d), ceil(e / d) - 1]. Two forwards per video: the prompt (decoding's
-own `prefill`, infer/release_front.py, whose states feed aggregation), then the rest through
+own `prefill`, infer/oracles/release_front.py, whose states feed aggregation), then the rest through
 its cache, with the positions (`shared_position` / `anchor_position` / `branch_position`
 plus the rope delta) and the mask (`visible`) of pipeline/layout.py. Pure torch + HF + peft.
 """
@@ -42,7 +42,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from infer.step_weights import effective_linear
+from infer.engine.step_weights import effective_linear
 from pipeline.grounding import similarity_logits, soft_targets
 from pipeline.layout import Role, TokenMeta, additive_mask, anchor_position, branch_position, shared_position
 from pipeline.release.grounding import aggregate, find_and_merge
@@ -187,7 +187,7 @@ class ReleaseFinetune(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward_one(self, ex: ReleaseExample) -> dict:
-        from infer.release_front import prefill, seconds  # decoding's prefill; the one timestep -> seconds rule
+        from infer.oracles.release_front import prefill, seconds  # decoding's prefill; the one timestep -> seconds rule
 
         m = self.model
         dev, dtype = m.device, m.dtype
@@ -302,7 +302,7 @@ class ReleaseFinetune(nn.Module):
 
     def save_pretrained(self, path: str | Path) -> Path:
         """A release-format directory (config.json, pytorch_model.bin, tokenizer files): loadable by
-        `ReleaseCaptioner.from_release`, the engine, Serve and `infer.parity`."""
+        `ReleaseCaptioner.from_release`, the engine, Serve and `infer.parity.check`."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         m = self.model

@@ -302,10 +302,10 @@ def bad_requests(tree: VideoTree) -> list[BadRequest]:
 
 
 def hanging_reader(cfg: Config):
-    """A decode-worker reader (infer/decode_pool.py) that never returns for files named
+    """A decode-worker reader (infer/serving/media_pool.py) that never returns for files named
     hang*: a decode stuck in C code, as a hostile file can make one. Other files get the
     real reader. Module-level, so the spawned workers can unpickle it."""
-    from infer.service import default_reader
+    from infer.serving.service import default_reader
 
     real = default_reader(cfg)
 
@@ -325,7 +325,7 @@ def module_counting_reader(cfg: Config):
 
     import torch
 
-    from infer.service import default_reader
+    from infer.serving.service import default_reader
 
     real = default_reader(cfg)
 

@@ -31,7 +31,7 @@ def tiny_engine(cfg: Config):
 
 def direct_caption(engine_factory, cfg: Config, path: Path, video_id: str, **infer_overrides):
     """CaptionEngine called directly (no service) on the featurized video -> its VideoResult."""
-    from infer.service import NoAnnotation
+    from infer.serving.service import NoAnnotation
     from preprocess.featurize import Featurizer
 
     sample = Featurizer(cfg)(str(path), NoAnnotation(video_id))

@@ -1,0 +1,497 @@
+"""The PadCaptioner decoding engine: one token-budget step for many videos over a paged KV cache.
+
+    engine = CaptionEngine(model, cfg.infer)              # model: PadCaptioner or the release model
+    results = engine.caption(samples)                      # list[VideoResult], one per sample
+    decoded = engine.decode(sample, DecodeControl(...))    # one video alone, with test/bench hooks
+    engine.run(feed, emit)                                 # a stream (Serve): see `run`
+
+Every forward of every video runs in one shared step (infer/engine/step.py), filled by the
+scheduler (infer/engine/scheduler.py) under `infer.step_tokens`: every running caption-branch row,
+then one planning row per planning video, then prefill chunks of newly admitted videos. A
+video's program (infer/engine/programs.py) turns the step's outputs for it into its next decision
+(planning over {<G>, <S>}, grounding, anchors); its branches join the next step.
+
+    while videos wait or are in flight:
+        admit videos while the KV pool can promise their worst case (pages, not slots)
+        plan = scheduler.plan(videos); hidden, states = runner.forward(plan.batch)
+        prefill chunks: keep their grounding / aggregation states; the prefix's last row decides
+        planning rows: decide the next <G>; the videos that stop are grounded and get their anchors
+            together (batched), and their branches start next step
+        branch rows: logits -> tokens (bias bans <G>/<S>; test processors; greedy or a seeded draw);
+            <eos> or the cap ends a branch (its pages freed); a video whose branches all ended is done
+    (the step's tokens come back to the host once per step)
+
+KV lives in one pool of pages (infer/engine/paged.py) sized by `infer.kv_memory_gb`: a video's
+branches see its prefix pages in place (no copies), ending a branch or a video frees pages.
+Each token's arithmetic depends only on its own video, so greedy tokens equal decoding the
+video alone, whatever shares the step and in whatever order videos arrive
+(tests/test_engine.py, tests/test_engine_batch.py against infer/oracles/decoders.py).
+
+A sample that cannot be decoded (feature dims, bad duration, a prompt over the model's
+length, more KV than the pool holds) gets a VideoResult with `error` set; the others go on.
+`infer.decoder = "monolithic"` runs the single-chain baseline (infer/oracles/decoders.py) one video
+at a time behind the same API.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NamedTuple
+
+import torch
+
+from infer.engine.decoded import Decoded, to_events
+from infer.oracles.front import DecodeError, well_formed
+from infer.engine.kernels import choose_kernel
+from infer.engine.paged import PagePool, pages_for
+from infer.engine.graphs import describe_graphs, step_graphs
+from infer.engine.programs import PadProgram, ReleaseProgram, capture_layers
+from infer.engine.requests import Request, VideoResult, check_config, model_caps, resolve_device, resolve_dtype
+from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
+from infer.engine.scheduler import Branch, Phase, Scheduler, StepPlan, VideoState
+from infer.engine.step import Mode, ModelRunner
+from infer.engine.step_weights import StepWeights
+from pipeline.backbone import DTYPES, cast_keeping_rope
+from pipeline.config import InferConfig
+from pipeline.schema import Sample
+
+log = logging.getLogger("padcap.infer")
+
+
+def kv_budget_bytes(cfg: InferConfig, device: torch.device) -> int:
+    """The KV pool's memory budget: infer.kv_memory_gb, else a fraction of free CUDA memory, else 1 GB."""
+    if cfg.kv_memory_gb > 0:
+        return int(cfg.kv_memory_gb * 1e9)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * cfg.kv_memory_fraction)
+    return int(1e9)
+
+
+def step_defaults(cfg: InferConfig, device: torch.device) -> tuple[int, int, int]:
+    """(step_tokens, page_size, q_block) with the auto values resolved for the device: on CUDA pages of
+    128 keys and query blocks of 32 (prefill 128: FlexAttention's tiles), on the CPU 16 and 16 (less
+    padding in the gathered pages and blocks)."""
+    cuda = device.type == "cuda"
+    return (cfg.step_tokens or (2048 if cuda else 512), cfg.page_size or (128 if cuda else 16),
+            cfg.q_block or (32 if cuda else 16))
+
+
+class CaptionEngine:
+    """Dense captions for a list (or a stream) of samples; see the module doc.
+
+    Not thread-safe: one caller at a time (an actor or a replica owns its engine).
+    """
+
+    def __init__(self, model, cfg: InferConfig):
+        check_config(cfg)
+        cfg = model_caps(cfg, model)  # 0 = the model's own max_events / max_branch_tokens
+        check_config(cfg)
+        from infer.oracles.ablation import engine_refusal
+
+        refusal = engine_refusal(model, cfg.decoder)  # ablation models the engine would decode wrongly
+        if refusal:
+            raise ValueError(refusal)
+        self.model = model
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu" and cfg.cpu_threads > 0:
+            torch.set_num_threads(cfg.cpu_threads)  # process-wide: an engine owns its process (actor, replica)
+        self.release = is_release_model(model)
+        if self.release and cfg.decoder != "parallel":
+            raise ValueError("the release model decodes in parallel only (infer.decoder=parallel)")
+        dtype = resolve_dtype(cfg.dtype, self.device, model.dtype)
+        if model.device.type != self.device.type:
+            model.to(self.device)
+        if model.dtype != dtype:  # both models read it from their weights
+            cast_keeping_rope(model, dtype)
+            if not self.release:
+                model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
+        model.eval()
+        self.weights = w = StepWeights.of(model)
+        self.kernel = choose_kernel(cfg.kernel, dtype, self.device, max_calls=cfg.attention_calls)
+        self.step_tokens, page_size, self.q_block = step_defaults(cfg, self.device)
+        if self.kernel.name == "flex":  # the whole step attends in blocks of the prefill size
+            self.kernel.contract.check_sizes(page_size, (4 * self.q_block,), "flex")
+        self.pool = PagePool.for_budget(w.num_layers, w.kv_heads, w.head_dim, dtype, self.device, page_size,
+                                        kv_budget_bytes(cfg, self.device), zero=self.kernel.reads_whole_pool,
+                                        max_layer_elements=self.kernel.contract.max_layer_elements)
+        self.runner = ModelRunner(w, self.pool, self.kernel)
+        self.scheduler = Scheduler(self.runner, self.pool, step_tokens=self.step_tokens, max_rows=cfg.max_batch_rows,
+                                   q_block=self.q_block, prefill_block=4 * self.q_block)
+        self.graphs = step_graphs(cfg, self.runner, self.device, tokens=self.step_tokens, q_block=self.q_block,
+                                  attn_q_block=self.scheduler.attn_q_block,
+                                  capture_layers=capture_layers(model, release=self.release))
+        self.bias = torch.zeros(w.head.shape[0], device=self.device)
+        banned = [model.g_id, model.s_id] + ([model.shift_id] if self.release else [])
+        self.bias[banned] = float("-inf")  # structural tokens are never caption text
+        self._in_flight: list[VideoState] = []
+        self._running = False
+        # steps, branch rows summed over steps, tokens, ms in steps (metadata + forward + decisions), of that
+        # in planning ends (grounding, anchors), ms building programs (inputs of the prefix), ms per Mode
+        # (a step with any branch row counts as BRANCH, else PLAN with a planning row, else PREFILL)
+        self.stats: dict[str, Any] = {"steps": 0, "row_steps": 0, "tokens": 0, "step_ms": 0.0, "front_ms": 0.0,
+                                      "prepare_ms": 0.0,
+                                      "mode_ms": {m.value: 0.0 for m in Mode}, "step_log": []}
+
+    # ------------------------------------------------------------------ public API
+
+    def reset_stats(self) -> None:
+        """Zero the counters and the step log (benchmarks: after a warm-up)."""
+        self.stats.update(steps=0, row_steps=0, tokens=0, step_ms=0.0, front_ms=0.0, prepare_ms=0.0, step_log=[],
+                          mode_ms={m.value: 0.0 for m in Mode})
+        if self.graphs is not None:
+            self.graphs.reset_stats()
+
+    def decode(self, sample: Sample, control: DecodeControl = NO_CONTROL) -> Decoded:
+        """One video alone -> Decoded (raises DecodeError for a sample that does not fit the model)."""
+        out: list[Any] = []
+        self.run(iter([Request(sample, control)]), lambda req, res: out.append(res))
+        if isinstance(out[0], Exception):  # DecodeError, or per-video options out of range
+            raise out[0]
+        return out[0]
+
+    def caption(self, samples: list[Sample], *, controls: Sequence[DecodeControl] | None = None) -> list[VideoResult]:
+        """Samples (decoded shards, or features straight from the encoders) -> one result each, in order.
+
+        All of them are decoded together (continuous admission under the KV budget).
+        controls: test/benchmark hooks, one per sample; serving leaves it None.
+        """
+        if controls is not None and len(controls) != len(samples):
+            raise ValueError(f"{len(controls)} controls for {len(samples)} samples")
+        results: list[VideoResult | None] = [None] * len(samples)
+        reqs = [Request(s, controls[i] if controls is not None else NO_CONTROL, tag=i) for i, s in enumerate(samples)]
+
+        def emit(req: Request, res) -> None:
+            results[req.tag] = self.result(req.sample, res)
+
+        self.run(iter(reqs), emit)
+        return results  # type: ignore[return-value]
+
+    def result(self, sample: Sample, res: Decoded | Exception) -> VideoResult:
+        """A Decoded (or the DecodeError of a refused sample) -> VideoResult."""
+        if isinstance(res, Exception):
+            log.warning("cannot caption %s: %s", sample.video_id, res)
+            return VideoResult(sample.video_id, float(sample.duration), [], {}, error=str(res),
+                               segments_total=int(sample.num_segments))
+        if self.release:  # the release's seconds are not clipped to the video: results are
+            res = replace(res, intervals=[well_formed(s, e, res.duration, 1e-3) for s, e in res.intervals])
+        order = sorted(range(res.num_events), key=lambda i: (*res.intervals[i], i))
+        events = to_events(res, self.model.tokenizer, self.model.eos_id)
+        capped = [self.model.eos_id not in res.tokens[i] for i in order]
+        return VideoResult(sample.video_id, res.duration, events, res.timings, capped=capped,
+                           segments_kept=int(res.timings.get("segments_kept", 0)),
+                           segments_total=int(res.timings.get("segments_total", 0)))
+
+    def describe(self) -> dict[str, Any]:
+        """The decoding settings, the kernel chosen and the KV pool with what fits in it (for logs,
+        /v1/model, the offline rows, benchmarks): the same admission rule as `python -m infer.engine.memory_plan`."""
+        from infer.engine.memory_plan import videos_that_fit
+
+        pool, c = self.pool, self.cfg
+        fit = {str(p): videos_that_fit(pool.pages, p, c.max_events, c.max_branch_tokens, pool.page_size)
+               for p in (2000, 10000, 32000)}
+        return {**asdict(c), "resolved_device": str(self.device), "resolved_dtype": str(self.weights.dtype),
+                "kernel": self.kernel.name, "kernel_reason": self.kernel.reason,
+                "graphs": describe_graphs(self.graphs, c), "resolved_step_tokens": self.step_tokens,
+                "resolved_q_block": self.q_block, **{f"kv_{k}": v for k, v in pool.describe().items()},
+                "kv_bytes_per_token": pool.bytes_per_page // pool.page_size, "videos_in_flight_at_prefix": fit}
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.no_grad()
+    def run(self, feed: Iterable[Request] | Callable[[], Request | None],
+            emit: Callable[[Request, Decoded | DecodeError], None]) -> None:
+        """Decode every request `feed` gives, many per step; `emit(request, Decoded | DecodeError)`
+        as each video finishes (in finishing order). feed: an iterator, or a function polled
+        at every step boundary that returns a request or None (nothing new now): the loop
+        returns when nothing is in flight and the feed has nothing. A request whose
+        `cancelled()` turns true leaves at the next step, without a result."""
+        if self.cfg.decoder == "monolithic":
+            return self._run_monolithic(feed, emit)
+        if self._running:
+            raise RuntimeError("CaptionEngine.run is not re-entrant (called from inside an emit?)")
+        self._running = True
+        try:
+            self._run(feed, emit)
+        finally:
+            self._running = False
+
+    def _run(self, feed, emit) -> None:
+        poll = _poller(feed)
+        for v in self._in_flight:  # a run that raised left these: their pages go back
+            self._release(v)
+        self._in_flight = videos = []
+        waiting: VideoState | None = None
+        while True:
+            while len(videos) < self.cfg.max_batch_videos:
+                if waiting is None:
+                    req = poll()
+                    if req is None:
+                        break
+                    waiting = self._prepare(req, emit)
+                    if waiting is None:
+                        continue
+                if waiting.request.cancelled():
+                    waiting = None
+                    continue
+                if not self.pool.reserve(waiting.reserved):
+                    if not videos:  # nothing in flight will free pages: a leak, never user input
+                        raise RuntimeError(f"{waiting.request.sample.video_id}: {waiting.reserved} pages do not fit "
+                                           f"an empty pool of {self.pool.free_pages} free pages")
+                    break  # its worst case does not fit now: it waits for pages to be freed
+                waiting.prefix = self.pool.open()
+                waiting.times["admit"] = time.perf_counter()
+                videos.append(waiting)
+                waiting = None
+            self._drop_cancelled(videos)
+            if not videos:
+                if waiting is None:
+                    return
+                continue
+            self._start_branches(videos)
+            # a step: its metadata, the forward, and what the videos make of it (wall and CPU time)
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan = self.scheduler.plan(videos)
+            if plan is None:
+                raise RuntimeError("videos in flight but nothing to run (a scheduler bug)")
+            hidden, states = (self.graphs or self.runner).forward(plan.batch)
+            self._absorb(plan, hidden, states, videos, emit)
+            self._account(plan, (time.perf_counter() - t0) * 1000.0, (time.process_time() - c0) * 1000.0)
+
+    def _prepare(self, req: Request, emit) -> VideoState | None:
+        """A request's program and its KV worst case; None (and the error emitted) if it cannot be decoded."""
+        t0 = time.perf_counter()
+        try:
+            return self._program(req, emit)
+        finally:
+            self.stats["prepare_ms"] += (time.perf_counter() - t0) * 1000.0
+
+    def _program(self, req: Request, emit) -> VideoState | None:
+        try:
+            opts = req.options.resolve(self.cfg)
+            program = ReleaseProgram if self.release else PadProgram
+            prog = program(self.model, req.sample, opts, req.control)
+        except ValueError as e:  # DecodeError, or per-video options out of range
+            emit(req, e)
+            return None
+        S = self.pool.page_size
+        cap = opts.max_branch_tokens
+        worst = pages_for(prog.length + opts.max_events, S) + opts.max_events * pages_for(cap, S)
+        if worst > self.pool.usable:
+            emit(req, DecodeError(
+                f"{req.sample.video_id}: needs up to {worst} KV pages ({prog.length} prefix tokens, {opts.max_events} "
+                f"events x {cap} tokens), the pool has {self.pool.usable}: raise infer.kv_memory_gb or lower "
+                f"infer.max_events / max_branch_tokens"))
+            return None
+        v = VideoState(req, opts, prog, worst, None, cap)  # type: ignore[arg-type]
+        if opts.temperature > 0:
+            v.sampler = video_chooser(self.model.ids, opts, req.sample.video_id, self.device)
+        return v
+
+    def _start_branches(self, videos: list[VideoState]) -> None:
+        """Planned videos whose branch rows fit under the row cap start their branches (next step)."""
+        rows = sum(v.rows for v in videos if v.phase is Phase.BRANCH)
+        for v in videos:
+            if v.phase is not Phase.READY:
+                continue
+            k = v.anchors.anchors.shape[0]
+            if rows + k > self.cfg.max_batch_rows:
+                break  # admission order: later videos do not overtake
+            trace = v.request.control.trace
+            v.branches = [Branch(i, self.pool.open(), traced=[] if trace else None) for i in range(k)]
+            v.phase = Phase.BRANCH
+            v.times["branches"] = time.perf_counter()
+            rows += k
+
+    def _absorb(self, plan: StepPlan, hidden, states, videos: list[VideoState], emit) -> None:
+        """The step's outputs back into each video: prefill states, decisions, branch tokens."""
+        decisions: list[tuple[VideoState, torch.Tensor, torch.Tensor]] = []  # (video, final state, grounding state)
+        for v, first, lo, hi in plan.prefill:
+            for i in v.prog.capture:
+                v.chunks[i].append(states[i][first:first + hi - lo])
+            v.cursor = hi
+            if hi == v.prog.length:
+                v.prog.prefilled({i: torch.cat(c) for i, c in v.chunks.items()})
+                v.chunks = {}
+                v.times["prefilled"] = time.perf_counter()
+                decisions.append((v, hidden[first + hi - lo - 1], states[v.prog.ground_layer][first + hi - lo - 1]))
+        for v, job in plan.jobs:
+            if job.hidden is None:
+                continue  # more layers to go
+            for i in v.prog.capture:
+                v.chunks[i].append(job.states[i])
+            v.job = None
+            v.cursor = job.span[1]
+            if v.cursor == v.prog.length:
+                v.prog.prefilled({i: torch.cat(c) for i, c in v.chunks.items()})
+                v.chunks = {}
+                v.times["prefilled"] = time.perf_counter()
+                decisions.append((v, job.hidden[-1], job.states[v.prog.ground_layer][-1]))
+        decisions += [(v, hidden[row], states[v.prog.ground_layer][row]) for v, row in plan.plan]
+        if decisions:  # every decision row's (<G>, <S>) logits in one product, one copy to the host
+            restricted = self.model.plan_logits(torch.stack([h for _, h, _ in decisions])).float().cpu()
+            planned = [v for (v, _, ground), r in zip(decisions, restricted) if not self._decide(v, r, ground)]
+            if planned:
+                self._ground(planned)
+        if plan.n_branch:
+            self._branch_tokens(plan, hidden[: plan.n_branch], emit)
+        for v in [v for v in videos if v.phase is Phase.BRANCH and not v.branches] + \
+                [v for v in videos if v.phase is Phase.READY and v.anchors.anchors.shape[0] == 0]:
+            videos.remove(v)
+            self._release(v)
+            emit(v.request, self._finish(v))
+
+    def _decide(self, v: VideoState, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
+        """A decision row of v (its (<G>, <S>) logits on the host): another serial <G> next step (True),
+        or the end of planning (False)."""
+        v.phase = Phase.PLAN
+        v.feed_g = v.prog.decide(restricted, ground)
+        return v.feed_g
+
+    def _ground(self, planned: list[VideoState]) -> None:
+        """The videos whose planning ended this step: grounding and anchors, all of them at once
+        (their program's `finish_all`); their branches start next step."""
+        t0 = time.perf_counter()
+        anchors = type(planned[0].prog).finish_all([v.prog for v in planned])
+        ms = (time.perf_counter() - t0) * 1000.0
+        self.stats["front_ms"] += ms
+        now = time.perf_counter()
+        for v, a in zip(planned, anchors):
+            v.anchors = a
+            v.grounding_ms = ms / len(planned)
+            v.times["planned"] = now
+            k = a.anchors.shape[0]
+            keep = k * pages_for(v.cap, self.pool.page_size)  # the branches' worst case; the prefix is complete
+            self.pool.unreserve(v.reserved - keep)
+            v.reserved = keep
+            v.phase = Phase.READY
+
+    def _branch_tokens(self, plan: StepPlan, hidden: torch.Tensor, emit) -> None:
+        """Logits of the branch rows -> one token each; ended branches leave (pages freed)."""
+        logits = self.runner.logits(hidden)
+        scores = logits.float() + self.bias
+        for v, first, k in plan.branch:
+            if v.processors:
+                rows = slice(first, first + k)
+                events = [b.event for b in v.branches]
+                for proc in v.processors:
+                    scores[rows] = proc(scores[rows], v.steps, events)
+        nxt = scores.argmax(dim=-1)
+        for v, first, k in plan.branch:
+            if v.sampler is not None:  # temperature > 0: this video's seeded draw
+                nxt[first:first + k] = v.sampler.pick(scores[first:first + k])
+        chosen = nxt.tolist()  # the step's one device-to-host copy
+        eos = self.model.eos_id
+        S = self.pool.page_size
+        for v, first, k in plan.branch:
+            v.steps += 1
+            alive = []
+            for i, b in enumerate(v.branches):
+                tok = chosen[first + i]
+                b.tokens.append(tok)
+                if b.traced is not None:
+                    b.traced.append(logits[first + i].float().cpu())
+                if tok == eos or v.steps >= v.cap:
+                    unused = pages_for(v.cap, S) - len(b.seq.pages)
+                    self.pool.close(b.seq)
+                    self.pool.unreserve(unused)
+                    v.reserved -= unused
+                    v.finished.append(b)
+                else:
+                    alive.append(b)
+            v.branches = alive
+
+    def _account(self, plan: StepPlan, ms: float, cpu_ms: float) -> None:
+        mode = Mode.BRANCH if plan.n_branch else (Mode.PLAN if plan.plan else Mode.PREFILL)
+        st = self.stats
+        st["steps"] += 1
+        st["row_steps"] += plan.n_branch
+        st["tokens"] += plan.tokens
+        st["step_ms"] += ms
+        st["mode_ms"][mode.value] += ms
+        if len(st["step_log"]) < 100_000:
+            videos = {id(v) for v, *_ in plan.branch + plan.plan + plan.prefill + plan.jobs}
+            st["step_log"].append(StepRecord(plan.tokens, plan.n_branch, len(plan.plan),
+                                             sum(h - lo for _, _, lo, h in plan.prefill), len(videos), ms,
+                                             plan.layer_tokens, cpu_ms))
+
+    def _drop_cancelled(self, videos: list[VideoState]) -> None:
+        for v in [v for v in videos if v.request.cancelled()]:
+            videos.remove(v)
+            self._release(v)
+
+    def _release(self, v: VideoState) -> None:
+        """All of v's pages and promises back to the pool."""
+        for b in v.branches:
+            self.pool.close(b.seq)
+        v.branches = []
+        if v.prefix is not None:
+            self.pool.close(v.prefix)
+        self.pool.unreserve(v.reserved)
+        v.reserved = 0
+
+    def _finish(self, v: VideoState) -> Decoded:
+        req, a = v.request, v.anchors
+        t = v.times
+        now = time.perf_counter()
+        timings = {"prefill_ms": (t.get("prefilled", now) - t["admit"]) * 1000.0,
+                   "planning_ms": (t.get("planned", now) - t.get("prefilled", now)) * 1000.0,
+                   "grounding_ms": v.grounding_ms,
+                   "decode_ms": (now - t.get("branches", now)) * 1000.0}
+        by_event = sorted(v.finished, key=lambda b: b.event)
+        tokens = [b.tokens for b in by_event]
+        timings.update(total_ms=(now - t["admit"]) * 1000.0, steps=float(v.steps), tokens=float(sum(map(len, tokens))),
+                       events=float(len(tokens)), segments_kept=float(a.segments_kept),
+                       segments_total=float(req.sample.num_segments))
+        trace = req.control.trace
+        return Decoded(video_id=req.sample.video_id, duration=float(req.sample.duration), intervals=a.intervals,
+                       tokens=tokens, steps=v.steps, timings=timings,
+                       planning_logits=a.planning_logits if trace else None,
+                       branch_logits=[torch.stack(b.traced) for b in by_event] if trace else None,
+                       grounding_logits=a.grounding_logits if trace else None)
+
+    def _run_monolithic(self, feed, emit) -> None:
+        from infer.oracles.ablation import decoder_for
+        from infer.oracles.decoders import monolithic
+
+        monolithic = decoder_for(self.model, self.cfg) or monolithic  # an ablation model: its own layout
+        poll = _poller(feed)
+        while (req := poll()) is not None:
+            if req.cancelled():
+                continue
+            try:
+                dec = monolithic(self.model, req.sample, req.options.resolve(self.cfg), req.control)
+            except ValueError as e:  # DecodeError, or options out of range
+                emit(req, e)
+                continue
+            emit(req, dec)
+
+
+class StepRecord(NamedTuple):
+    """One step as `stats["step_log"]` keeps it."""
+
+    tokens: int
+    branch_rows: int
+    plan_rows: int
+    prefill_tokens: int
+    videos: int
+    ms: float
+    layer_tokens: int = 0  # tokens of layered bidirectional blocks that moved one layer
+    cpu_ms: float = 0.0  # the process's CPU time in the step (on a shared CPU box: the step's own work)
+
+
+def is_release_model(model) -> bool:
+    """The published release's model (pipeline/release), decoded by its own front half."""
+    return hasattr(model, "step_tables")
+
+
+def _poller(feed: Iterable[Request] | Callable[[], Request | None]) -> Callable[[], Request | None]:
+    """`run`'s feed as a function: the next request, or None when there is nothing (now)."""
+    if callable(feed):
+        return feed
+    it = iter(feed)
+    return lambda: next(it, None)

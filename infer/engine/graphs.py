@@ -1,0 +1,292 @@
+"""CUDA graphs of the decode step, captured at start-up for fixed buckets and replayed step after step.
+
+    graphs = step_graphs(cfg.infer, runner, device, tokens=256, q_block=sched.q_block,
+                         attn_q_block=sched.attn_q_block, capture_layers=capture_layers(model, release))
+    hidden, states = graphs.forward(batch)      # a covered step replayed; any other runs eagerly
+
+Why. At the published model's size a decode step is a few milliseconds of weight reads on a
+GPU but ~40 kernels per layer x 36 layers: launched one by one from Python, the host is the
+bottleneck. A CUDA graph records the step's kernels once and replays them with one launch; it
+needs every shape and every device address fixed, so a step is recorded per bucket (tokens N_b,
+query blocks Q_b) over static buffers, and each step is copied into the buffers of the smallest
+bucket that holds it.
+
+What is static. Per token bucket: the input embeddings, M-RoPE positions, KV slots and the
+output row of each token. Per block bucket: FlexAttention's block table (`npages`, `indices`,
+wide as the pool), the query slots' token and their two (sequence, limit) pairs, and the
+BlockMask over those very tensors (its mask_mod reads them and the pool's page owners, which
+`PagePool.sync` edits in place). Padding: tokens past N write their KV into the scratch page
+(slot 0, which nothing real reads) and their outputs are dropped; blocks past Q have no pages;
+query slots past Q x BM see the scratch page's first key. Each token's arithmetic is its own,
+so a replayed step equals the eager one (tests/test_graphs.py, on the CPU through the same
+buffers and padding with the eager forward standing in for the replay: `capture=False`).
+
+Covered: steps with no layered block (infer/engine/step.py LayerJob: its tensors live across steps),
+with the flex kernel (the gathering kernels' calls change shape with the mix), at most the
+largest bucket's tokens and blocks, and capture layers among the graphs'. Others run eagerly,
+counted in `stats`. Capture runs at start-up for every bucket, largest first, sharing one memory
+pool; a failure is logged with its reason and the engine runs eagerly (`describe()` says so).
+The outputs are copied out of the graph's buffers (a video keeps its prefill states across
+steps). Pure torch; no ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.engine.attn_meta import SLOT_PAD, FlexMeta, flex_block_mask, pow2
+from infer.engine.step import ForwardBatch, ModelRunner
+
+log = logging.getLogger("padcap.infer")
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The shapes recorded: token buckets N_b and block buckets Q_b (powers of two); a pair is recorded
+    where Q_b <= N_b (a step has at least one token per block)."""
+
+    tokens: tuple[int, ...]
+    blocks: tuple[int, ...]
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return [(n, q) for n in self.tokens for q in self.blocks if q <= n]
+
+    def fit(self, n: int, q: int) -> tuple[int, int] | None:
+        """The smallest recorded (N_b, Q_b) with N_b >= n and Q_b >= q, or None."""
+        nb = next((t for t in self.tokens if t >= n), None)
+        qb = next((b for b in self.blocks if b >= q), None)
+        if nb is None or qb is None:
+            return None
+        return (max(nb, qb), qb) if max(nb, qb) in self.tokens else None
+
+
+def graph_buckets(max_tokens: int, max_blocks: int, min_tokens: int = 8) -> Buckets:
+    """Powers of two from min_tokens up to max_tokens (tokens) and from 1 up to max_blocks (blocks)."""
+    if max_tokens < 1 or max_blocks < 1:
+        raise ValueError(f"graph buckets need max_tokens and max_blocks >= 1 (got {max_tokens}, {max_blocks})")
+    tokens, t = [], min(min_tokens, pow2(max_tokens))
+    while t < max_tokens:
+        tokens.append(t)
+        t *= 2
+    tokens.append(pow2(max_tokens))
+    blocks = [1 << i for i in range(pow2(max_blocks).bit_length())]
+    return Buckets(tuple(tokens), tuple(blocks))
+
+
+@dataclass
+class _TokenBuffers:
+    """One token bucket's static inputs: embeds [N_b, d], positions [3, N_b], slots [N_b], q_out [N_b]."""
+
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    q_out: torch.Tensor
+
+
+@dataclass
+class _BlockBuffers:
+    """One block bucket's static attention metadata (module doc): npages [Q_b] int32, indices [Q_b, pool
+    pages] int32, q_gather and the four rules [Q_b*BM] long, and the BlockMask over them."""
+
+    npages: torch.Tensor
+    indices: torch.Tensor
+    q_gather: torch.Tensor
+    rules: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    block_mask: object = None
+
+
+@dataclass
+class _Recorded:
+    """A bucket pair: its static ForwardBatch, and once captured its graph and output buffers."""
+
+    batch: ForwardBatch
+    graph: object = None
+    hidden: torch.Tensor | None = None
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class StepGraphs:
+    """The step recorded per bucket over static buffers (module doc).
+
+    runner: the engine's ModelRunner (flex kernel); buckets: what to record; q_block: the step's query
+    block BM (the scheduler's AttnMeta q_block); capture_layers: the hidden states every recording
+    returns (a superset of what any step asks); capture: record CUDA graphs (else the same buffers and
+    padding, run eagerly: the CPU stand-in the tests drive).
+    """
+
+    def __init__(self, runner: ModelRunner, buckets: Buckets, q_block: int, capture_layers: tuple[int, ...],
+                 capture: bool):
+        if runner.kernel.name != "flex":
+            raise ValueError(f"step graphs need infer.kernel=flex (the {runner.kernel.name} kernel's calls change "
+                             f"shape with the step's mix)")
+        self.runner, self.buckets, self.q_block = runner, buckets, q_block
+        self.capture_layers = tuple(sorted(set(capture_layers)))
+        self.captured = False
+        self.enabled = True  # False after a failed capture: every step eager
+        self.reason = "not captured (CPU stand-in: the static buffers, run eagerly)"
+        self.stats = {"replayed": 0, "eager": 0}
+        pool, w = runner.pool, runner.w
+        dev, S = pool.device, pool.page_size
+        self.tokens = {n: _TokenBuffers(torch.zeros(n, w.hidden, dtype=w.dtype, device=dev),
+                                        torch.zeros(3, n, dtype=torch.long, device=dev),
+                                        torch.zeros(n, dtype=torch.long, device=dev),
+                                        torch.zeros(n, dtype=torch.long, device=dev)) for n in buckets.tokens}
+        self.blocks: dict[int, _BlockBuffers] = {}
+        self.recorded: dict[tuple[int, int], _Recorded] = {}
+        for q in buckets.blocks:
+            slots = q * q_block
+            blk = _BlockBuffers(torch.zeros(q, dtype=torch.int32, device=dev),
+                                torch.zeros(q, pool.pages, dtype=torch.int32, device=dev),
+                                torch.zeros(slots, dtype=torch.long, device=dev),
+                                tuple(torch.full((slots,), f, dtype=torch.long, device=dev) for f in SLOT_PAD))
+            shape = self._meta(1, blk, self.tokens[buckets.tokens[0]])  # only the block fields are read
+            blk.block_mask = flex_block_mask(shape, pool, indices=blk.indices)
+            if blk.block_mask.kv_num_blocks.data_ptr() != blk.npages.data_ptr() or \
+                    blk.block_mask.kv_indices.data_ptr() != blk.indices.data_ptr():
+                raise RuntimeError("this torch's BlockMask copies its block table: a graph's static table would "
+                                   "not reach it")
+            self.blocks[q] = blk
+        for n, q in buckets.pairs():
+            meta = self._meta(n, self.blocks[q], self.tokens[n])
+            tb = self.tokens[n]
+            self.recorded[n, q] = _Recorded(ForwardBatch(embeds=tb.embeds, positions=tb.positions, slots=tb.slots,
+                                                         attn=meta, capture=self.capture_layers))
+        if capture:
+            self._capture_all()
+
+    def _meta(self, n: int, blk: _BlockBuffers, tb: _TokenBuffers) -> FlexMeta:
+        sa, la, sb, lb = blk.rules
+        return FlexMeta(tokens=n, q_block=self.q_block, page_size=self.runner.pool.page_size, pages=blk.indices,
+                        npages=blk.npages, q_gather_clamped=blk.q_gather, q_out=tb.q_out, seq_a=sa, lim_a=la,
+                        seq_b=sb, lim_b=lb, block_mask=blk.block_mask)
+
+    # ------------------------------------------------------------------ a step
+
+    def covers(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """The bucket pair that holds this step, or None (it runs eagerly): module doc's rule."""
+        a = batch.attn
+        if not self.enabled or batch.jobs or not isinstance(a, FlexMeta) or a.q_block != self.q_block \
+                or not set(batch.capture) <= set(self.capture_layers):
+            return None
+        return self.buckets.fit(a.tokens, a.blocks)
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """ModelRunner.forward's outputs for the step: replayed from its bucket's graph when covered."""
+        key = self.covers(batch)
+        if key is None:
+            self.stats["eager"] += 1
+            return self.runner.forward(batch)
+        self.stats["replayed"] += 1
+        self._load(batch, *key)
+        rec = self.recorded[key]
+        if rec.graph is not None:
+            rec.graph.replay()
+            hidden, states = rec.hidden, rec.states
+        else:
+            hidden, states = self.runner.forward(rec.batch)
+        n = batch.attn.tokens
+        return hidden[:n].clone(), {i: states[i][:n].clone() for i in batch.capture}
+
+    def _load(self, batch: ForwardBatch, nb: int, qb: int) -> None:
+        """Copy the step into bucket (nb, qb)'s buffers, padding the rest (module doc)."""
+        m: FlexMeta = batch.attn
+        n, q = m.tokens, m.blocks
+        tb, blk = self.tokens[nb], self.blocks[qb]
+        tb.embeds[:n].copy_(batch.embeds)
+        tb.positions[:, :n].copy_(batch.positions)
+        tb.slots[:n].copy_(batch.slots)
+        tb.slots[n:].fill_(0)  # the scratch page's first slot
+        tb.q_out[:n].copy_(m.q_out)
+        tb.q_out[n:].fill_(0)
+        blk.npages[:q].copy_(m.npages)
+        blk.npages[q:].fill_(0)
+        blk.indices[:q, : m.pages.shape[1]].copy_(m.pages)
+        s = q * self.q_block
+        blk.q_gather[:s].copy_(m.q_gather_clamped)
+        blk.q_gather[s:].fill_(0)
+        for dst, src, pad in zip(blk.rules, (m.seq_a, m.lim_a, m.seq_b, m.lim_b), SLOT_PAD):
+            dst[:s].copy_(src)
+            dst[s:].fill_(pad)
+
+    # ------------------------------------------------------------------ capture
+
+    def _idle(self, nb: int, qb: int) -> None:
+        """A harmless step in bucket (nb, qb) for warm-up and capture: every token padding."""
+        tb, blk = self.tokens[nb], self.blocks[qb]
+        tb.embeds.zero_()
+        tb.positions.zero_()
+        tb.slots.zero_()
+        tb.q_out.zero_()
+        blk.npages.fill_(0)
+        blk.npages[0] = 1
+        blk.indices[:, 0] = 0
+        blk.q_gather.zero_()
+        for dst, pad in zip(blk.rules, SLOT_PAD):
+            dst.fill_(pad)
+
+    @torch.no_grad()  # as the engine decodes: dynamo guards on grad mode, so warm-up compiles what decoding runs
+    def _capture_all(self) -> None:
+        """Every bucket pair, largest first, into one memory pool; on a failure: eager, with the reason."""
+        try:
+            mempool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            for key in sorted(self.recorded, reverse=True):
+                rec = self.recorded[key]
+                self._idle(*key)
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up: compiles flex for this shape, settles the allocator
+                    for _ in range(2):
+                        self.runner.forward(rec.batch)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool):
+                    rec.hidden, rec.states = self.runner.forward(rec.batch)
+                rec.graph = graph
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - any capture failure: eager, said in describe() and the log
+            for rec in self.recorded.values():  # drop what was captured: its pool memory goes back
+                rec.graph, rec.hidden, rec.states = None, None, {}
+            self.enabled = False
+            self.reason = f"capture failed, running eagerly: {type(e).__name__}: {e}"
+            log.warning("CUDA graphs: %s", self.reason)
+            return
+        self.captured = True
+        self.reason = f"captured {len(self.recorded)} bucket pairs at start-up"
+        log.info("CUDA graphs: %s (tokens %s, blocks %s)", self.reason, self.buckets.tokens, self.buckets.blocks)
+
+    def reset_stats(self) -> None:
+        self.stats.update(replayed=0, eager=0)
+
+    def describe(self) -> dict:
+        return {"captured": self.captured, "enabled": self.enabled, "reason": self.reason, "token_buckets": list(self.buckets.tokens),
+                "block_buckets": list(self.buckets.blocks), **self.stats}
+
+
+def step_graphs(cfg, runner: ModelRunner, device: torch.device, *, tokens: int, q_block: int, attn_q_block: int,
+                capture_layers: tuple[int, ...]) -> StepGraphs | None:
+    """An engine's graphs for infer.cuda_graphs (pipeline/config.py): captured now (auto, on CUDA with the flex
+    kernel), the static stand-in (static), or None (every step eager; the monolithic decoder takes no steps). tokens: the step budget; q_block: the
+    scheduler's block of branch rows; attn_q_block: its attention metadata's BM. A step has at most one
+    query block per video plus one per q_block of branch rows (infer/engine/scheduler.py)."""
+    mode, kernel = cfg.cuda_graphs, runner.kernel.name
+    if mode == "off" or cfg.decoder != "parallel" or (mode == "auto" and (device.type != "cuda" or kernel != "flex")):
+        return None
+    if kernel != "flex":
+        raise ValueError(f"infer.cuda_graphs={mode} needs infer.kernel=flex (got {kernel})")
+    blocks = cfg.max_batch_videos + -(-cfg.max_batch_rows // q_block)
+    return StepGraphs(runner, graph_buckets(min(cfg.graph_tokens, tokens), blocks), attn_q_block, capture_layers,
+                      capture=mode == "auto")
+
+
+def describe_graphs(graphs: StepGraphs | None, cfg) -> dict:
+    """What /v1/model and the offline rows say about the step's graphs."""
+    if graphs is not None:
+        return graphs.describe()
+    why = "" if cfg.cuda_graphs == "off" else " (captured on CUDA with the flex kernel and the parallel decoder only)"
+    return {"captured": False, "reason": f"infer.cuda_graphs={cfg.cuda_graphs}{why}"}
+
+
+__all__ = ["Buckets", "StepGraphs", "graph_buckets", "step_graphs", "describe_graphs"]

@@ -1,0 +1,201 @@
+"""The paged KV cache of the decode engine: one pool of fixed-size pages, block tables per sequence.
+
+    pool = PagePool.for_budget(weights, page_size=16, memory_bytes=2 << 30)
+    seq = pool.open()                       # a new sequence (a video's prefix, or one branch)
+    pool.reserve(n_pages); pool.grow(seq, 300)   # pages for 300 keys, from the reservation
+    slots = pool.slots(seq, 290, 300)       # flat slot index of keys 290..299 (where the step writes)
+    pool.close(seq)                         # its pages go back to the free list (no copy)
+
+Layout. Keys and values are one tensor for all layers, `kv` [layers, pages * page_size, 2,
+Hkv, D]: page p holds flat slots [p*S, (p+1)*S), keys and values side by side, one contiguous
+run (gathering a page is one memcpy for both; a fused kernel takes a layer's keys as the
+[1, Hkv, keys, D] view it wants). A sequence's keys live in the pages of its block
+table in order (key i at page table[i // S], offset i % S). Page 0 is the scratch page:
+padding rows of a step write there and see only its first key, so no real page is ever
+touched by padding.
+
+Ownership. Every page records its owner sequence id and the logical index of its first key
+(`owner`, `start`, device tensors of [pages]); the attention kernels decide visibility from
+them (infer/engine/kernels.py). Sequence ids are never reused, so a page freed by one video and
+handed to another can never be read as the old owner's (no leak from a previous owner).
+
+Sharing. A video's branches do not copy its prefix: each branch row sees two sequences, the
+video's prefix (prompt + serial <G>s) and its own branch (anchor + tokens): the cascade
+layout without copies.
+
+Budget. The pool is sized from a memory budget (`infer.kv_memory_gb`, or a fraction of the
+free device memory on CUDA), never from max_seq_len x slots. Admission reserves a video's
+worst case (`reserve`) so no sequence can run out of pages mid-decode; pages are taken from
+the free list only when keys arrive (`grow`), so what is allocated tracks what is live.
+Pure torch; no ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("padcap.infer")
+
+SCRATCH_SEQ = -2  # owner id of the scratch page (page 0)
+FREE_SEQ = -1  # owner id of a page nobody holds
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` keys."""
+    return -(-int(tokens) // int(page_size))
+
+
+def page_bytes(layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes one page takes over all layers, keys and values."""
+    return 2 * layers * page_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def max_pages(kv_heads: int, head_dim: int, page_size: int, max_layer_elements: int) -> int:
+    """The most pages a pool layer of at most `max_layer_elements` (> 0) elements holds."""
+    return max_layer_elements // (2 * page_size * kv_heads * head_dim)
+
+
+@dataclass
+class Seq:
+    """One sequence in the pool: its id, block table (page ids, host) and key count."""
+
+    id: int
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class OutOfPages(RuntimeError):
+    """The pool has no free page for a key that was not reserved (a scheduler bug, never user input)."""
+
+
+class PagePool:
+    """The engine's KV pool (module doc)."""
+
+    def __init__(self, layers: int, pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, zero: bool = False):
+        if pages < 2 or page_size < 1:
+            raise ValueError(f"a KV pool needs at least 2 pages of >= 1 key (got {pages} of {page_size})")
+        self.layers, self.pages, self.page_size = layers, pages, page_size
+        self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
+        shape = (layers, pages * page_size, 2, kv_heads, head_dim)
+        # empty, not zeros: pages are zeroed when handed out (`sync`); untouched pages cost no RAM on CPU.
+        # zero=True for kernels that read pages no block lists (eager FlexAttention reads the whole pool).
+        self.kv = (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+        self.kv[:, :page_size].zero_()
+        self.layer = list(self.kv.unbind(0))  # per layer [P*S, 2, Hkv, D] views, taken once
+        self.layer_pages = [t.view(pages, -1) for t in self.layer]  # per layer [P, S*2*Hkv*D]: a row per page
+        self.owner = torch.full((pages,), FREE_SEQ, dtype=torch.long, device=device)
+        self.start = torch.zeros(pages, dtype=torch.long, device=device)
+        self.owner[0] = SCRATCH_SEQ
+        self._free = list(range(pages - 1, 0, -1))  # pop() gives the lowest page first
+        self._reserved = 0
+        self._next_id = 0
+        self._pending: list[tuple[int, int, int]] = []  # (page, owner, start) not yet on the device
+        self.peak_pages = 0
+
+    @classmethod
+    def for_budget(cls, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                   page_size: int, memory_bytes: int, zero: bool = False, max_layer_elements: int = 0) -> "PagePool":
+        """A pool of as many pages as `memory_bytes` holds (at least 2), and no more than keep one layer
+        within `max_layer_elements` (a kernel's addressing limit, infer/engine/kernels.py Contract; 0 = none)."""
+        per = page_bytes(layers, kv_heads, head_dim, page_size, dtype)
+        pages = int(memory_bytes) // per
+        if max_layer_elements and pages > max_pages(kv_heads, head_dim, page_size, max_layer_elements):
+            pages = max_pages(kv_heads, head_dim, page_size, max_layer_elements)
+            log.warning("KV pool capped at %d pages (%.1f GB of the %.1f GB budget): the kernel addresses a pool "
+                        "layer with int32 offsets (%d elements at most)", pages, pages * per / 1e9,
+                        memory_bytes / 1e9, max_layer_elements)
+        return cls(layers, max(2, pages), page_size, kv_heads, head_dim, dtype, device, zero)
+
+    # ------------------------------------------------------------------ accounting
+
+    @property
+    def usable(self) -> int:
+        """Pages a sequence can ever get (all but the scratch page)."""
+        return self.pages - 1
+
+    @property
+    def free_pages(self) -> int:
+        """Pages neither allocated nor promised to an admitted video."""
+        return len(self._free) - self._reserved
+
+    @property
+    def allocated(self) -> int:
+        return self.usable - len(self._free)
+
+    @property
+    def bytes_per_page(self) -> int:
+        return page_bytes(self.layers, self.kv_heads, self.head_dim, self.page_size, self.dtype)
+
+    def reserve(self, n: int) -> bool:
+        """Promise n pages to a video (its worst case); False (nothing promised) if they are not free."""
+        if n > self.free_pages:
+            return False
+        self._reserved += n
+        return True
+
+    def unreserve(self, n: int) -> None:
+        """Give back n promised pages that will not be used."""
+        if n < 0 or n > self._reserved:
+            raise ValueError(f"cannot give back {n} of {self._reserved} reserved pages")
+        self._reserved -= n
+
+    # ------------------------------------------------------------------ sequences
+
+    def open(self) -> Seq:
+        seq = Seq(self._next_id)
+        self._next_id += 1
+        return seq
+
+    def grow(self, seq: Seq, length: int) -> None:
+        """Make room for keys [0, length) of seq, taking new pages from the reservation."""
+        need = pages_for(length, self.page_size) - len(seq.pages)
+        if need > 0:
+            if need > len(self._free) or need > self._reserved:
+                raise OutOfPages(f"sequence {seq.id} needs {need} pages: {len(self._free)} free, "
+                                 f"{self._reserved} reserved")
+            for _ in range(need):
+                page = self._free.pop()
+                self._pending.append((page, seq.id, len(seq.pages) * self.page_size))
+                seq.pages.append(page)
+            self._reserved -= need
+            self.peak_pages = max(self.peak_pages, self.allocated)
+        seq.length = max(seq.length, length)
+
+    def close(self, seq: Seq) -> None:
+        """Free the pages of seq (a block-table edit; the data stays until a new owner writes)."""
+        self._free.extend(reversed(seq.pages))
+        self._pending.extend((p, FREE_SEQ, 0) for p in seq.pages)
+        seq.pages = []
+        seq.length = 0
+
+    def slots(self, seq: Seq, lo: int, hi: int) -> torch.Tensor:
+        """Flat slot ids [hi - lo] (host long) of keys lo..hi-1 of seq (pages must exist)."""
+        i = torch.arange(lo, hi)
+        table = torch.tensor(seq.pages, dtype=torch.long)
+        return table[i // self.page_size] * self.page_size + i % self.page_size
+
+    def sync(self) -> None:
+        """Apply the step's page ownership changes on the device: one scatter each, once per step."""
+        if not self._pending:
+            return
+        last = {page: (own, start) for page, own, start in self._pending}  # a page freed and retaken: the last wins
+        self._pending.clear()
+        idx = torch.tensor(list(last), dtype=torch.long)
+        own = torch.tensor([o for o, _ in last.values()], dtype=torch.long)
+        start = torch.tensor([s for _, s in last.values()], dtype=torch.long)
+        idx, own, start = idx.to(self.device), own.to(self.device), start.to(self.device)
+        self.owner.index_copy_(0, idx, own)
+        self.start.index_copy_(0, idx, start)
+        # A new page's unwritten slots are read (masked) by the kernels: 0 * NaN would be NaN, and torch.empty
+        # can hold anything. Zero what was just handed out (one fill per step, all layers at once).
+        taken = idx[own >= 0]
+        if taken.numel():
+            self.kv.view(self.layers, self.pages, -1).index_fill_(1, taken, 0)
+
+    def describe(self) -> dict[str, float]:
+        return {"pages": self.pages, "page_size": self.page_size, "bytes_per_page": self.bytes_per_page,
+                "pool_gb": self.pages * self.bytes_per_page / 1e9}

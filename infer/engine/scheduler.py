@@ -1,0 +1,320 @@
+"""The token-budget scheduler: what each step carries, for every video in flight.
+
+    sched = Scheduler(runner, pool, step_tokens=512, max_rows=128, q_block=16)
+    plan = sched.plan(videos)            # -> StepPlan (ForwardBatch + who owns which rows), or None
+    hidden, states = runner.forward(plan.batch)
+    sched.absorb(plan, hidden, states)   # decisions, chunk states, branch rows' logits rows
+
+A video moves through three phases, each a kind of row in the shared step:
+
+  PREFILL  chunks of its prefix, at most what is left of the step's token budget, cut only
+           where the prefix mask allows (`legal_cuts`: never inside a bidirectional block). A
+           bidirectional block larger than a whole step is prefilled layer by layer instead
+           (`LayerJob`: at each layer the keys and values of the whole block, then the rest
+           of the layer for as many of its tokens as the budget leaves: exact, and within
+           the budget);
+  PLAN     one row per step: the serial <G> it decided on at the previous row; the row's
+           final state and grounding-layer state come back from the same forward;
+  BRANCH   its K caption branches, one row each (the anchor at step 0, then the last token).
+
+Each step is filled in that priority: every running branch row, then every planning row,
+then prefill chunks in admission order up to `step_tokens`. A newcomer's prefill thus never
+stalls running videos for more than one chunk. Rows are laid out per video in query blocks
+of at most `q_block` tokens (infer/engine/kernels.py); all of it is host bookkeeping done once per
+step, never per layer. Pure torch; no ray.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.engine.attn_meta import AttnMeta, Workspace
+from infer.engine.packing import BlockPlan
+from infer.engine.paged import FREE_SEQ, PagePool, Seq, pages_for
+from infer.engine.step import ForwardBatch, LayerJob, ModelRunner
+
+
+class Phase(enum.Enum):
+    PREFILL = "prefill"
+    PLAN = "plan"
+    READY = "ready"  # planned, waiting for room for its branch rows
+    BRANCH = "branch"
+
+
+@dataclass
+class Branch:
+    event: int
+    seq: Seq
+    tokens: list[int] = field(default_factory=list)
+    traced: list[torch.Tensor] | None = None
+
+
+class VideoState:
+    """A video in flight: its program (infer/engine/programs.py), its sequences, and where it is."""
+
+    def __init__(self, request, opts, prog, reserved: int, seq: Seq, cap: int):
+        self.request, self.opts, self.prog = request, opts, prog
+        self.prefix = seq
+        self.cursor = 0  # prefix tokens prefilled
+        self.reserved = reserved  # pages promised to this video, not yet taken
+        self.cap = cap  # tokens per branch
+        self.phase = Phase.PREFILL
+        self.feed_g = False  # a serial <G> goes into the next step
+        self.job: LayerJob | None = None  # a bidirectional block being prefilled one layer per step
+        self.chunks: dict[int, list[torch.Tensor]] = {i: [] for i in prog.capture}
+        self.branches: list[Branch] = []  # active ones, in event order
+        self.finished: list[Branch] = []
+        self.anchors = None  # programs.Anchors once planned
+        self.steps = 0  # branch steps taken (lock-step within a video)
+        self.processors = request.control.processors(prog.model.eos_id)
+        self.sampler = None
+        self.times = {"admit": time.perf_counter()}
+        self.grounding_ms = 0.0
+
+    @property
+    def rows(self) -> int:
+        return len(self.branches)
+
+
+@dataclass
+class StepPlan:
+    """One step: its ForwardBatch and the layout of its rows.
+
+    branch: (video, first row, rows) for the branch rows, which come first ([0, n_branch));
+    plan: (video, row) of each planning row; prefill: (video, first row, lo, hi) of each chunk;
+    jobs: (video, LayerJob) of each layered block with a part in this step.
+    """
+
+    batch: ForwardBatch
+    n_branch: int
+    branch: list[tuple[VideoState, int, int]]
+    plan: list[tuple[VideoState, int]]
+    prefill: list[tuple[VideoState, int, int, int]]
+    jobs: list[tuple[VideoState, LayerJob]] = field(default_factory=list)
+    scratch: bool = False  # the main batch is one scratch token (a step of layered blocks only)
+
+    @property
+    def tokens(self) -> int:
+        return 0 if self.scratch else int(self.batch.embeds.shape[0])
+
+    @property
+    def layer_tokens(self) -> int:
+        """Queries of layered blocks that went through one layer in this step."""
+        return sum(job.part[1] - job.part[0] for _, job in self.jobs)
+
+
+class Scheduler:
+    """Fills each step under the token budget and lays out its metadata (module doc)."""
+
+    def __init__(self, runner: ModelRunner, pool: PagePool, *, step_tokens: int, max_rows: int, q_block: int,
+                 prefill_block: int = 0):
+        self.runner, self.pool = runner, pool
+        self.step_tokens, self.max_rows, self.q_block = step_tokens, max_rows, q_block
+        # prefill chunks attend in larger blocks: a block gathers its pages once for all its queries
+        self.prefill_block = prefill_block or 4 * q_block
+        # the step's mask is rebuilt into one buffer every step (a layered job's meta, which lives across
+        # steps, has its own)
+        self.mask_workspace = Workspace()
+        self.device = pool.device
+
+    # ------------------------------------------------------------------ building a step
+
+    @property
+    def attn_q_block(self) -> int:
+        """The query block of a step's attention metadata (flex's BM): the larger of the two block sizes."""
+        return max(self.q_block, self.prefill_block)
+
+    def _grow(self, v: VideoState, seq: Seq, length: int) -> None:
+        before = len(seq.pages)
+        self.pool.grow(seq, length)
+        v.reserved -= len(seq.pages) - before
+
+    def _blocks(self, first: int, count: int, pages: list[int], own: list[list[int]] | None = None,
+                size: int = 0) -> list[BlockPlan]:
+        """Query blocks of `size` (default q_block) over step tokens [first, first + count): each sees
+        `pages` (+ its rows' own pages)."""
+        out = []
+        size = size or self.q_block
+        for lo in range(first, first + count, size):
+            hi = min(first + count, lo + size)
+            extra = [p for r in range(lo - first, hi - first) for p in own[r]] if own else []
+            out.append(BlockPlan(range(lo, hi), pages + extra))
+        return out
+
+    def plan(self, videos: list[VideoState]) -> StepPlan | None:
+        S = self.pool.page_size
+        embeds: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        seq_a: list[int] = []
+        lim_a: list[int] = []
+        seq_b: list[int] = []
+        lim_b: list[int] = []
+        blocks: list[BlockPlan] = []
+        n = 0
+        branch_rows, plan_rows, chunks = [], [], []
+        # 1. every running branch row (anchors at step 0, else the last token)
+        tok_ids: list[int] = []
+        for v in videos:
+            if v.phase is not Phase.BRANCH:
+                continue
+            j = v.steps
+            pref = v.prefix
+            for b in v.branches:
+                self._grow(v, b.seq, j + 1)
+            if j == 0:
+                embeds.append(v.anchors.anchors.to(self.runner.w.dtype))
+            else:
+                tok_ids.extend(b.tokens[-1] for b in v.branches)
+                embeds.append(None)  # filled by one embedding gather below
+            k = v.rows
+            positions.append(torch.full((3, k), v.anchors.anchor_pos + j, dtype=torch.long))
+            slots.append(torch.tensor([b.seq.pages[j // S] * S + j % S for b in v.branches], dtype=torch.long))
+            seq_a += [pref.id] * k
+            lim_a += [pref.length] * k
+            seq_b += [b.seq.id for b in v.branches]
+            lim_b += [j + 1] * k
+            blocks += self._blocks(n, k, pref.pages, [b.seq.pages for b in v.branches])
+            branch_rows.append((v, n, k))
+            n += k
+        n_branch = n
+        if tok_ids:  # the branch tokens of every video: one embedding gather
+            pieces = iter(self.runner.embed(torch.tensor(tok_ids, device=self.device)).split(
+                [k for (_, _, k), e in zip(branch_rows, embeds) if e is None]))
+            embeds = [next(pieces) if e is None else e for e in embeds]
+        # 2. one planning row per planning video
+        for v in videos:
+            if v.phase is not Phase.PLAN or not v.feed_g:
+                continue
+            pref = v.prefix
+            x, pos = v.prog.plan_input()
+            key = pref.length
+            self._grow(v, pref, key + 1)
+            embeds.append(x[None].to(self.runner.w.dtype))
+            positions.append(pos[:, None].cpu())
+            slots.append(self.pool.slots(pref, key, key + 1))
+            seq_a.append(pref.id)
+            lim_a.append(key + 1)
+            seq_b.append(FREE_SEQ)
+            lim_b.append(0)
+            blocks += self._blocks(n, 1, pref.pages)
+            plan_rows.append((v, n))
+            n += 1
+        # 3. prefill: layered blocks and chunks, up to the budget (a block in progress gets at least one block
+        #    of queries a step, so it always moves)
+        jobs: list[tuple[VideoState, LayerJob]] = []
+        prefilled_any = False
+        for v in videos:
+            if v.phase is not Phase.PREFILL:
+                continue
+            room = self.step_tokens - n - sum(j.part[1] - j.part[0] for _, j in jobs)
+            if v.job is not None:
+                self._job_part(v.job, room)
+                jobs.append((v, v.job))
+                prefilled_any = True
+                continue
+            cut = _largest_cut(v.prog.cuts, v.cursor, v.cursor + room)
+            if cut is None:
+                nxt = _smallest_cut(v.prog.cuts, v.cursor)
+                if nxt - v.cursor > self.step_tokens and (room >= self.prefill_block or not prefilled_any):
+                    v.job = self._layer_job(v, v.cursor, nxt)  # a block no step can hold: by layer and by part
+                    self._job_part(v.job, room)
+                    jobs.append((v, v.job))
+                    prefilled_any = True
+                    continue
+                if prefilled_any:
+                    continue  # its smallest chunk does not fit beside the others: a later step
+                cut = nxt  # a whole bidirectional block, over the budget (alone, it still fits a step)
+            lo, hi = v.cursor, cut
+            pref = v.prefix
+            self._grow(v, pref, hi)
+            embeds.append(v.prog.embeds[lo:hi].to(self.runner.w.dtype))
+            positions.append(v.prog.positions[:, lo:hi].cpu())
+            slots.append(self.pool.slots(pref, lo, hi))
+            lims = v.prog.limits[lo:hi].tolist()
+            seq_a += [pref.id] * (hi - lo)
+            lim_a += lims
+            seq_b += [FREE_SEQ] * (hi - lo)
+            lim_b += [0] * (hi - lo)
+            blocks += self._chunk_blocks(n, pref, lims)
+            chunks.append((v, n, lo, hi))
+            n += hi - lo
+            prefilled_any = True
+        if n == 0 and jobs:  # only layered blocks in this step: a dummy-free empty main batch is not allowed
+            return self._jobs_only(jobs)
+        if n == 0:
+            return None
+        self.pool.sync()
+        capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
+        attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=self.attn_q_block, pool=self.pool,
+                              kernel=self.runner.kernel, group=self.runner.w.heads // self.runner.w.kv_heads,
+                              workspace=self.mask_workspace)
+        batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
+                             slots=torch.cat(slots).to(self.device), attn=attn, capture=capture,
+                             jobs=tuple(job for _, job in jobs))
+        return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks, jobs)
+
+    def _chunk_blocks(self, first: int, pref: Seq, lims: list[int]) -> list[BlockPlan]:
+        """Query blocks of a prefill chunk at step tokens [first, first + len(lims)): each sees the prefix
+        pages up to the furthest limit among its tokens."""
+        out = self._blocks(first, len(lims), [], size=self.prefill_block)
+        for blk in out:
+            last = max(lims[t - first] for t in blk.tokens)
+            blk.pages = pref.pages[: pages_for(last, self.pool.page_size)]
+        return out
+
+    def _layer_job(self, v: VideoState, lo: int, hi: int) -> LayerJob:
+        """Prefix tokens [lo, hi) of v (a bidirectional block) as a LayerJob: its pages now."""
+        pref, prog, w = v.prefix, v.prog, self.runner.w
+        self._grow(v, pref, hi)
+        cos, sin = self.runner.rope(prog.positions[:, lo:hi].to(self.device), w.dtype)
+        return LayerJob(x=prog.embeds[lo:hi].to(w.dtype), cos=cos, sin=sin,
+                        slots=self.pool.slots(pref, lo, hi).to(self.device), capture=prog.capture, span=(lo, hi),
+                        seq=pref, limits=prog.limits[lo:hi])
+
+    def _job_part(self, job: LayerJob, room: int) -> None:
+        """The job's queries for this step: the next `room` of its layer (at least one query block), and
+        their attention metadata."""
+        a = 0 if job.part[1] >= job.tokens else job.part[1]
+        b = min(job.tokens, a + max(self.prefill_block, room))
+        job.part = (a, b)
+        lims = job.limits[a:b].tolist()
+        self.pool.sync()  # the metadata reads the pages' owners
+        w = self.runner.w
+        job.attn = AttnMeta.build(self._chunk_blocks(0, job.seq, lims), [job.seq.id] * (b - a), lims,
+                                  [FREE_SEQ] * (b - a), [0] * (b - a), q_block=self.prefill_block, pool=self.pool,
+                                  kernel=self.runner.kernel, group=w.heads // w.kv_heads)
+
+    def _jobs_only(self, jobs) -> StepPlan:
+        """A step whose only work is layered blocks: the main batch is one scratch token (its KV goes to
+        the scratch page, it sees only the scratch page's first key; nothing reads its output)."""
+        from infer.engine.paged import SCRATCH_SEQ
+
+        self.pool.sync()
+        w = self.runner.w
+        attn = AttnMeta.build([BlockPlan([0], [0])], [SCRATCH_SEQ], [1], [FREE_SEQ], [0], q_block=self.prefill_block,
+                              pool=self.pool,
+                              kernel=self.runner.kernel, group=w.heads // w.kv_heads)
+        batch = ForwardBatch(embeds=torch.zeros(1, w.hidden, dtype=w.dtype, device=self.device),
+                             positions=torch.zeros(3, 1, dtype=torch.long, device=self.device),
+                             slots=torch.zeros(1, dtype=torch.long, device=self.device), attn=attn,
+                             jobs=tuple(job for _, job in jobs))
+        return StepPlan(batch, 0, [], [], [], jobs, scratch=True)
+
+
+def _largest_cut(cuts: list[int], lo: int, hi: int) -> int | None:
+    """The largest legal cut in (lo, hi], or None."""
+    import bisect
+
+    i = bisect.bisect_right(cuts, hi) - 1
+    return cuts[i] if i >= 0 and cuts[i] > lo else None
+
+
+def _smallest_cut(cuts: list[int], lo: int) -> int:
+    import bisect
+
+    return cuts[bisect.bisect_right(cuts, lo)]

@@ -1,0 +1,492 @@
+"""Offline mass captioning of a video archive with Ray Data.
+
+    python -m infer.offline.job --videos /data/archive            --model runs/default/train/model --out /data/captions
+    python -m infer.offline.job --videos 's3://bucket/videos/*.mp4' --model DIR --out s3://bucket/captions
+    python -m infer.offline.job --videos runs/default/preprocess/manifest.parquet --model DIR --out DIR
+
+Ray Data lists the videos, decodes and encodes them in a CPU actor pool
+(`preprocess.featurize.Featurizer`), captions them in an engine actor pool
+(`infer.engine.core.CaptionEngine`, several videos per call, GPUs per actor from
+`cluster.caption_gpus_per_actor`; with the release encoders in online mode the CPU
+actors run only the release's front end and the engine actor encodes with its own
+model, see `engine_input`), and writes one row per video (id, uri,
+duration, events, timings, model id, config hash) as JSONL and Parquet, plus an
+error row with its reason (`error`) and kind (`error_kind`) for every video that failed.
+
+Exit status (`main`, and `pipeline/run.py`'s caption stage through `judge`): 0 when every
+failure is such a per-video row and they are at most `infer.max_failed_fraction` of the
+videos (default 5%: one corrupt upload does not fail an archive run); 1 when more failed,
+or when the engine raised on every video it was given (a broken model, not bad files); a
+crashed actor pool raises out of `run_caption` as before.
+
+Work is committed in chunks (`parts/<chunk>.parquet`, written last): every `chunk_videos` rows as
+they come out of one Ray Data pipeline for the whole job (each actor loads its encoders or model
+once per job, not once per chunk; a row's timings name the processes that featurized and captioned
+it, `featurize_pid` / `caption_pid`). A re-run skips videos already captioned with the same model
+and config, and a run killed midway and restarted ends with every video exactly once. `captions.jsonl` and
+`captions.parquet` are the consolidation of all parts, for the videos listed this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pipeline import faults, storage  # noqa: E402
+from pipeline.cluster import init_ray, node_id, placement  # noqa: E402
+from pipeline.config import Config, load_config, section_hash  # noqa: E402
+from pipeline.schema import FIELDS, KEY, decode, encode  # noqa: E402
+
+RESULT_COLUMNS: dict[str, pa.DataType] = {
+    "video_id": pa.string(),
+    "uri": pa.string(),
+    "status": pa.string(),  # ok | error
+    "error": pa.string(),
+    "duration": pa.float64(),
+    "events": pa.string(),  # JSON list of {start, end, caption}
+    "timings": pa.string(),  # JSON object
+    "model_id": pa.string(),
+    "config_hash": pa.string(),
+    "chunk": pa.string(),
+    "capped": pa.string(),  # JSON list of bool, per event: caption cut at infer.max_branch_tokens
+    "segments_kept": pa.int64(),  # segments the model saw (fewer than segments_total: shortened to fit)
+    "segments_total": pa.int64(),
+    "error_kind": pa.string(),  # "" | input (bad media / annotation) | refused (by the engine) | engine (raised on it)
+}
+ERROR_KINDS = ("input", "refused", "engine")
+SAMPLE_COLUMNS = [KEY, *FIELDS]
+RELEASE_INPUTS = "release_inputs"  # online release encoders: the front end's output (ReleaseInputs.to_bytes)
+
+
+@dataclass
+class _Annotation:
+    """What the featurizer needs to know about a video when captioning it: no events."""
+
+    video_id: str
+    duration: float | None = None
+    events: tuple = ()
+    split: str = ""
+    source: str = "archive"
+
+
+def caption_config_hash(cfg: Config) -> str:
+    """What makes a caption row reusable: the feature, model and decoding settings (not the
+    failure threshold, which only judges the rows)."""
+    infer = {k: v for k, v in dataclasses.asdict(cfg.infer).items() if k != "max_failed_fraction"}
+    return section_hash({"features": dataclasses.asdict(cfg.features), "model": dataclasses.asdict(cfg.model),
+                         "infer": infer})
+
+
+# ----------------------------------------------------------------------------- listing
+
+
+def _listing_root(spec: str) -> str:
+    """The folder a directory or glob listing lies under, spelled as the listed URIs are."""
+    cut = min((spec.index(ch) for ch in "*?[" if ch in spec), default=len(spec))
+    root = spec[:cut] if cut == len(spec) else spec[:cut].rsplit("/", 1)[0]
+    if not storage.is_remote(root):
+        root = os.path.abspath(root[len("file://"):] if root.startswith("file://") else root)
+    return root.rstrip("/")
+
+
+def list_videos(spec: str, extensions: list[str]) -> list[dict[str, str]]:
+    """[{video_id, uri}] for a directory, a glob, an s3:// prefix or a preprocess manifest.
+
+    The id is the file's stem; when that is taken, its file name; when that is taken too
+    (the same name in several folders: cam1/0001.mp4, cam2/0001.mp4), its path under the
+    listed folder, so every video keeps its own row. A directory or prefix that does not
+    exist, or a glob that matches nothing, is a FileNotFoundError naming `spec`: a typo
+    must not pass for an empty archive.
+    """
+    if spec.endswith(".parquet"):
+        rows = pq.read_table(io.BytesIO(storage.read_bytes(spec))).to_pylist()
+        return [{"video_id": r["video_id"], "uri": r["uri"] or ""} for r in rows]
+    if any(ch in spec for ch in "*?["):
+        fs, inner = storage.filesystem(spec)
+        proto = spec.split("://", 1)[0] + "://" if storage.is_remote(spec) else ""
+        uris = sorted(proto + p if proto and not p.startswith(proto) else p for p in fs.glob(inner))
+        if not uris:
+            raise FileNotFoundError(f"--videos {spec!r}: the pattern matches no files")
+    else:
+        if not storage.exists(spec):
+            raise FileNotFoundError(f"--videos {spec!r}: no such directory or prefix")
+        uris = storage.list_files(spec, tuple(extensions))
+    root = _listing_root(spec)
+    out, seen = [], set()
+    for uri in uris:
+        name = uri.rsplit("/", 1)[-1]
+        under_root = uri[len(root) + 1:] if uri.startswith(root + "/") else uri
+        vid = next((c for c in (name.rsplit(".", 1)[0], name, under_root) if c not in seen), uri)
+        seen.add(vid)
+        out.append({"video_id": vid, "uri": uri})
+    return out
+
+
+# ----------------------------------------------------------------------------- Ray Data stages
+
+
+class FeaturizeForCaption:
+    """CPU actor: uri -> encoded sample fields (or an error), encoders built once."""
+
+    def __init__(self, cfg_json: str):
+        from preprocess.featurize import Featurizer
+
+        self.featurizer = Featurizer(Config.from_json(cfg_json))
+        self.pid = os.getpid()
+        release = self.featurizer.release  # online release encoders: only the front end runs here
+        self.front_end = release.inputs if release is not None and release.online else None
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {c: [] for c in ["video_id", "uri", "chunk", "status", "error", "seconds",
+                                                      "featurize_pid", *SAMPLE_COLUMNS, RELEASE_INPUTS]}
+        for i in range(len(batch["video_id"])):
+            vid, uri = str(batch["video_id"][i]), str(batch["uri"][i])
+            t0 = time.perf_counter()
+            fields: dict[str, Any] = {KEY: "", **{c: b"" for c in FIELDS}, RELEASE_INPUTS: b""}
+            status, error = "ok", ""
+            try:
+                if not uri:
+                    raise FileNotFoundError("no uri for this video")
+                with faults.in_flight("caption-featurize", [vid], node_id()):
+                    if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
+                        fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
+                    else:
+                        fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
+            except Exception as e:  # explained, never fatal
+                status, error = "error", f"{type(e).__name__}: {e}"
+            for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS):
+                out[c].append(fields[c])
+            out["video_id"].append(vid)
+            out["uri"].append(uri)
+            out["chunk"].append(str(batch["chunk"][i]))
+            out["status"].append(status)
+            out["error"].append(error)
+            out["seconds"].append(time.perf_counter() - t0)
+            out["featurize_pid"].append(self.pid)
+        return out
+
+
+def engine_input(fields: dict[str, Any], video_id: str):
+    """One featurized row -> what the engine captions: a decoded Sample (a stored schema-2 sample of the
+    release encoders too: the engine takes its tokens), or a ReleaseVideo of the release's front-end output
+    (online release encoders), which the engine encodes with its own model."""
+    if fields.get(RELEASE_INPUTS):
+        from preprocess.release_encoders import inputs_video
+        from preprocess.release_frontend import ReleaseInputs
+
+        return inputs_video(ReleaseInputs.from_bytes(fields[RELEASE_INPUTS]), video_id)
+    return decode({c: fields[c] for c in SAMPLE_COLUMNS})
+
+
+class CaptionVideos:
+    """Engine actor: decoded samples -> caption rows; the model is loaded once per actor."""
+
+    def __init__(self, cfg_json: str, model_dir: str):
+        from infer.engine.core import CaptionEngine
+        from infer.loading import load_model
+
+        cfg = Config.from_json(cfg_json)
+        model, card, cfg = load_model(cfg, model_dir)
+        self.engine = CaptionEngine(model, cfg.infer)
+        # what decoded the rows: the step's attention kernel, or HF's forward for the single chain
+        self.kernel = self.engine.kernel.name if cfg.infer.decoder == "parallel" else "hf-forward (monolithic)"
+        self.model_id = card.model_id
+        self.config_hash = caption_config_hash(cfg)
+        self.pid = os.getpid()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+        n = len(batch["video_id"])
+        rows = [{"video_id": str(batch["video_id"][i]), "uri": str(batch["uri"][i]), "chunk": str(batch["chunk"][i]),
+                 "status": str(batch["status"][i]), "error": str(batch["error"][i]), "duration": None,
+                 "events": "[]", "timings": "{}", "model_id": self.model_id, "config_hash": self.config_hash,
+                 "capped": "[]", "segments_kept": 0, "segments_total": 0,
+                 "error_kind": "input" if str(batch["status"][i]) != "ok" else ""}
+                for i in range(n)]
+        with faults.in_flight("caption", [r["video_id"] for r in rows], node_id()):
+            self._caption(batch, rows)
+        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
+
+    def _caption(self, batch: dict[str, np.ndarray], rows: list[dict[str, Any]]) -> None:
+        """Fills `rows` (one per video of `batch`) with the engine's captions or the reason it gave none."""
+        todo = []
+        for i, row in enumerate(rows):
+            if row["status"] != "ok":
+                continue
+            try:
+                todo.append((i, engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch},
+                                             row["video_id"])))
+            except Exception as e:
+                row.update(status="error", error=f"{type(e).__name__}: {e}", error_kind="input")
+        if todo:
+            try:
+                results = self.engine.caption([s for _, s in todo])
+            except Exception:  # one bad video must not sink its batch: retry one by one
+                results = []
+                for i, s in todo:
+                    try:
+                        results.extend(self.engine.caption([s]))
+                    except Exception as e:
+                        results.append(e)
+            for (i, sample), res in zip(todo, results):
+                if isinstance(res, Exception):
+                    rows[i].update(status="error", error=f"{type(res).__name__}: {res}", error_kind="engine")
+                    continue
+                if getattr(res, "error", None):  # the engine refused this video (does not fit the model)
+                    rows[i].update(status="error", error=f"engine: {res.error}", error_kind="refused")
+                    continue
+                rows[i].update(duration=float(res.duration),
+                               events=json.dumps([{"start": e.start, "end": e.end, "caption": e.caption}
+                                                  for e in res.events], ensure_ascii=False),
+                               timings=json.dumps({**res.timings, "featurize_s": float(batch["seconds"][i]),
+                                                   "kernel": self.kernel, "caption_pid": self.pid,
+                                                   "featurize_pid": int(batch.get("featurize_pid", [0] * len(rows))[i])}),
+                               capped=json.dumps(res.capped), segments_kept=res.segments_kept,
+                               segments_total=res.segments_total)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def _parts_dir(out: str) -> str:
+    return storage.join(out, "parts")
+
+
+def _read_parts(out: str) -> list[dict[str, Any]]:
+    rows = []
+    for p in storage.list_files(_parts_dir(out), (".parquet",)):
+        rows.extend(pq.read_table(io.BytesIO(storage.read_bytes(p))).to_pylist())
+    return rows
+
+
+def _write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
+    table = pa.Table.from_pylist([{c: r.get(c) for c in RESULT_COLUMNS} for r in rows], schema=pa.schema(RESULT_COLUMNS))
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    storage.write_bytes(path, buf.getvalue())
+
+
+def consolidate(out: str, keep: set[str] | None = None) -> list[dict[str, Any]]:
+    """Latest row per video across committed parts -> captions.parquet + captions.jsonl.
+    `keep`: the ids listed this run; rows of videos no longer listed (deleted from the archive,
+    removed from the test split) are left out."""
+    latest: dict[str, dict[str, Any]] = {}
+    for row in _read_parts(out):
+        if keep is None or row["video_id"] in keep:
+            latest[row["video_id"]] = row
+    rows = sorted(latest.values(), key=lambda r: r["video_id"])
+    _write_parquet(storage.join(out, "captions.parquet"), rows)
+    lines = []
+    for r in rows:
+        rec = {**r, "events": json.loads(r["events"] or "[]"), "timings": json.loads(r["timings"] or "{}"),
+               "capped": json.loads(r.get("capped") or "[]")}
+        lines.append(json.dumps(rec, ensure_ascii=False))
+    storage.write_bytes(storage.join(out, "captions.jsonl"), ("\n".join(lines) + "\n").encode("utf-8"))
+    return rows
+
+
+def read_results(out: str) -> list[dict[str, Any]]:
+    """The consolidated rows, events and timings parsed."""
+    rows = pq.read_table(io.BytesIO(storage.read_bytes(storage.join(out, "captions.parquet")))).to_pylist()
+    for r in rows:
+        r["events"] = json.loads(r["events"] or "[]")
+        r["timings"] = json.loads(r["timings"] or "{}")
+        r["capped"] = json.loads(r.get("capped") or "[]")
+    return rows
+
+
+class OncePerVideo:
+    """Rows as Ray Data hands them back -> one per video: its first ok row, else its first.
+
+    A task retried after its actor or node was lost (fault tolerance: Ray re-runs it) can hand
+    back a video twice. `take(row)` says what to do with each row: "new" (keep it), "replaces"
+    (keep it instead of the video's earlier error row) or "dropped"."""
+
+    def __init__(self):
+        self.kept: dict[str, dict[str, Any]] = {}
+        self.dropped = 0
+
+    def take(self, row: dict[str, Any]) -> str:
+        seen = self.kept.get(row["video_id"])
+        if seen is not None and (seen["status"] == "ok" or row["status"] != "ok"):
+            self.dropped += 1
+            return "dropped"
+        self.kept[row["video_id"]] = row
+        if seen is None:
+            return "new"
+        self.dropped += 1
+        return "replaces"
+
+    def check(self, listed: list[str]) -> None:
+        """A listed video with no row at all is an error (a re-run redoes it)."""
+        missing = [v for v in listed if v not in self.kept]
+        if missing:
+            raise RuntimeError(f"captioning returned no row for {len(missing)} of {len(listed)} videos: {missing[:5]}")
+
+
+def once_per_video(result: list[dict[str, Any]], listed: list[str]) -> tuple[list[dict[str, Any]], int]:
+    """A chunk's rows -> (one row per listed video, in listing order; duplicates dropped): OncePerVideo."""
+    once = OncePerVideo()
+    for r in result:
+        once.take(r)
+    once.check(listed)
+    return [once.kept[v] for v in listed], once.dropped
+
+
+def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed_fraction: float,
+          out: str) -> dict[str, Any]:
+    """Whether a captioning job succeeded, from its consolidated `rows` (one per video) and the
+    rows `this_run` wrote -> {"failed", "failed_fraction", "errors_in" (where the reasons are,
+    when any failed), "failure" (why the job failed; absent when it did not)}.
+
+    Every failed video is a row with its reason; they fail the job only past
+    `max_failed_fraction` of the videos, or when the engine raised on every video this run gave
+    it (then the engine is what is broken, whatever the share)."""
+    if not 0.0 <= max_failed_fraction <= 1.0:
+        raise ValueError(f"infer.max_failed_fraction must be in [0, 1], got {max_failed_fraction}")
+    failed = [r for r in rows if r["status"] != "ok"]
+    fraction = len(failed) / len(rows) if rows else 0.0
+    verdict: dict[str, Any] = {"failed": len(failed), "failed_fraction": round(fraction, 4)}
+    if failed:
+        verdict["errors_in"] = f"{storage.join(out, 'captions.jsonl')} (status=error rows: error, error_kind)"
+    given = [r for r in this_run if r["status"] == "ok" or r.get("error_kind") in ("refused", "engine")]
+    raised = sum(r.get("error_kind") == "engine" for r in given)
+    if given and raised == len(given):
+        verdict["failure"] = (f"the engine raised on all {raised} videos it was given this run (a broken model or "
+                              f"engine, not bad files); the errors are in {verdict['errors_in']}")
+    elif fraction > max_failed_fraction:
+        verdict["failure"] = (f"{len(failed)} of {len(rows)} videos failed ({100 * fraction:.1f}%), more than "
+                              f"infer.max_failed_fraction={max_failed_fraction:g}; the reasons are in "
+                              f"{verdict['errors_in']}")
+    return verdict
+
+
+def _commit_part(out: str, rows: list[dict[str, Any]], chunk: str) -> int:
+    """Write rows as one part named `chunk` (the commit); -> how many are ok."""
+    for r in rows:
+        r["chunk"] = chunk
+    _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), rows)
+    return sum(r["status"] == "ok" for r in rows)
+
+
+def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
+                chunk_videos: int = 64, max_chunks: int | None = None) -> dict[str, Any]:
+    """Caption every listed video not yet captioned with this model+config. Returns a summary,
+    with `judge`'s verdict in it (`failure` is set when the job failed)."""
+    judge([], [], cfg.infer.max_failed_fraction, out)  # a threshold out of range fails before any work
+    t_start = time.perf_counter()
+    items = list_videos(videos, cfg.data.video_extensions) if isinstance(videos, str) else list(videos)
+    from infer.loading import resolve_model
+
+    model_id, resolved = resolve_model(cfg, model_dir)  # the features the model was trained on; no weights here
+    config_hash = caption_config_hash(resolved)
+    done = {r["video_id"] for r in _read_parts(out)
+            if r["status"] == "ok" and r["model_id"] == model_id and r["config_hash"] == config_hash}
+    todo = [v for v in items if v["video_id"] not in done]
+    print(f"[caption] {len(items)} videos, {len(done)} already captioned with {model_id}, {len(todo)} to do", flush=True)
+    env = {"env_vars": {**storage.forwarded_env(), **faults.forwarded_env()}}
+    chunk_videos = max(1, int(chunk_videos))
+    once = OncePerVideo()  # video id -> the row committed (or about to be) for it this run
+    if todo:  # one pipeline for the whole job: each actor loads its encoders / model once, not once per chunk
+        block = max(1, min(chunk_videos, cfg.infer.videos_per_call))  # results stream back a block at a time
+        ds = ray.data.from_items([{**v, "chunk": ""} for v in todo], override_num_blocks=-(-len(todo) // block))
+        ds = ds.map_batches(FeaturizeForCaption, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None)},
+                            batch_size=1, runtime_env=env, **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor),
+                            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)))
+        ds = ds.map_batches(CaptionVideos, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None),
+                                                                  "model_dir": model_dir},
+                            batch_size=max(1, cfg.infer.videos_per_call), runtime_env=env,
+                            **placement(cfg.cluster, cfg.cluster.caption_cpus_per_actor, cfg.cluster.caption_gpus_per_actor),
+                            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))
+        total, t0, run_id = -(-len(todo) // chunk_videos), time.perf_counter(), uuid.uuid4().hex[:6]
+        pending: list[dict[str, Any]] = []
+        parts = 0
+
+        def commit() -> None:  # every chunk_videos rows as they come back, and the last few
+            nonlocal parts
+            parts += 1  # names sort in commit order: a row that replaces an earlier part's is read last
+            ok = _commit_part(out, pending, f"{time.strftime('%Y%m%dT%H%M%S')}-{run_id}-{parts:05d}")
+            print(f"[caption] chunk {parts}/{total}: {ok} done, {len(pending) - ok} failed, "
+                  f"{60.0 * len(once.kept) / (time.perf_counter() - t0):.1f} videos/min", flush=True)
+            pending.clear()
+
+        results, stopped = iter(ds.iter_rows()), False
+        for item in results:
+            row = dict(item)
+            verdict = once.take(row)
+            if verdict == "dropped":
+                continue
+            if verdict == "replaces":  # an ok row after the video's error row: here, or in a later part
+                pending[:] = [r for r in pending if r["video_id"] != row["video_id"]]
+            pending.append(row)
+            if len(pending) == chunk_videos:
+                commit()
+                if max_chunks is not None and parts >= max_chunks:
+                    getattr(results, "close", lambda: None)()  # stop the pipeline; the rest is redone next run
+                    stopped = True
+                    break
+        if pending:
+            commit()
+        if once.dropped:
+            print(f"[caption] {once.dropped} duplicate row(s) of retried work dropped", flush=True)
+        if not stopped:  # what came back is committed; a re-run redoes any video without a row
+            once.check([v["video_id"] for v in todo])
+    this_run = [{"status": r["status"], "error_kind": r.get("error_kind")} for r in once.kept.values()]
+    n_ok = sum(r["status"] == "ok" for r in this_run)
+    n_err = len(this_run) - n_ok
+    rows = consolidate(out, keep={v["video_id"] for v in items})
+    total_ok = sum(r["status"] == "ok" for r in rows)
+    seconds = time.perf_counter() - t_start
+    print(f"[caption] {total_ok} captioned, {len(rows) - total_ok} failed; results in "
+          f"{storage.join(out, 'captions.jsonl')} and captions.parquet", flush=True)
+    verdict = judge(rows, this_run, cfg.infer.max_failed_fraction, out)
+    if "failure" in verdict:
+        print(f"[caption] the job failed: {verdict['failure']}", flush=True)
+    return {"captioned": total_ok, **verdict, "this_run_ok": n_ok, "this_run_failed": n_err,
+            "duplicates_dropped": once.dropped, "model_id": model_id, "out": out,
+            "videos_per_min": 60.0 * (n_ok + n_err) / seconds if seconds else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--videos", required=True, help="dir | glob | s3://prefix | manifest.parquet")
+    ap.add_argument("--model", default="", help="a saved PadCaptioner dir or a release checkpoint dir ('' = random tiny smoke model)")
+    ap.add_argument("--out", required=True, help="output dir or s3:// prefix")
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--chunk-videos", type=int, default=64)
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    try:  # list first: a wrong --videos is reported before Ray starts
+        videos = list_videos(args.videos, cfg.data.video_extensions)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    init_ray(cfg)  # the cluster section (address, num_cpus), as `pipeline/run.py` starts Ray
+    summary = run_caption(cfg, videos, args.model, args.out, args.chunk_videos)
+    print(json.dumps(summary, indent=2))
+    if "failure" in summary:
+        print(f"error: {summary['failure']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

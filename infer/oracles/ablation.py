@@ -1,0 +1,260 @@
+"""Decoders for the ablation models, each in exactly the layout its model was trained on.
+
+    decoded = layout_ordered(model, sample, cfg.infer)     # model.mask=causal, model.g_visibility=own
+    decoded = text_chain(model, sample, cfg.infer)         # model.layout=sequential / textual_planning
+    decoder = decoder_for(model, cfg.infer)                # the right one for any model (or None: the engine)
+
+layout_ordered  for the parallel layout under any mask rule the engine cannot run (the
+                causal ablation, own-<G> visibility): the front half as every decoder
+                (infer/oracles/front.py), then the K anchors in ONE forward at their shared
+                position A (each sees what the layout lets it see: under the causal mask
+                the earlier anchors), then every branch token one forward at a time in
+                the layout's causal order (blocked: branch 1 to its <eos>, then branch
+                2, ...; round_robin: step-major over the live branches), at
+                `branch_position(A, step)` with its mask row from the layout rule
+                (`mask_between` with the model's own options). No cache is cropped:
+                whatever the rule hides stays hidden. Given the same captions, its logits
+                equal the training forward's (tests/test_ordered.py), which `monolithic`
+                (consecutive positions, a1 b1 a2 b2) does not for a causal model.
+text_chain      the single causal chain of the sequential baselines: the prefix, then
+                greedy text at consecutive positions until <eos> or `max_tokens`; the
+                text goes to the metrics as `{"text": ...}` and is parsed there
+                (pipeline/textual.py).
+The chain model (model.layout=chain) is what infer/oracles/decoders.py `monolithic` decodes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from infer.engine.decoded import Decoded, caption_text
+from infer.oracles.front import StageTimer, cat_meta, decode_reserve, prepare_example, run_front
+from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
+from pipeline.config import InferConfig
+from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, event_order, mask_between
+
+TEXT_LAYOUTS = ("sequential", "textual_planning")
+
+
+def _positions(model, position: torch.Tensor, role: Role) -> torch.Tensor:
+    """Backbone position ids [1, n] for n tokens of one role at layout positions `position` [n]."""
+    pos = position.reshape(1, -1).long()
+    return model.adapter.position_ids(pos, torch.full_like(pos, -1), torch.full_like(pos, int(role))).to(model.device)
+
+
+def _meta(order, role: Role, event) -> TokenMeta:
+    order = torch.as_tensor(order, dtype=torch.long).reshape(-1)
+    event = torch.as_tensor(event, dtype=torch.long).reshape(-1).expand(order.shape[0])
+    return TokenMeta(order=order, role=torch.full_like(order, int(role)), event=event.clone(),
+                     plan_index=torch.full_like(order, -1))
+
+
+def _with_plan(keys: TokenMeta, prefix_len: int) -> TokenMeta:
+    """The front's keys (prefix + serial <G>s, order = index) with each serial <G>'s plan index."""
+    plan = torch.where(keys.role == Role.SERIAL_G, keys.order - prefix_len, -1)
+    return TokenMeta(order=keys.order, role=keys.role, event=keys.event, plan_index=plan)
+
+
+def _schedule(k: int, branch_order: str, live) -> list[tuple[int, int]]:
+    """The (event, step) of the next branch tokens to feed, in layout order (live: event -> step)."""
+    if branch_order == "round_robin":
+        step = min(live.values())
+        return [(e, step) for e in sorted(live) if live[e] == step]
+    e = min(live)
+    return [(e, live[e])]
+
+
+@torch.no_grad()
+def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
+    """Anchors at A in one forward, then branch tokens one at a time in layout order (module doc)."""
+    timer = StageTimer(model.device)
+    example = prepare_example(model, sample, decode_reserve(cfg))
+    cache = DynamicCache(config=model.hf_config)
+    front = run_front(model, example, cache, cfg.max_events, control, timer)
+    opts, dev = model.options, model.device
+    p, k = front.prefix_len, front.num_events
+    base = p + k
+    keys = _with_plan(front.keys, p)
+    chooser = video_chooser(model.ids, cfg, sample.video_id, dev)
+
+    anchors = _meta(event_order(torch.arange(k), 0, base, k, opts.branch_order), Role.ANCHOR, torch.arange(k))
+    keys = cat_meta_plan(keys, anchors)
+    mask = additive_mask(mask_between(anchors, keys, opts))[None, None]
+    pos = _positions(model, torch.full((k,), branch_position(front.anchor_pos, 0)), Role.ANCHOR)
+    out = model.run_decoder(front.anchors[None], mask, pos, cache=cache)
+    logits = model.lm_logits(out.last_hidden_state[0])
+    first = chooser.branch(logits, 0, list(range(k)), control).tolist()
+    tokens = [[t] for t in first]
+    logits_of = [[logits[e].float().cpu()] if control.trace else [] for e in range(k)]
+    steps = 1
+
+    def done(e: int) -> bool:
+        return tokens[e][-1] == chooser.eos_id or len(tokens[e]) >= cfg.max_branch_tokens
+
+    live = {e: 1 for e in range(k) if not done(e)}  # event -> the branch step its next input takes
+    while live:
+        for e, step in _schedule(k, opts.branch_order, live):
+            q = _meta(event_order(e, step, base, k, opts.branch_order), Role.BRANCH, e)
+            keys = cat_meta_plan(keys, q)
+            emb = model.embed_tokens(torch.tensor([[tokens[e][-1]]], device=dev))
+            out = model.run_decoder(emb, additive_mask(mask_between(q, keys, opts))[None, None],
+                                    _positions(model, torch.tensor([branch_position(front.anchor_pos, step)]), Role.BRANCH),
+                                    cache=cache)
+            logits = model.lm_logits(out.last_hidden_state[:, -1])
+            tokens[e].append(int(chooser.branch(logits, step, [e], control)[0]))
+            if control.trace:
+                logits_of[e].append(logits[0].float().cpu())
+            steps += 1
+            live[e] = step + 1
+            if done(e):
+                del live[e]
+    timer.lap("decode_ms")
+    timings = dict(timer.ms)
+    timings.update(total_ms=sum(timer.ms.values()), steps=float(steps), tokens=float(sum(map(len, tokens))),
+                   events=float(k), segments_kept=float(example.layout.num_segments),
+                   segments_total=float(sample.num_segments))
+    return Decoded(video_id=sample.video_id, duration=float(sample.duration), intervals=front.intervals, tokens=tokens,
+                   steps=steps, timings=timings, planning_logits=front.planning_logits if control.trace else None,
+                   branch_logits=[torch.stack(x) for x in logits_of] if control.trace else None,
+                   grounding_logits=front.grounding_logits if control.trace else None)
+
+
+def cat_meta_plan(a: TokenMeta, b: TokenMeta) -> TokenMeta:
+    """`infer.oracles.front.cat_meta` that keeps the plan index."""
+    out = cat_meta(a, b)
+    out.plan_index = torch.cat([a.plan_index, b.plan_index])
+    return out
+
+
+# --------------------------------------------------------------------------- the text chain
+
+
+@dataclass
+class TextDecoded:
+    """One video's text-chain decode: the generated ids and text, and the timings."""
+
+    video_id: str
+    duration: float
+    token_ids: list[int]
+    text: str
+    capped: bool
+    timings: dict[str, float] = field(default_factory=dict)
+    logits: torch.Tensor | None = None  # [n, V] when traced
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@torch.no_grad()
+def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL,
+               max_tokens: int | None = None, forced: list[int] | None = None) -> TextDecoded:
+    """Prefix, then greedy text at consecutive positions to <eos> or `max_tokens`
+    (default max_events x max_branch_tokens). `forced`: feed these ids instead of the
+    chosen ones (tests compare the logits with the training forward)."""
+    cap = int(max_tokens or cfg.max_events * cfg.max_branch_tokens)
+    t0 = time.perf_counter()
+    example = prepare_example(model, sample, cap)
+    lay = example.layout
+    from pipeline.batch import collate
+
+    pk = collate([example]).packed
+    cache = DynamicCache(config=model.hf_config)
+    out = model.run_decoder(model.embed(pk, [example]), lay.mask, model.position_ids(pk), cache=cache)
+    t_prefill = time.perf_counter()
+    chooser = video_chooser(model.ids, cfg, sample.video_id, model.device)
+    ids: list[int] = []
+    kept = []
+    index = len(lay)
+    hidden = out.last_hidden_state[:, -1]
+    while True:
+        logits = model.lm_logits(hidden)
+        if control.trace:
+            kept.append(logits[0].float().cpu())
+        tok = int(chooser.branch(logits, len(ids), [0], control)[0])
+        if forced is not None:
+            tok = forced[len(ids)]
+        ids.append(tok)
+        if tok == chooser.eos_id or len(ids) >= (len(forced) if forced is not None else cap):
+            break
+        emb = model.embed_tokens(torch.tensor([[tok]], device=model.device))
+        step = model.run_decoder(emb, torch.zeros(1, 1, 1, index + 1), _positions(model, torch.tensor([index]), Role.RESPONSE),
+                                 cache=cache)
+        hidden = step.last_hidden_state[:, -1]
+        index += 1
+    t_end = time.perf_counter()
+    capped = ids[-1] != chooser.eos_id
+    timings = {"prefill_ms": (t_prefill - t0) * 1000.0, "decode_ms": (t_end - t_prefill) * 1000.0,
+               "total_ms": (t_end - t0) * 1000.0, "tokens": float(len(ids)), "steps": float(len(ids))}
+    return TextDecoded(video_id=sample.video_id, duration=float(sample.duration), token_ids=ids,
+                       text=caption_text(model.tokenizer, ids, model.eos_id), capped=capped, timings=timings,
+                       logits=torch.stack(kept) if kept else None)
+
+
+# --------------------------------------------------------------------------- which decoder
+
+
+def engine_refusal(model, decoder: str) -> str | None:
+    """Why infer/engine/core.py cannot decode this model with `infer.decoder=decoder` (None: it can).
+
+    Its single-chain path (`infer.decoder=monolithic`) runs `decoder_for(model)` when that is
+    a Decoded-returning decoder, so a causal / own-<G> model decodes there in its own layout."""
+    if not hasattr(model, "cfg"):  # the release model (pipeline/release): the engine
+        return None
+    layout = getattr(model.cfg, "layout", "parallel")
+    if layout in TEXT_LAYOUTS:
+        return (f"model.layout={layout} writes its events as text: decode it with infer.oracles.ablation.text_chain "
+                "and score the text with the metrics (pipeline/textual.py parses it)")
+    if decoder == "parallel" and (model.options.mask != "factorized" or model.options.g_visibility != "all"):
+        return (f"parallel decoding needs a model trained with the factorized mask and global <G> visibility "
+                f"(model.mask={model.options.mask!r}, model.g_visibility={model.options.g_visibility!r}); use "
+                "infer.decoder=monolithic (the single-chain path decodes it in its training layout, infer/oracles/ablation.py)")
+    return None
+
+
+def decoder_for(model, cfg: InferConfig):
+    """The reference-style decoder a model must use instead of the engine, or None (the engine).
+
+    parallel layout + factorized + global <G>: None (the engine); chain: monolithic;
+    causal mask or own-<G> visibility: layout_ordered; text layouts: text_chain.
+    """
+    if not hasattr(model, "cfg"):  # the release model (pipeline/release): the engine
+        return None
+    if not hasattr(model, "cfg"):  # the release model (pipeline/release): the engine
+        return None
+    layout = getattr(model.cfg, "layout", "parallel")
+    if layout in TEXT_LAYOUTS:
+        return text_chain
+    if layout == "chain":
+        from infer.oracles.decoders import monolithic
+
+        return monolithic
+    if model.options.mask != "factorized" or model.options.g_visibility != "all":
+        return layout_ordered
+    return None
+
+
+def decode_events(model, decoder, sample, cfg: InferConfig) -> tuple[dict, dict[str, float]]:
+    """One video through `decoder` (from `decoder_for`) -> (its output as the metrics read it:
+    {"events": [...]} or, for a text chain, {"text": ...}; the decode's timings)."""
+    from infer.engine.decoded import to_events
+    from infer.engine.requests import model_caps
+
+    got = decoder(model, sample, model_caps(cfg, model))  # 0 = the model's own caps
+    if isinstance(got, TextDecoded):
+        return {"text": got.text, "capped": got.capped}, got.timings
+    events = [{"start": e.start, "end": e.end, "caption": e.caption} for e in to_events(got, model.tokenizer, model.eos_id)]
+    return {"events": events}, got.timings
+
+
+def output_events(output: dict) -> list[tuple[float, float, str]]:
+    """A `decode_events` output -> (start, end, caption) triples (a text is parsed as the metrics parse it)."""
+    if "text" in output:
+        from pipeline.textual import parse_events_text
+
+        return parse_events_text(output["text"])[0]
+    return [(float(e["start"]), float(e["end"]), str(e["caption"])) for e in output["events"]]

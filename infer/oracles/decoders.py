@@ -1,0 +1,263 @@
+"""Reference decoders: slow, obviously correct; test oracles and benchmark baselines.
+
+    decoded = full_recompute(model, sample, cfg.infer, control)     # no cache at all
+    decoded = branch_sequential(model, sample, cfg.infer, control)  # one branch after another
+    decoded = parallel_copy(model, sample, cfg.infer, control)      # K rows, prefix KV copied
+    decoded = monolithic(model, sample, cfg.infer, control)         # one causal chain
+
+All return infer.engine.decoded.Decoded and choose tokens with infer/engine/sampling.py, like the
+engine, so with greedy decoding the factorized ones must equal the engine token for
+token (tests/test_engine.py).
+
+full_recompute   the training-time forward: at every planning decision and every
+                 branch step, one forward of the WHOLE sequence built by
+                 pipeline.layout.dense_layout (prefix, serial <G>s, anchors, the branches
+                 so far) with its explicit layout mask and positions, no KV cache;
+                 grounding and aggregation are PadCaptioner.grounding_logits /
+                 anchor_features on that forward, as in forward_train.
+branch_sequential  the same factorized model with an HF DynamicCache: the prefix and the
+                 serial <G>s once (infer/oracles/front.py), then branch 1 (anchor + tokens, each
+                 step's mask row from the layout rule), crop back to the prefix, branch
+                 2, ... Sum(len_i) decoder steps.
+parallel_copy    what the public release does: the prefix KV copied per branch (batch K
+                 DynamicCache), a dense additive mask rebuilt every step, finished
+                 branches kept and fed <eos> until the longest ends. Max(len_i) steps.
+monolithic       the standard single-chain decoder users compare against: prefix,
+                 serial <G>s, then anchor 1, caption 1, anchor 2, caption 2, ... in ONE
+                 causal chain with consecutive positions and a DynamicCache (each
+                 caption sees the earlier ones). It is a different model semantics for a
+                 factorized model (equal to the others only when K = 1); in the
+                 benchmark, forced lengths make it generate the same tokens count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from infer.engine.decoded import Decoded
+from infer.oracles.front import (StageTimer, cat_meta, decode_reserve, ground_intervals, prepare_example, row_mask, run_front,
+                         token_position_ids)
+from infer.engine.sampling import NO_CONTROL, DecodeControl, TokenChooser, plan_decision, planning_capped, video_chooser
+from pipeline.batch import collate
+from pipeline.config import InferConfig
+from pipeline.layout import Role, TokenMeta, branch_position, dense_layout, event_order, shared_position
+
+
+def _chooser(model, cfg: InferConfig, video_id: str) -> TokenChooser:
+    return video_chooser(model.ids, cfg, video_id, model.device)
+
+
+def _finish(sample, example, intervals, tokens, steps, timer, planning, branch_logits, grounding, control) -> Decoded:
+    timings = dict(timer.ms)
+    timings.update(total_ms=sum(timer.ms.values()), steps=float(steps), tokens=float(sum(map(len, tokens))),
+                   events=float(len(tokens)), segments_kept=float(example.layout.num_segments),
+                   segments_total=float(sample.num_segments))
+    keep = control.trace
+    return Decoded(video_id=sample.video_id, duration=float(sample.duration), intervals=intervals, tokens=tokens,
+                   steps=steps, timings=timings, planning_logits=planning if keep else None,
+                   branch_logits=[torch.stack(x) for x in branch_logits] if keep else None,
+                   grounding_logits=grounding if keep else None)
+
+
+def _done(tok: int, n_tokens: int, chooser: TokenChooser, max_tokens: int) -> bool:
+    return tok == chooser.eos_id or n_tokens >= max_tokens
+
+
+# --------------------------------------------------------------------------- full recompute
+
+
+@torch.no_grad()
+def full_recompute(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
+    """No cache: every decision is read off one full training-layout forward (module doc)."""
+    timer = StageTimer(model.device)
+    example = prepare_example(model, sample, decode_reserve(cfg))
+    pre = example.layout
+    dims = (pre.num_segments, pre.visual_per_segment, pre.audio_per_segment)
+
+    def forward(captions, stage1_only: bool, anchor_feats=None):
+        lay = dense_layout(model.prompt[0], model.prompt[1], *dims, captions, g_id=model.g_id, s_id=model.s_id,
+                           eos_id=model.eos_id, options=model.options)
+        ex = dataclasses.replace(example, layout=lay)
+        pk = collate([ex]).packed
+        pos = model.position_ids(pk)
+        emb = model.embed(pk, [ex])
+        s = lay.split
+        if stage1_only:
+            out = model.run_decoder(emb[:, :s], pk.mask[:, :, :s, :s], pos[:, :s], output_hidden_states=True)
+        else:
+            emb[0, s : s + lay.num_events] += anchor_feats.to(emb.dtype)  # anchors: <G> + aggregated feature
+            out = model.run_decoder(emb, pk.mask, pos)
+        return lay, pk, pos, out
+
+    planning = []
+    k = 0
+    while not planning_capped(k, cfg.max_events, control):
+        _, _, _, out = forward([[]] * k, stage1_only=True)
+        restricted = model.lm_logits(out.last_hidden_state[0, -1:])[0, [model.g_id, model.s_id]].float()
+        planning.append(restricted)
+        if not plan_decision(restricted, k, cfg.max_events, control):
+            break
+        k += 1
+    timer.lap("planning_ms")
+
+    lay, pk, pos, out = forward([[]] * k, stage1_only=True)  # the final stage 1: prefix + K serial <G>s
+    hs = out.hidden_states
+    g_logits = model.grounding_logits(hs[model.cfg.grounding_layer][0], lay)
+    intervals = ground_intervals(model, g_logits, example)
+    s = lay.split
+    keys = pk.mask[0, 0, lay.instruction_end, :s].to(model.device) == 0
+    feats, _ = model.anchor_features(hs[model.aggregation_layer][0], lay, example.segment_times,
+                                     torch.tensor(intervals, dtype=torch.float32), pos[0, :s], keys)
+    timer.lap("grounding_ms")
+
+    chooser = _chooser(model, cfg, sample.video_id)
+    tokens: list[list[int]] = [[] for _ in range(k)]
+    logits_of: list[list[torch.Tensor]] = [[] for _ in range(k)]
+    active, step = list(range(k)), 0
+    while active:
+        lay, _, _, out = forward(tokens, stage1_only=False, anchor_feats=feats)
+        rows = [int(torch.nonzero((lay.event == e) & (lay.step == step))[0, 0]) for e in active]
+        logits = model.lm_logits(out.last_hidden_state[0, rows])
+        chosen = chooser.branch(logits, step, active, control).tolist()
+        for row, (e, tok) in enumerate(zip(active, chosen)):
+            tokens[e].append(tok)
+            logits_of[e].append(logits[row].float().cpu())
+        active = [e for e in active if not _done(tokens[e][-1], len(tokens[e]), chooser, cfg.max_branch_tokens)]
+        step += 1
+    timer.lap("decode_ms")
+    return _finish(sample, example, intervals, tokens, step, timer, torch.stack(planning) if planning else torch.zeros(0, 2),
+                   logits_of, g_logits, control)
+
+
+# --------------------------------------------------------------------------- cached references
+
+
+def _branch_meta(model, front, event: int, step: int) -> TokenMeta:
+    """Meta of anchor (step 0) / branch token `step` of `event`, with the layout's order key."""
+    p, k = front.prefix_len, front.num_events
+    order = event_order(event, step, p + k, k, model.options.branch_order).reshape(1)
+    role = Role.ANCHOR if step == 0 else Role.BRANCH
+    return TokenMeta(order=order, role=torch.tensor([int(role)]), event=torch.tensor([event]))
+
+
+def _front(model, sample, cfg, control, timer):
+    example = prepare_example(model, sample, decode_reserve(cfg))
+    cache = DynamicCache(config=model.hf_config)
+    return run_front(model, example, cache, cfg.max_events, control, timer)
+
+
+@torch.no_grad()
+def branch_sequential(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
+    """One branch at a time on a DynamicCache, cropped back to the prefix after each."""
+    timer = StageTimer(model.device)
+    front = _front(model, sample, cfg, control, timer)
+    cache, dev = front.cache, model.device
+    base = cache.get_seq_length()
+    chooser = _chooser(model, cfg, sample.video_id)
+    k = front.num_events
+    tokens: list[list[int]] = [[] for _ in range(k)]
+    logits_of: list[list[torch.Tensor]] = [[] for _ in range(k)]
+    steps = 0
+    for e in range(k):
+        keys, embeds, step = front.keys, front.anchors[e][None, None], 0
+        while True:
+            q = _branch_meta(model, front, e, step)
+            keys = cat_meta(keys, q)
+            role = Role.ANCHOR if step == 0 else Role.BRANCH
+            pos = token_position_ids(model, branch_position(front.anchor_pos, step), 1, role, dev)
+            out = model.run_decoder(embeds, row_mask(model, q, keys), pos, cache=cache)
+            logits = model.lm_logits(out.last_hidden_state[:, -1])
+            tok = int(chooser.branch(logits, step, [e], control)[0])
+            tokens[e].append(tok)
+            if control.trace:
+                logits_of[e].append(logits[0].float().cpu())
+            steps += 1
+            step += 1
+            if _done(tok, len(tokens[e]), chooser, cfg.max_branch_tokens):
+                break
+            embeds = model.embed_tokens(torch.tensor([[tok]], device=dev))
+        cache.crop(base - cache.get_seq_length())  # HF 5: a negative count of tokens to drop
+    timer.lap("decode_ms")
+    return _finish(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
+                   front.grounding_logits, control)
+
+
+@torch.no_grad()
+def parallel_copy(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
+    """K rows in lock-step with the prefix KV copied per row and a dense mask per step."""
+    timer = StageTimer(model.device)
+    front = _front(model, sample, cfg, control, timer)
+    cache, dev = front.cache, model.device
+    k = front.num_events
+    cache.batch_repeat_interleave(k)  # the prefix KV, copied K times
+    chooser = _chooser(model, cfg, sample.video_id)
+    tokens: list[list[int]] = [[] for _ in range(k)]
+    logits_of: list[list[torch.Tensor]] = [[] for _ in range(k)]
+    keys = [front.keys] * k
+    embeds, step, done = front.anchors[:, None, :], 0, [False] * k
+    while True:
+        metas = [_branch_meta(model, front, e, step) for e in range(k)]
+        keys = [cat_meta(keys[e], metas[e]) for e in range(k)]
+        mask = torch.cat([row_mask(model, metas[e], keys[e]) for e in range(k)])  # [K, 1, 1, L], rebuilt per step
+        role = Role.ANCHOR if step == 0 else Role.BRANCH
+        pos = token_position_ids(model, branch_position(front.anchor_pos, step), k, role, dev)
+        out = model.run_decoder(embeds, mask, pos, cache=cache)
+        logits = model.lm_logits(out.last_hidden_state[:, -1])
+        chosen = chooser.branch(logits, step, list(range(k)), control).tolist()
+        for e in range(k):
+            if done[e]:
+                chosen[e] = chooser.eos_id  # finished rows are kept and fed <eos> (the upstream way)
+                continue
+            tokens[e].append(chosen[e])
+            if control.trace:
+                logits_of[e].append(logits[e].float().cpu())
+            done[e] = _done(chosen[e], len(tokens[e]), chooser, cfg.max_branch_tokens)
+        step += 1
+        if all(done):
+            break
+        embeds = model.embed_tokens(torch.tensor(chosen, device=dev)[:, None])
+    timer.lap("decode_ms")
+    return _finish(sample, front.example, front.intervals, tokens, step, timer, front.planning_logits, logits_of,
+                   front.grounding_logits, control)
+
+
+@torch.no_grad()
+def monolithic(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
+    """All events in one causal chain after the serial <G>s (module doc)."""
+    timer = StageTimer(model.device)
+    front = _front(model, sample, cfg, control, timer)
+    cache, dev = front.cache, model.device
+    chooser = _chooser(model, cfg, sample.video_id)
+    k = front.num_events
+    tokens: list[list[int]] = [[] for _ in range(k)]
+    logits_of: list[list[torch.Tensor]] = [[] for _ in range(k)]
+    index = cache.get_seq_length()  # next chain index (= A for the first anchor)
+    steps = 0
+    for e in range(k):
+        embeds, step = front.anchors[e][None, None], 0
+        while True:
+            mask = torch.zeros(1, 1, 1, index + 1)  # a causal chain: the new token sees every earlier one
+            role = Role.ANCHOR if step == 0 else Role.BRANCH
+            pos = token_position_ids(model, shared_position(index), 1, role, dev)
+            out = model.run_decoder(embeds, mask, pos, cache=cache)
+            logits = model.lm_logits(out.last_hidden_state[:, -1])
+            tok = int(chooser.branch(logits, step, [e], control)[0])
+            tokens[e].append(tok)
+            if control.trace:
+                logits_of[e].append(logits[0].float().cpu())
+            index += 1
+            steps += 1
+            step += 1
+            if _done(tok, len(tokens[e]), chooser, cfg.max_branch_tokens):
+                break
+            embeds = model.embed_tokens(torch.tensor([[tok]], device=dev))
+    timer.lap("decode_ms")
+    return _finish(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
+                   front.grounding_logits, control)
+
+
+DECODERS = {"full_recompute": full_recompute, "branch_sequential": branch_sequential,
+            "parallel_copy": parallel_copy, "monolithic": monolithic}

@@ -1,0 +1,210 @@
+"""The front half of decoding one video: prefill, planning, grounding, aggregation (cached).
+
+    front = run_front(model, sample, cache, max_events, control)
+    # front.cache holds prefix + serial <G>s; front.anchors [K, d] at position front.anchor_pos
+
+Shared by the engine and the cached reference decoders (an HF `DynamicCache`); infer/oracles/decoders.py's
+`full_recompute` redoes the same steps without any cache, through the training-time
+forward, and must agree with this module.
+
+Steps, one video, batch 1:
+  1. prefill: the prefix layout (pipeline/layout.py `prefix_layout`: preamble, the
+     audio-visual block, the instruction) in one forward with its explicit layout mask
+     and positions; keep the grounding-layer and aggregation-layer states;
+  2. planning: from the last instruction row, greedy over {<G>, <S>} (infer/engine/sampling.py);
+     each chosen <G> is fed at `shared_position(P + k)` with its mask row from the
+     layout's visibility rule (`mask_between`); the grounding-layer state of the row that
+     predicted each <G> is that event's query;
+  3. grounding: event vectors x segment vectors -> logits [K, T] -> readout
+     (`PadCaptioner.ground`), clipped to well-formed intervals inside [0, duration];
+  4. aggregation: `PadCaptioner.anchor_embeddings` over the grounded intervals, with
+     the instruction row's visible keys from the layout mask, as in training.
+All anchors sit at `anchor_position(P, K)`; branch step j at `branch_position(A, j)`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.engine.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_capped
+from pipeline.batch import Example, collate
+from pipeline.fitting import fit_for_decoding
+from pipeline.grounding import similarity_logits
+from pipeline.layout import Layout, Role, TokenMeta, additive_mask, anchor_position, mask_between, shared_position
+
+
+class DecodeError(ValueError):
+    """A video cannot be decoded as given (bad duration, too long, wrong features); says why."""
+
+
+@dataclass
+class Front:
+    """State of one video after the front half (module doc)."""
+
+    example: Example
+    cache: object  # the cache holding prefix + serial <G>s
+    keys: TokenMeta  # order / role / event of every cached token (prefix + serial <G>s)
+    intervals: list[tuple[float, float]]  # grounded interval of each event (planning order)
+    anchors: torch.Tensor  # [K, d] anchor input embeddings
+    anchor_pos: int  # A
+    planning_logits: torch.Tensor  # [n, 2] (<G>, <S>) logits of each planning decision
+    grounding_logits: torch.Tensor  # [K, T]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> Layout:
+        return self.example.layout
+
+    @property
+    def prefix_len(self) -> int:
+        return self.example.layout.prefix_len
+
+    @property
+    def num_events(self) -> int:
+        return int(self.anchors.shape[0])
+
+    @property
+    def segments_kept(self) -> int:
+        return int(self.example.layout.num_segments)
+
+
+class StageTimer:
+    """Wall-clock ms per stage; synchronises CUDA at each boundary so stages are honest."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.ms: dict[str, float] = {}
+        self._t = self._now()
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.ms[name] = self.ms.get(name, 0.0) + (now - self._t) * 1000.0
+        self._t = now
+
+
+def decode_reserve(cfg) -> int:
+    """Tokens a decode adds after the prefix at most: the planning <G>s and one branch."""
+    return int(cfg.max_events) + int(cfg.max_branch_tokens)
+
+
+def prepare_example(model, sample, reserve: int = 0) -> Example:
+    """Sample -> prefix-only Example (raises DecodeError with the reason for bad input).
+
+    A video too long for the model (over model.max_segments, or prefix + `reserve` tokens
+    over model.max_seq_len) is shortened as training shortens it (pipeline/fitting.py:
+    whole segments dropped evenly); `example.layout.num_segments` is what was kept.
+    """
+    if not (sample.duration > 0 and float(sample.duration) < float("inf")):
+        raise DecodeError(f"{sample.video_id}: duration must be a positive finite number of seconds, got {sample.duration}")
+    try:
+        sample, _ = fit_for_decoding(sample, model, reserve)
+        return model.make_example(sample, with_targets=False)
+    except ValueError as e:  # ExampleError, LayoutError: the sample does not fit the model
+        raise DecodeError(str(e)) from e
+
+
+def well_formed(start: float, end: float, duration: float, min_len: float) -> tuple[float, float]:
+    """Clip an interval to [0, duration] with start < end (widened by up to min_len when degenerate)."""
+    duration = float(duration)
+    s = min(max(float(start), 0.0), duration)
+    e = min(max(float(end), 0.0), duration)
+    if e <= s:
+        e = min(duration, s + min_len)
+        if e <= s:
+            s = max(0.0, e - min_len)
+    return s, e
+
+
+def ground_intervals(model, logits: torch.Tensor, example: Example) -> list[tuple[float, float]]:
+    """Grounding logits [K, T] -> K well-formed intervals (readout, then clipped)."""
+    times = example.segment_times
+    lengths = (times[:, 1] - times[:, 0]).float()
+    positive = lengths[lengths > 0]
+    min_len = float(positive.min()) if positive.numel() else 1e-3
+    min_len = min(max(min_len, 1e-3), example.duration)
+    return [well_formed(s, e, example.duration, min_len) for s, e in model.ground(logits, times)]
+
+
+def serial_g_meta(prefix_len: int, k: int) -> TokenMeta:
+    """Meta of the k-th serial <G> (0-based), as the training layout places it."""
+    idx = torch.tensor([prefix_len + k])
+    return TokenMeta(order=shared_position(idx), role=torch.tensor([int(Role.SERIAL_G)]), event=torch.tensor([-1]))
+
+
+def cat_meta(a: TokenMeta, b: TokenMeta) -> TokenMeta:
+    return TokenMeta(order=torch.cat([a.order, b.order]), role=torch.cat([a.role, b.role]),
+                     event=torch.cat([a.event, b.event]))
+
+
+def row_mask(model, query: TokenMeta, keys: TokenMeta) -> torch.Tensor:
+    """Additive float mask [1, 1, Lq, Lk] from the layout's visibility rule."""
+    return additive_mask(mask_between(query, keys, model.options))[None, None]
+
+
+def token_position_ids(model, position: int, rows: int, role: Role, device) -> torch.Tensor:
+    """Backbone position ids [rows, 1] for `rows` tokens of one role at one layout position."""
+    pos = torch.full((rows, 1), int(position), dtype=torch.long)
+    seg = torch.full((rows, 1), -1, dtype=torch.long)
+    return model.adapter.position_ids(pos, seg, torch.full((rows, 1), int(role), dtype=torch.long)).to(device)
+
+
+@torch.no_grad()
+def run_front(model, example: Example, cache, max_events: int, control: DecodeControl = NO_CONTROL,
+              timer: StageTimer | None = None) -> Front:
+    """Prefill + planning + grounding + aggregation for one video (module doc)."""
+    if max_events < 1:
+        raise DecodeError(f"max_events must be >= 1 (every video gets at least one event), got {max_events}")
+    timer = timer or StageTimer(model.device)
+    layout = example.layout
+    p = layout.prefix_len
+    pk = collate([example]).packed
+    pos = model.position_ids(pk)[:, :p]
+    emb = model.embed(pk, [example], slice(0, p))
+    out = model.run_decoder(emb, layout.mask, pos, cache=cache, output_hidden_states=True)
+    hs = out.hidden_states
+    h_ground = hs[model.cfg.grounding_layer][0]  # [P, d]
+    h_agg = hs[model.aggregation_layer][0]  # [P, d]
+    last, last_ground = out.last_hidden_state[0, -1], h_ground[-1]
+    del out, hs
+    timer.lap("prefill_ms")
+
+    keys = layout.meta()
+    g_emb = model.embed_tokens(torch.tensor([[model.g_id]], device=model.device))  # [1, 1, d]
+    queries, plan_logits = [], []
+    k = 0
+    while not planning_capped(k, max_events, control):
+        restricted = model.lm_logits(last[None])[0, [model.g_id, model.s_id]].float()
+        plan_logits.append(restricted)
+        if not plan_decision(restricted, k, max_events, control):
+            break
+        queries.append(last_ground)
+        q_meta = serial_g_meta(p, k)
+        keys = cat_meta(keys, q_meta)
+        step = model.run_decoder(g_emb, row_mask(model, q_meta, keys),
+                                 token_position_ids(model, shared_position(p + k), 1, Role.SERIAL_G, model.device),
+                                 cache=cache, output_hidden_states=True)
+        last, last_ground = step.last_hidden_state[0, -1], step.hidden_states[model.cfg.grounding_layer][0, -1]
+        k += 1
+    timer.lap("planning_ms")
+
+    events = model.event_vectors(torch.stack(queries))  # [K, d]
+    dev = h_ground.device
+    segments = model.segment_vectors(h_ground, layout.visual_index.to(dev), layout.audio_index.to(dev))
+    g_logits = similarity_logits(events, segments)
+    intervals = ground_intervals(model, g_logits, example)
+    key_visible = layout.mask[0, 0, layout.instruction_end, :p].to(dev) == 0
+    anchors = model.anchor_embeddings(h_agg, layout, example.segment_times, torch.tensor(intervals, dtype=torch.float32),
+                                      pos[0], key_visible)
+    timer.lap("grounding_ms")
+    empty = torch.zeros(0, 2)
+    return Front(example=example, cache=cache, keys=keys, intervals=intervals, anchors=anchors,
+                 anchor_pos=anchor_position(p, k), planning_logits=torch.stack(plan_logits) if plan_logits else empty,
+                 grounding_logits=g_logits, timings=timer.ms)

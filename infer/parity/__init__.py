@@ -1,0 +1,1 @@
+"""Parity with the published release's own inference: `python -m infer.parity DIR`."""
