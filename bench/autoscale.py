@@ -3,7 +3,7 @@
     flock /work/helpers/ray.lock nice -n 10 .venv/bin/python bench/autoscale.py [--clients 6] [--load-s 40]
         [--out bench/results/autoscale.json]      # + autoscale.png beside it
 
-A head, two CPU nodes and one "GPU" node (tests/support/sim_cluster.py); the endpoint
+A head, two CPU nodes and one "GPU" node (bench/sim_cluster.py); the endpoint
 (`infer.serving.deployment:app_builder`, the tiny random-init model) with its replicas on the GPU node.
 Phases, in order:
 
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.support import sim_cluster  # noqa: E402  (sets the 127.0.0.1 variables before ray is imported)
+from bench import sim_cluster  # noqa: E402  (sets the 127.0.0.1 variables before ray is imported)
 
 RETRY_PAUSE_S = 0.2
 

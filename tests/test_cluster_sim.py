@@ -1,4 +1,4 @@
-"""Scale-out on a simulated multi-node cluster (tests/support/sim_cluster.py): placement by resources
+"""Scale-out on a simulated multi-node cluster (bench/sim_cluster.py): placement by resources
 from the config, Serve autoscaling under load, and node loss without lost or duplicated work.
 
     flock /work/helpers/ray.lock .venv/bin/python -m pytest tests/test_cluster_sim.py -q
@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support import sim_cluster as sc  # before ray: the 127.0.0.1 variables
+from bench import sim_cluster as sc  # before ray: the 127.0.0.1 variables
 
 from bench import autoscale  # noqa: E402
 from pipeline import faults, storage  # noqa: E402
