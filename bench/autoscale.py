@@ -326,14 +326,27 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def wait_healthy(url: str, timeout: float) -> None:
+    """Poll `url`/healthz until it answers 200, or fail after `timeout` seconds."""
+    end = time.time() + timeout
+    while True:
+        try:
+            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.time() > end:
+            raise TimeoutError(f"{url} not healthy after {timeout} s")
+        time.sleep(0.2)
+
+
 def deploy(cfg, app: str = "padcap") -> tuple[str, str]:
     """Start Serve on 127.0.0.1 (a free port) and run the endpoint for `cfg` -> (url, deployment name)."""
     from ray import serve
 
     from infer.serving.deployment import build_application
-    from tests.support.serve_cases import free_port, wait_healthy
 
-    port = free_port()
+    port = sim_cluster.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_application(cfg), name=app, route_prefix="/")
     url = f"http://127.0.0.1:{port}"

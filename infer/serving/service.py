@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from infer.serving.engine_loop import EngineBatcher
 from infer.serving.media_pool import BOOT_TIMEOUT_S, DecodePool, DecodeTimeout
 from infer.engine.requests import Request, VideoOptions
+from infer.loading import ModelCard  # noqa: F401  (re-exported: the card a replica serves)
 from infer.serving.errors import RequestError
 from infer.serving.protocol import CaptionOptions, error_message
 from infer.serving.uris import UriPolicy, materialize
@@ -72,16 +73,6 @@ class Engine(Protocol):
 
 
 FeaturizeFn = Callable[[str, Any], Sample]  # (local path, annotation with .video_id/.events) -> Sample
-
-
-@dataclass
-class ModelCard:
-    """What GET /v1/model reports about the loaded model."""
-
-    model_id: str
-    source: str  # the model dir, or "tiny (random init, smoke mode)"
-    device: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
