@@ -1,6 +1,6 @@
 """Serve autoscaling, measured on a simulated multi-node cluster (127.0.0.1 only, bounded in time).
 
-    flock /work/helpers/ray.lock nice -n 10 .venv/bin/python bench/autoscale.py [--clients 6] [--load-s 40]
+    flock /work/helpers/ray.lock nice -n 10 .venv/bin/python -m bench.autoscale [--clients 6] [--load-s 40]
         [--out bench/results/autoscale.json]      # + autoscale.png beside it
 
 A head, two CPU nodes and one "GPU" node (bench/sim_cluster.py); the endpoint
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -38,11 +37,9 @@ from typing import Any, Callable
 import numpy as np
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import sim_cluster  # (sets the 127.0.0.1 variables before ray is imported)
 
-from bench import sim_cluster  # noqa: E402  (sets the 127.0.0.1 variables before ray is imported)
+ROOT = Path(__file__).resolve().parents[1]
 
 RETRY_PAUSE_S = 0.2
 

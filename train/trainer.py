@@ -39,13 +39,11 @@ import dataclasses
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import pyarrow as pa
 import ray
 import ray.train
@@ -53,21 +51,19 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from pipeline import storage
+from pipeline.cluster import init_ray, train_resources
+from pipeline.config import Config, load_config, section_hash
+from pipeline.schema import FIELDS, KEY
+from preprocess import manifest as mf
+from preprocess.encoders import encoder_versions
+from train import checkpoint as ckpt
+from train.data import read_keyed_records, read_samples, shuffle_buffer
+from train.evaluate import caption_parser
+from train.deepspeed_config import check_zero_stage
+from train.loop import resolve_backend, train_loop
 
-from pipeline import storage  # noqa: E402
-from pipeline.cluster import init_ray, train_resources  # noqa: E402
-from pipeline.config import Config, load_config, section_hash  # noqa: E402
-from pipeline.schema import FIELDS, KEY  # noqa: E402
-from preprocess import manifest as mf  # noqa: E402
-from preprocess.encoders import encoder_versions  # noqa: E402
-from train import checkpoint as ckpt  # noqa: E402
-from train.data import read_keyed_records, read_samples, shuffle_buffer  # noqa: E402
-from train.evaluate import caption_parser  # noqa: E402
-from train.deepspeed_config import check_zero_stage  # noqa: E402
-from train.loop import resolve_backend, train_loop  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME")
 StepHook = Callable[["RayContext", int], None]  # (the rank's context, the step just taken): the module doc's hook

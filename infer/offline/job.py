@@ -51,14 +51,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from pipeline import storage
+from pipeline.cluster import init_ray, placement
+from pipeline.config import Config, load_config, section_hash
+from pipeline.schema import FIELDS, KEY, decode, encode
 
-from pipeline import storage  # noqa: E402
-from pipeline.cluster import init_ray, placement  # noqa: E402
-from pipeline.config import Config, load_config, section_hash  # noqa: E402
-from pipeline.schema import FIELDS, KEY, decode, encode  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 RESULT_COLUMNS: dict[str, pa.DataType] = {
     "video_id": pa.string(),
