@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
-#   make run    the main job (pipeline/run.py, embedded default) in a local .venv
+#   make run    the main job (python -m pipeline.run, embedded default) in a local .venv
 #   make test   the test suite (what CI runs)
-# The venv is (re)built only when requirements.lock changes.
+# The venv is (re)built only when requirements.lock changes; the project itself is installed into it
+# in editable mode (pip install -e .), so `python -m ...` works from any directory.
 
 PY      ?= python3.11
 VENV    := .venv
@@ -20,16 +21,17 @@ venv: $(STAMP)
 $(STAMP): requirements.lock
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r requirements.lock
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(PYTHON) pipeline/run.py $(ARGS)
+	$(PYTHON) -m pipeline.run $(ARGS)
 
 test: $(STAMP)
 	$(PYTHON) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PYTHON) bench/decode.py
+	$(PYTHON) -m bench.decode
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,8 +1,8 @@
 """The paper's ablation, reproduced on data this repo generates: every variant, same budget, one table.
 
-    .venv/bin/python bench/ablation.py                 # the full table (64 min, two runs at a time on a loaded 2-core box: README)
-    .venv/bin/python bench/ablation.py --smoke         # a tiny budget, every variant (CI: tests/test_ablation.py)
-    .venv/bin/python bench/ablation.py --budget hard   # the hard synthetic regime (preprocess/synthetic_hard.py), 3 seeds
+    .venv/bin/python -m bench.ablation                 # the full table (64 min, two runs at a time on a loaded 2-core box: README)
+    .venv/bin/python -m bench.ablation --smoke         # a tiny budget, every variant (CI: tests/test_ablation.py)
+    .venv/bin/python -m bench.ablation --budget hard   # the hard synthetic regime (preprocess/synthetic_hard.py), 3 seeds
 
 Variants (the rows of the paper's ChronusAV ablation; `model.*` settings on the embedded
 default config, cluster/configs/default.yaml):
@@ -38,13 +38,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.ablation_data import prepare_shards
+from bench.ablation_report import HELD_SPLIT, summarize, write_markdown, write_plot
+from pipeline.config import Config, load_config
 
-from bench.ablation_data import prepare_shards  # noqa: E402
-from bench.ablation_report import HELD_SPLIT, summarize, write_markdown, write_plot  # noqa: E402
-from pipeline.config import Config, load_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_CONFIG = ROOT / "cluster" / "configs" / "default.yaml"
 
@@ -140,7 +138,7 @@ def _child(budget: Budget, variant: str, seed: int, work: Path) -> dict:
     """One run in its own (niced, one-thread) process; its record from run.json."""
     log = work / "logs" / f"{variant}_s{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = ["nice", "-n", "10", sys.executable, str(Path(__file__).resolve()), "--one", variant, "--seed", str(seed),
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "bench.ablation", "--one", variant, "--seed", str(seed),
            "--work", str(work), "--budget-json", json.dumps(asdict(budget))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
@@ -237,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     refs = read_samples([shards["test"]], limit=budget.eval_videos)
     scored = score(records, refs)
     rows = summarize([r for r in ROWS if r["variant"] in variants], scored)
-    command = "bench/ablation.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.ablation " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
         "command": command.strip(),
         "budget": {"name": budget_name, **asdict(budget)},

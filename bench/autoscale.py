@@ -1,9 +1,9 @@
 """Serve autoscaling, measured on a simulated multi-node cluster (127.0.0.1 only, bounded in time).
 
-    flock /work/helpers/ray.lock nice -n 10 .venv/bin/python bench/autoscale.py [--clients 6] [--load-s 40]
+    flock /work/helpers/ray.lock nice -n 10 .venv/bin/python -m bench.autoscale [--clients 6] [--load-s 40]
         [--out bench/results/autoscale.json]      # + autoscale.png beside it
 
-A head, two CPU nodes and one "GPU" node (tests/support/sim_cluster.py); the endpoint
+A head, two CPU nodes and one "GPU" node (bench/sim_cluster.py); the endpoint
 (`infer.serving.deployment:app_builder`, the tiny random-init model) with its replicas on the GPU node.
 Phases, in order:
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -38,11 +37,9 @@ from typing import Any, Callable
 import numpy as np
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import sim_cluster  # (sets the 127.0.0.1 variables before ray is imported)
 
-from tests.support import sim_cluster  # noqa: E402  (sets the 127.0.0.1 variables before ray is imported)
+ROOT = Path(__file__).resolve().parents[1]
 
 RETRY_PAUSE_S = 0.2
 
@@ -326,14 +323,27 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def wait_healthy(url: str, timeout: float) -> None:
+    """Poll `url`/healthz until it answers 200, or fail after `timeout` seconds."""
+    end = time.time() + timeout
+    while True:
+        try:
+            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if time.time() > end:
+            raise TimeoutError(f"{url} not healthy after {timeout} s")
+        time.sleep(0.2)
+
+
 def deploy(cfg, app: str = "padcap") -> tuple[str, str]:
     """Start Serve on 127.0.0.1 (a free port) and run the endpoint for `cfg` -> (url, deployment name)."""
     from ray import serve
 
     from infer.serving.deployment import build_application
-    from tests.support.serve_cases import free_port, wait_healthy
 
-    port = free_port()
+    port = sim_cluster.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_application(cfg), name=app, route_prefix="/")
     url = f"http://127.0.0.1:{port}"

@@ -1,7 +1,7 @@
 """Offline captioning throughput: many videos per step vs one at a time vs the monolithic decoder.
 
-    python bench/caption.py [--model runs/default/train/model] [--videos 12] [--seconds 30]
-    python bench/caption.py --shape bench-small        # a random model of the cpu-small shape
+    python -m bench.caption [--model runs/default/train/model] [--videos 12] [--seconds 30]
+    python -m bench.caption --shape bench-small        # a random model of the cpu-small shape
 
 Generates a synthetic corpus, then runs the same Ray Data captioning job
 (infer/offline/job.py: featurize actor pool -> engine actor pool -> JSONL/Parquet) three times
@@ -20,13 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def random_model(cfg, out: str) -> str:
@@ -39,9 +37,7 @@ def random_model(cfg, out: str) -> str:
 
     import torch
     from transformers import AutoModelForCausalLM
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    from decode import BENCH_SHAPE
+    from bench.decode import BENCH_SHAPE
 
     from infer.loading import feature_dims
     from pipeline import backbone as backbone_mod

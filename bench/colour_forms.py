@@ -1,6 +1,6 @@
 """Held-out colour accuracy by the form of the reference caption, and the colour confusions (issue #27).
 
-    .venv/bin/python bench/colour_forms.py runs/default/synth/longvale_test.json runs/default_seeds/seed*/run.json
+    .venv/bin/python -m bench.colour_forms runs/default/synth/longvale_test.json runs/default_seeds/seed*/run.json
 
 Each reference event of the synthetic grammar is matched to the predicted event with the highest
 tIoU (at least `--min-iou`, 0.5) and its colour read with preprocess.synthetic.parse_caption from
@@ -17,17 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 
+from pipeline.metrics.tiou import tiou
+from preprocess.synthetic import parse_caption
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from pipeline.metrics.tiou import tiou  # noqa: E402
-from preprocess.synthetic import parse_caption  # noqa: E402
-
 
 def caption_form(caption: str) -> str:
     """The words before the colour in a reference's visual part: 'the', 'an', 'set of' or 'a'."""

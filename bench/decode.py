@@ -28,8 +28,8 @@ Presets
   qwen2.5-3b     the real 3B shape, for GPUs
 
 Run:
-  .venv/bin/python bench/decode.py                                  # cpu-small, < 3 min on 2 cores
-  python bench/decode.py --preset qwen2.5-3b --device cuda --dtype bfloat16 [--out r.json] [--png r.png]
+  .venv/bin/python -m bench.decode                                  # cpu-small, < 3 min on 2 cores
+  python -m bench.decode --preset qwen2.5-3b --device cuda --dtype bfloat16 [--out r.json] [--png r.png]
   options: --prefix N --events K --tokens N | --lengths 4,32,8,... --repeats R --threads T
 """
 
@@ -46,13 +46,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from infer.engine.core import CaptionEngine  # noqa: E402
-from infer.oracles.decoders import branch_sequential, monolithic, parallel_copy  # noqa: E402
-from infer.engine.sampling import DecodeControl  # noqa: E402
-from pipeline import backbone as backbone_mod  # noqa: E402
-from pipeline.config import InferConfig, ModelConfig  # noqa: E402
-from pipeline.schema import Sample  # noqa: E402
+from infer.engine.core import CaptionEngine
+from infer.oracles.decoders import branch_sequential, monolithic, parallel_copy
+from infer.engine.sampling import DecodeControl
+from pipeline import backbone as backbone_mod
+from pipeline.config import InferConfig, ModelConfig
+from pipeline.schema import Sample
 
 MODES = ("monolithic", "branch_sequential", "parallel_copy", "engine")
 BENCH_BACKBONE = "bench-small"

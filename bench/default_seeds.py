@@ -1,7 +1,7 @@
 """The default run's training over several seeds: held-out free-running numbers per seed (issue #27).
 
-    .venv/bin/python bench/default_seeds.py                      # seeds 0 1 2, the default's 3,800 steps
-    .venv/bin/python bench/default_seeds.py --seeds 0 --steps 800 --probe-every 50 --tag probe
+    .venv/bin/python -m bench.default_seeds                      # seeds 0 1 2, the default's 3,800 steps
+    .venv/bin/python -m bench.default_seeds --seeds 0 --steps 800 --probe-every 50 --tag probe
 
 Reads the shards `make run` wrote (`--run-dir`, default runs/default: synth + preprocess are run
 first when they are missing, `pipeline/run.py --stages synth,preprocess`). Each seed is the
@@ -33,8 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 KEYS = {"colour": "colour_acc", "shape": "shape_acc", "sound": "sound_acc", "motion": "motion_acc",
         "planning": "planning_acc", "f1": "grounding_f1@0.5"}
@@ -58,7 +56,7 @@ def default_config(seed: int, steps: int = 0, overrides: list[str] | None = None
 def ensure_shards(run_dir: Path) -> Path:
     shards = run_dir / "preprocess"
     if not (shards / "manifest.parquet").exists():
-        cmd = [sys.executable, str(ROOT / "pipeline/run.py"), "--stages", "synth,preprocess", "--set", f"run_dir={run_dir}"]
+        cmd = [sys.executable, "-m", "pipeline.run", "--stages", "synth,preprocess", "--set", f"run_dir={run_dir}"]
         subprocess.run(cmd, check=True, cwd=str(ROOT))
     return shards
 
@@ -106,7 +104,7 @@ def _child(seed: int, args, argv: list[str]) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     log = work / f"seed{seed}{args.tag}.log"
-    cmd = [sys.executable, __file__, *argv, "--one", str(seed)]
+    cmd = [sys.executable, "-m", "bench.default_seeds", *argv, "--one", str(seed)]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **ENV}, cwd=str(ROOT)).returncode
     if rc != 0:

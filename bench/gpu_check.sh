@@ -17,7 +17,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 python3 -c "import torch,transformers,peft,triton;print(torch.__version__,transformers.__version__,peft.__version__,triton.__version__,torch.cuda.get_device_name())"
 timeout 200 python3 -m pytest -q -m gpu tests/test_engine.py tests/test_engine_batch.py tests/test_kernels.py tests/test_graphs.py \
   tests/test_encoders.py tests/test_train_gpu.py -p no:cacheprovider 2>&1 | tail -12
-timeout 300 python3 bench/release_decode.py --shape 3b --device cuda --dtype bfloat16 --videos 64 --in-flight 16 64 --eager-at 16 --kv-memory-gb 40 \
+timeout 300 python3 -m bench.release_decode --shape 3b --device cuda --dtype bfloat16 --videos 64 --in-flight 16 64 --eager-at 16 --kv-memory-gb 40 \
   --out $OUT/release_3b.json > $OUT/release.log 2>&1 || tail -c 3000 $OUT/release.log
 python3 - $OUT/release_3b.json <<'PY'
 import json, sys

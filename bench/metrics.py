@@ -7,7 +7,7 @@ dropped, boundaries jittered, events missed or added, a few videos without outpu
 then times `evaluate(..., protocol="padcaptioner")` end to end (read, tokenise, SODA,
 densevid, E.T.Bench) and prints one JSON object. The target is < 300 s on 2 cores.
 
-    .venv/bin/python bench/metrics.py [--videos 1171] [--events 12] [--seed 0]
+    .venv/bin/python -m bench.metrics [--videos 1171] [--events 12] [--seed 0]
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ import json
 import os
 import random
 import resource
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.metrics import evaluate  # noqa: E402
+from pipeline.metrics import evaluate
 
 SUBJECTS = ["a young man", "an elderly woman", "the host", "a little girl", "two musicians", "a chef in a white apron",
             "the narrator", "a group of teenagers", "a brown dog", "the driver", "a street performer", "the teacher"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def command(script: str, argv: list[str] | None) -> str:
     """The command line of a run (argv None: this process's own arguments)."""
-    return f"python bench/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+    return f"python -m bench.{script.removesuffix('.py')} " + " ".join(argv if argv is not None else sys.argv[1:])
 
 
 def emit(result: dict, out: Path | None) -> dict:

@@ -24,14 +24,13 @@ block a step, already exact). Plans are timed interleaved, step by step, so drif
 box hits them alike.
 
 Run:
-  .venv/bin/python bench/packing.py --out bench/results/packing_cpu-small.json    # ~4 min on a 2-core box
+  .venv/bin/python -m bench.packing --out bench/results/packing_cpu-small.json    # ~4 min on a 2-core box
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -39,17 +38,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import A_TOKENS, PRESETS, V_TOKENS, build_model  # noqa: E402
-from output import command, emit  # noqa: E402
-from throughput import make_videos  # noqa: E402
+from bench.decode import A_TOKENS, PRESETS, V_TOKENS, build_model
+from bench.output import command, emit
+from bench.throughput import make_videos
 
-import infer.engine.attn_meta as attn_meta  # noqa: E402
-from infer.engine.core import CaptionEngine  # noqa: E402
-from infer.engine.packing import BlockPlan, Call, kernel_calls, padded_work  # noqa: E402
-from infer.engine.step import ForwardBatch  # noqa: E402
-from pipeline.config import InferConfig  # noqa: E402
+import infer.engine.attn_meta as attn_meta
+from infer.engine.core import CaptionEngine
+from infer.engine.packing import BlockPlan, Call, kernel_calls, padded_work
+from infer.engine.step import ForwardBatch
+from pipeline.config import InferConfig
 
 
 def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[list[BlockPlan], float]]:

@@ -1,6 +1,6 @@
 """Preprocess throughput, side by side in one run: decode only, decode + encode, the Ray Data job.
 
-    python bench/preprocess.py [--videos 32] [--seconds 60] [--actors 2] [--out bench.json]
+    python -m bench.preprocess [--videos 32] [--seconds 60] [--actors 2] [--out bench.json]
 
 (a) decode-only loop over the corpus (the floor), (b) decode + encode in one plain
 Python process, (c) the Ray Data job (actor pool, shards + manifest written).
@@ -13,13 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:

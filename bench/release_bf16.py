@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.output import command, emit  # noqa: E402
-from infer.engine.core import CaptionEngine  # noqa: E402
-from pipeline.config import InferConfig  # noqa: E402
-from tests.support.release import fixture_video, perturbed, random_video  # noqa: E402
+from bench.output import command, emit
+from infer.engine.core import CaptionEngine
+from pipeline.config import InferConfig
+from bench.release_models import fixture_video, perturbed, random_video
 
 
 def decode(model, videos, dtype: str):

@@ -12,8 +12,8 @@ time, whether every video's tokens equal its one-at-a-time tokens in this dtype 
 first differing token and the alone decode's logit margin there), the kernel, and on CUDA the
 peak memory and the KV pool.
 
-  python bench/release_decode.py --shape tiny --videos 4                         # CPU smoke
-  python bench/release_decode.py --shape 3b --device cuda --dtype bfloat16 --in-flight 16 64 --out r.json
+  python -m bench.release_decode --shape tiny --videos 4                         # CPU smoke
+  python -m bench.release_decode --shape 3b --device cuda --dtype bfloat16 --in-flight 16 64 --out r.json
 """
 
 from __future__ import annotations
@@ -21,22 +21,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.output import emit
+from infer.engine.core import CaptionEngine
+from infer.engine.requests import Request
+from infer.engine.sampling import DecodeControl
+from pipeline.config import InferConfig
+from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
+from pipeline.release.video import ReleaseVideo
 
-from bench.output import emit  # noqa: E402
-from infer.engine.core import CaptionEngine  # noqa: E402
-from infer.engine.requests import Request  # noqa: E402
-from infer.engine.sampling import DecodeControl  # noqa: E402
-from pipeline.config import InferConfig  # noqa: E402
-from pipeline.release.model import ReleaseCaptioner, ReleaseSettings  # noqa: E402
-from pipeline.release.video import ReleaseVideo  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CHECKPOINT = ROOT / "tests" / "data" / "release_golden" / "checkpoint"
 QWEN25_VL_3B = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,

@@ -1,6 +1,6 @@
 """Loading a release checkpoint: peak host memory over the checkpoint's size, and the time.
 
-    .venv/bin/python bench/release_load.py --out bench/results/release_load.json
+    .venv/bin/python -m bench.release_load --out bench/results/release_load.json
 
 Builds a release-format model of a few hundred million parameters (the fixture's config with
 wider, deeper parts: `--hidden`, `--layers`), saves it as the release does (bf16 state dict,
@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.output import command, emit
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.output import command, emit  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "data" / "release_golden" / "checkpoint"
 
@@ -121,8 +121,8 @@ def main(argv=None) -> dict:
                 from safetensors.torch import save_file
 
                 save_file(torch.load(ckpt / "pytorch_model.bin", weights_only=True), str(d / "model.safetensors"))
-            done = subprocess.run([sys.executable, __file__, "--measure", str(d), fmt], check=True,
-                                  capture_output=True, text=True)
+            done = subprocess.run([sys.executable, "-m", "bench.release_load", "--measure", str(d), fmt],
+                                  check=True, capture_output=True, text=True, cwd=str(ROOT))
             runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     result = {"hidden": args.hidden, "layers": args.layers, **sizes, "runs": runs,
               "command": command("release_load.py", argv)}

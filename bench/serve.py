@@ -1,6 +1,6 @@
 """Closed-loop load test of the Ray Serve captioning endpoint on 127.0.0.1.
 
-    flock /tmp/padcap-ray.lock .venv/bin/python bench/serve.py [--seconds 20] [--concurrency 1 4 16]
+    flock /tmp/padcap-ray.lock .venv/bin/python -m bench.serve [--seconds 20] [--concurrency 1 4 16]
         [--config cluster/configs/default.yaml] [--model-dir D] [--set k=v ...] [--upload] [--out runs/bench/serve.json]
 
 Starts a local Ray + Serve app (infer.serving.deployment:app_builder; no --model-dir = the tiny
@@ -28,7 +28,6 @@ import numpy as np
 import requests
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _free_port() -> int:

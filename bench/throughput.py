@@ -42,9 +42,9 @@ by side in one run and printed as one JSON object:
   the next, CPU time much less. The targets are judged on wall time.
 
 Run:
-  .venv/bin/python bench/throughput.py --out bench/results/throughput_cpu-small.json   # 51 min on a 2-core box (1-2 loaded)
-  .venv/bin/python bench/throughput.py --videos 16 --in-flight 4,16 --chain-videos 2   # quicker
-  python bench/throughput.py --preset qwen2.5-3b --device cuda --dtype bfloat16 --out r.json
+  .venv/bin/python -m bench.throughput --out bench/results/throughput_cpu-small.json   # 51 min on a 2-core box (1-2 loaded)
+  .venv/bin/python -m bench.throughput --videos 16 --in-flight 4,16 --chain-videos 2   # quicker
+  python -m bench.throughput --preset qwen2.5-3b --device cuda --dtype bfloat16 --out r.json
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -61,23 +60,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import (A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token,  # noqa: E402
+from bench.decode import (A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token,
                     measure_bandwidth, weight_bytes)
 
-from infer.engine.attn_meta import AttnMeta  # noqa: E402
-from infer.engine.core import CaptionEngine  # noqa: E402
-from infer.engine.packing import BlockPlan  # noqa: E402
-from infer.engine.paged import FREE_SEQ  # noqa: E402
-from infer.engine.programs import PadProgram  # noqa: E402
-from infer.oracles.decoders import monolithic  # noqa: E402
-from infer.engine.requests import Request  # noqa: E402
-from infer.engine.sampling import DecodeControl  # noqa: E402
-from infer.engine.step import ForwardBatch  # noqa: E402
-from pipeline.config import InferConfig  # noqa: E402
-from pipeline.layout import shared_position  # noqa: E402
-from pipeline.schema import Sample  # noqa: E402
+from infer.engine.attn_meta import AttnMeta
+from infer.engine.core import CaptionEngine
+from infer.engine.packing import BlockPlan
+from infer.engine.paged import FREE_SEQ
+from infer.engine.programs import PadProgram
+from infer.oracles.decoders import monolithic
+from infer.engine.requests import Request
+from infer.engine.sampling import DecodeControl
+from infer.engine.step import ForwardBatch
+from pipeline.config import InferConfig
+from pipeline.layout import shared_position
+from pipeline.schema import Sample
 
 
 def make_videos(model, n: int, prefix_range: tuple[int, int], k_range: tuple[int, int], len_range: tuple[int, int],

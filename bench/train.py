@@ -12,7 +12,7 @@ step time and global tokens/s from the run history (first steps excluded), and t
 scaling 2-worker / 1-worker tokens/s.
 
 Prints one JSON object. Run:
-    .venv/bin/python bench/train.py [--steps 40] [--rounds 12] [--skip-ray] [--out bench/results/train.json]
+    .venv/bin/python -m bench.train [--steps 40] [--rounds 12] [--skip-ray] [--out bench/results/train.json]
 (Part 2 starts Ray: run it under `flock /tmp/padcap-ray.lock` on a shared machine.)
 """
 
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,14 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.config import Config, FeaturesConfig, ModelConfig, TrainConfig
+from pipeline.layout import Role
+from pipeline.schema import Event, Sample, encode
+
+from preprocess.encoders import get_audio_encoder, get_visual_encoder
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pipeline.config import Config, FeaturesConfig, ModelConfig, TrainConfig  # noqa: E402
-from pipeline.layout import Role  # noqa: E402
-from pipeline.schema import Event, Sample, encode  # noqa: E402
-
-from preprocess.encoders import get_audio_encoder, get_visual_encoder  # noqa: E402
 
 # feature dims of the default encoders (pixels / mel), so the benchmark's batch matches real shards
 DV, DA = get_visual_encoder(FeaturesConfig()).dim, get_audio_encoder(FeaturesConfig()).dim

@@ -1,7 +1,7 @@
 """Peak object-store use of reading the training set: one pass (train/trainer.read_train_dataset)
 against the former sort + repartition, two full materialisations, measured side by side.
 
-    flock /tmp/ray.lock .venv/bin/python bench/train_read.py [--samples 96] [--mb 4]
+    flock /tmp/ray.lock .venv/bin/python -m bench.train_read [--samples 96] [--mb 4]
 
 Writes `--samples` records of `--mb` MB of random bytes each into 3 tars (keys in another
 order than the sort), runs both readers on one local Ray instance (2 CPUs, 1.5 GB object
@@ -16,20 +16,17 @@ import argparse
 import json
 import random
 import re
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
+import webdataset as wds
+
+from pipeline.schema import FIELDS, KEY
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
-import webdataset as wds  # noqa: E402
-
-from pipeline.schema import FIELDS, KEY  # noqa: E402
 
 
 def plasma_used_mb() -> float:

@@ -30,11 +30,20 @@ from typing import Any, Callable
 
 import torch
 
-from infer.serving.service import ModelCard
 from pipeline.config import Config, ConfigError, section_hash
 
 log = logging.getLogger("padcap.serve")
 CONFIG_FILE = "config.json"
+
+
+@dataclasses.dataclass
+class ModelCard:
+    """What GET /v1/model reports about the loaded model."""
+
+    model_id: str
+    source: str  # the model dir, or "tiny (random init, smoke mode)"
+    device: str
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -20,10 +20,9 @@ import tempfile
 from typing import Any
 
 from pipeline import storage
+from pipeline.caption_grammar import ATTRIBUTES, parse_caption
 from pipeline.config import Config, ConfigError
 from pipeline.metrics import evaluate, tiou, write_report
-
-ATTRIBUTES = ("colour", "shape", "motion", "sound")
 
 
 def read_caption_rows(captions_dir: str) -> list[dict[str, Any]]:
@@ -39,8 +38,6 @@ def predictions(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def attribute_accuracy(pred: dict[str, dict[str, Any]], ref_path: str) -> dict[str, float]:
     """Synthetic corpus only: per reference event, the prediction with the best tIoU; the share
     of its caption's attribute words (colour, shape, motion, sound) that equal the reference's."""
-    from preprocess.synthetic import parse_caption
-
     refs = storage.read_json(ref_path)
     hits = {a: 0 for a in ATTRIBUTES}
     total = 0

@@ -1,9 +1,9 @@
 """The job driver: synth -> preprocess -> train -> caption -> evaluate.
 
-    python pipeline/run.py                                   # embedded default, local Ray
-    python pipeline/run.py --config cluster/configs/gpu-1.yaml --set train.max_steps=100
-    python pipeline/run.py --stages preprocess,train --force
-    ray job submit --working-dir . -- python pipeline/run.py --config ...
+    python -m pipeline.run                                   # embedded default, local Ray
+    python -m pipeline.run --config cluster/configs/gpu-1.yaml --set train.max_steps=100
+    python -m pipeline.run --stages preprocess,train --force
+    ray job submit --working-dir . -- python -m pipeline.run --config ...
 
 Every stage writes under one run directory (local or s3://) and leaves a stamp
 `<stage>/_STAGE.json` with the hash of the config it depends on (its own
@@ -30,13 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make the repo importable
-    sys.path.insert(0, str(ROOT))
+from pipeline import storage
+from pipeline.cluster import init_ray
+from pipeline.config import Config, load_config
 
-from pipeline import storage  # noqa: E402
-from pipeline.cluster import init_ray  # noqa: E402
-from pipeline.config import Config, load_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_CONFIG = ROOT / "cluster" / "configs" / "default.yaml"
 

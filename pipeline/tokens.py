@@ -11,7 +11,7 @@ Kinds (`ModelConfig.tokenizer`):
         ids equal Qwen2.5's. The converted tokenizer is cached on disk (conversion ~4 s).
   bpe   a small byte-level BPE (~1k ids) trained deterministically in well under a
         second on built-in text (chat words, a generic English word list, the synthetic
-        corpus grammar when `preprocess.synthetic` is importable); for the `tiny` preset.
+        corpus's captions from pipeline/caption_grammar.py); for the `tiny` preset.
   auto  tokenizer files in a local backbone directory if present; `bpe` for `tiny`;
         else `qwen`.
 
@@ -30,6 +30,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from pipeline import caption_grammar as grammar
 
 G_TOKEN = "<G>"
 S_TOKEN = "<S>"
@@ -132,17 +134,12 @@ def bpe_corpus() -> list[str]:
     """The built-in training text of the small BPE (deterministic)."""
     lines = list(CHAT_TEXT) + [" ".join(ENGLISH_WORDS[i : i + 12]) for i in range(0, len(ENGLISH_WORDS), 12)]
     lines += [f"{i} {i}.{i % 10} {i * 7}" for i in range(100)]
-    try:  # the synthetic corpus grammar, when its module exists
-        from preprocess import synthetic as syn
-
-        for c in syn.COLOURS:
-            for s in syn.SHAPES:
-                for m in syn.MOTIONS:
-                    lines.append(syn.dense_caption(c, s, m, syn.SOUNDS[(len(c) + len(m)) % len(syn.SOUNDS)]))
-        for snd in syn.SOUNDS:
-            lines.append(syn.dense_caption(syn.COLOURS[0], syn.SHAPES[0], syn.MOTIONS[0], snd))
-    except (ImportError, AttributeError):
-        pass
+    for c in grammar.COLOURS:  # the synthetic corpus's captions
+        for s in grammar.SHAPES:
+            for m in grammar.MOTIONS:
+                lines.append(grammar.dense_caption(c, s, m, grammar.SOUNDS[(len(c) + len(m)) % len(grammar.SOUNDS)]))
+    for snd in grammar.SOUNDS:
+        lines.append(grammar.dense_caption(grammar.COLOURS[0], grammar.SHAPES[0], grammar.MOTIONS[0], snd))
     return lines
 
 

@@ -15,6 +15,10 @@ reason); only those rows reach the driver, which commits each chunk as it finish
 re-run skips videos already `ok` for the same feature config and the same annotation
 (its hash; edited captions, times or splits redo the video) and a killed run resumes
 without duplicates.
+
+`wrap_stage(stage, cls) -> cls`: the one hook into the job, called on the driver with
+("preprocess", FeaturizeVideos) before Ray Data runs the class; it returns the class to run
+(a subclass that observes it, e.g. the node-loss tests' in-flight markers). Default: as is.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ import json
 import time
 import uuid
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import ray
 
-from pipeline import faults, storage
-from pipeline.cluster import init_ray, node_id, placement
+from pipeline import storage
+from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, load_config, section_hash
 from pipeline.schema import KEY, encode
 from preprocess import manifest as mf
@@ -68,9 +72,8 @@ class FeaturizeVideos:
                            feature_hash=self.feature_hash, chunk=chunk, annotation_hash=str(video["annotation_hash"]),
                            clipped_events=ann.clipped, num_events=len(ann.events), duration=ann.duration)
         try:
-            with faults.in_flight("preprocess", [ann.video_id], node_id()):
-                sample = self.featurizer(row["uri"], ann)
-                fields = encode(sample)
+            sample = self.featurizer(row["uri"], ann)
+            fields = encode(sample)
             row.update(status="ok", error="", key=fields[KEY], num_segments=sample.num_segments,
                        duration=float(sample.duration), num_events=len(sample.events))
         except Exception as e:  # every failure becomes an explained manifest row
@@ -158,18 +161,25 @@ def chunk_size(todo: int, actors: int, most: int = CHUNK_VIDEOS) -> int:
     return max(1, min(most, -(-todo // (4 * max(1, actors)))))
 
 
-def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str):
+StageWrapper = Callable[[str, type], type]  # (stage name, stage class) -> the class Ray Data runs
+
+
+def _as_is(stage: str, cls: type) -> type:
+    return cls
+
+
+def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str, wrap_stage: StageWrapper = _as_is):
     """Featurize and write `chunks` ({"chunk", "videos"}) on one actor pool for the whole job ->
     an iterator over each finished chunk's manifest rows, in the order they finish."""
     actors = max(1, cfg.cluster.preprocess_actors)
     ds = ray.data.from_items(chunks, override_num_blocks=len(chunks))
     ds = ds.map_batches(
-        FeaturizeVideos,
+        wrap_stage("preprocess", FeaturizeVideos),
         fn_constructor_kwargs={"cfg_json": cfg.to_json(indent=None), "out_dir": out_dir},
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=min(actors, len(chunks))),
         **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor, 1.0 if cfg.features.device == "cuda" else 0.0),
-        runtime_env={"env_vars": {**storage.forwarded_env(), **faults.forwarded_env()}},
+        runtime_env={"env_vars": storage.forwarded_env()},
     )
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
         rows = batch.to_pylist()
@@ -180,11 +190,12 @@ def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str):
 
 
 def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, out_dir: str,
-                   chunk_videos: int | None = None, max_chunks: int | None = None) -> dict[str, Any]:
+                   chunk_videos: int | None = None, max_chunks: int | None = None,
+                   wrap_stage: StageWrapper = _as_is) -> dict[str, Any]:
     """The whole job. `annotations` maps split -> (path, format). Returns a summary dict.
 
     `chunk_videos`: videos per chunk (default `chunk_size`'s). `max_chunks` stops early (used to
-    simulate a run killed midway in tests).
+    simulate a run killed midway in tests). `wrap_stage`: the module doc's hook.
     """
     t0 = time.perf_counter()
     feature_hash = section_hash(cfg.features)
@@ -210,7 +221,7 @@ def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_r
               for i in range(0, len(todo), size)]
     if max_chunks is not None:
         chunks = chunks[:max_chunks]
-    for i, (name, result) in enumerate(_featurized_chunks(cfg, chunks, out_dir) if chunks else ()):
+    for i, (name, result) in enumerate(_featurized_chunks(cfg, chunks, out_dir, wrap_stage) if chunks else ()):
         mf.write_table(storage.join(mf.manifest_dir(out_dir), f"{name}.parquet"), result)  # commit
         n_ok = sum(r["status"] == "ok" for r in result)
         print(f"[preprocess] chunk {i + 1}/{len(chunks)}: {n_ok} ok, {len(result) - n_ok} failed", flush=True)

@@ -35,7 +35,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -44,105 +43,27 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.caption_grammar import (  # noqa: F401  (re-exported: the corpus's grammar)
+    ATTRIBUTES,
+    COLOURS,
+    MOTIONS,
+    SHAPES,
+    SOUNDS,
+    audio_caption,
+    dense_caption,
+    parse_caption,
+    visual_caption,
+)
 from pipeline.config import SyntheticConfig
 from preprocess.synthetic_media import EventSpec, VideoPlan, render_audio, render_frames, write_mp4
 
 # 2: visual captions 'the <colour> <shape>' ('striped square' for stripes) instead of 'a' / 'an' / 'a set of'
 GENERATOR_VERSION = 2
 
-# --------------------------------------------------------------------------- grammar
+# --------------------------------------------------------------------------- grammar (pipeline/caption_grammar.py)
 
-COLOURS: tuple[str, ...] = ("red", "green", "blue", "yellow", "purple", "orange", "white", "cyan")
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "stripes")
-MOTIONS: tuple[str, ...] = (
-    "moves to the left",
-    "moves to the right",
-    "moves up",
-    "moves down",
-    "stays still",
-    "grows",
-    "shrinks",
-    "blinks",
-)
-SOUNDS: tuple[str, ...] = (
-    "low beep",
-    "mid beep",
-    "high beep",
-    "white noise",
-    "rising chirp",
-    "falling chirp",
-    "pulsing beeps",
-    "silence",
-)
-ATTRIBUTES = ("colour", "shape", "motion", "sound")
 CATEGORY = "synthetic"
 MAX_EVENTS = min(len(COLOURS), len(SOUNDS))  # colours and sounds are distinct within a video
-
-_SOUND_PHRASE = {s: (s if s in ("white noise", "silence", "pulsing beeps") else f"a {s}") for s in SOUNDS}
-
-
-def visual_caption(colour: str, shape: str, motion: str) -> str:
-    """'the red circle moves to the left.' / 'the orange square grows.' / 'the red striped square moves up.'
-
-    Every colour word follows the same word ('the') and comes before the shape, so the model decides the
-    colour on the same row in every caption. (With 'a' / 'an' and 'a set of red stripes', orange's article
-    and the stripes' colour were decided on rows that see 1/8 and 1/4 of the colour examples, and were the
-    colour errors of the default run: README, "Why the attribute words come late".)"""
-    noun = "striped square" if shape == "stripes" else shape
-    return f"the {colour} {noun} {motion}."
-
-
-def audio_caption(sound: str) -> str:
-    """'a high beep.' / 'white noise.' / 'silence.'"""
-    return f"{_SOUND_PHRASE[sound]}."
-
-
-def dense_caption(colour: str, shape: str, motion: str, sound: str) -> str:
-    """The full event caption, in the ChronusAV 'Visual: ... Audio: ...' form."""
-    return f"Visual: {visual_caption(colour, shape, motion)} Audio: {audio_caption(sound)}"
-
-
-def _first_match(words: tuple[str, ...], text: str) -> str | None:
-    """The word of `words` that occurs earliest in `text` as whole words (longest wins ties)."""
-    best: tuple[int, int, str] | None = None
-    for w in words:
-        m = re.search(r"\b" + re.escape(w) + r"\b", text)
-        if m and (best is None or (m.start(), -len(w)) < (best[0], best[1])):
-            best = (m.start(), -len(w), w)
-    return best[2] if best else None
-
-
-def parse_caption(text: str) -> dict[str, str | None]:
-    """Caption -> {colour, shape, motion, sound}; an attribute not found is None.
-
-    Tolerant of model output: case-insensitive, any word order; colour/shape/motion
-    are read from the part before 'Audio:' and the sound from the part after it (with
-    no 'Audio:' marker, the whole text, sound phrases removed before reading colours,
-    so 'white noise' is never read as the colour white).
-    """
-    low = " ".join(text.lower().split())
-    if "audio:" in low:
-        visual, audio = low.split("audio:", 1)
-    else:
-        visual, audio = low, low
-    sound = _first_match(SOUNDS, audio)
-    if sound is None and re.search(r"\bsilent\b", audio):
-        sound = "silence"
-    for s in SOUNDS:
-        visual = re.sub(r"\b" + re.escape(s) + r"\b", " ", visual)
-    # 'striped square' (or 'stripes') before any other shape word: the striped square is not a square
-    shape = "stripes" if re.search(r"\bstripe", visual) else _first_match(SHAPES, visual)
-    return {
-        "colour": _first_match(COLOURS, visual),
-        "shape": shape,
-        "motion": _first_match(MOTIONS, visual),
-        "sound": sound,
-    }
-
-
-# How a value is spelled in the generated captions where that is not the value itself (regular
-# expressions): what train/evaluate.py's attribute_token_spans looks for in a reference.
-parse_caption.surface = {"stripes": r"striped square|stripes"}
 
 
 # --------------------------------------------------------------------------- planning

@@ -123,7 +123,7 @@ def _lanes(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[int]:
 
 def _attributes(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[tuple[str, str, str, str]]:
     """(colour, shape, motion, sound) per event, independent draws under the module doc's constraints."""
-    from preprocess.synthetic import COLOURS, MOTIONS, SHAPES, SOUNDS
+    from pipeline.caption_grammar import COLOURS, MOTIONS, SHAPES, SOUNDS
 
     chosen: list[tuple[str, str, str, str]] = []
     for i, span in enumerate(spans):
@@ -142,7 +142,7 @@ def _attributes(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[
 
 def _distractors(cfg: SyntheticConfig, n: int, events: list[EventSpec], rng: np.random.Generator) -> list[SoundSpec]:
     """Audio-only sounds that belong to no event (module doc); a draw that fits nowhere is left out."""
-    from preprocess.synthetic import SOUNDS
+    from pipeline.caption_grammar import SOUNDS
 
     h = cfg.hard
     lo, hi = int(round(h.min_distractor_seconds * cfg.fps)), int(round(h.max_distractor_seconds * cfg.fps))

@@ -1,4 +1,7 @@
-"""Shared pytest set-up: repo root on sys.path, GPU tests skipped without CUDA."""
+"""Shared pytest set-up: GPU tests skipped without CUDA, local Ray instances, the CPU clock.
+
+The repository root is on sys.path through pytest's `pythonpath` setting (pyproject.toml), for the
+`tests.*` helpers; the product is importable as installed (pip install -e .) or from the checkout."""
 
 from __future__ import annotations
 
@@ -8,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from tests.cpu_clock import CpuClock
 
-from tests.cpu_clock import CpuClock  # noqa: E402  (needs the repo root on sys.path)
+ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -175,7 +176,8 @@ def shared_ray():
     if _shared["id"] is not None and _connected(ray) == _shared["id"] and _shared["env"] == _storage_env():
         return ray
     stop_ray()
-    # Serve's controller and replicas import the project like the driver does.
+    # Ray's workers, Serve's controller and replicas import the project like the driver does: from this
+    # checkout, also when it is not installed (pip install -e .)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(paths if str(ROOT) in paths else [str(ROOT), *paths])
     ray.init(**LOCAL_RAY)

@@ -1,4 +1,4 @@
-"""Scale-out on a simulated multi-node cluster (tests/support/sim_cluster.py): placement by resources
+"""Scale-out on a simulated multi-node cluster (bench/sim_cluster.py): placement by resources
 from the config, Serve autoscaling under load, and node loss without lost or duplicated work.
 
     flock /work/helpers/ray.lock .venv/bin/python -m pytest tests/test_cluster_sim.py -q
@@ -11,8 +11,9 @@ state API. Node loss is `Cluster.remove_node` (every process of that raylet kill
 graceful shutdown) in the middle of the work; each test then adds a fresh node of the same
 kind, as an autoscaler would, so the next test sees the full cluster (the GPU caption test
 adds a second "GPU" node first and keeps the survivor). Preprocess and captioning (its CPU
-featurizers and its GPU caption actor) lose their node while it holds a video: `pipeline/faults.py` marks every video a process starts and ends,
-and holds the first one of the stage, whose node is then removed; the markers prove it was in
+featurizers and its GPU caption actor) lose their node while it holds a video: the jobs' stages
+are wrapped through their `wrap_stage` hook (tests/support/inflight.py), which marks every video a
+process starts and ends and holds the first one of the stage, whose node is then removed; the markers prove it was in
 flight there (never ended) and say who redid it. Training loses a node in the middle of an epoch
 and the steps' logged video ids show each video once per epoch. Inputs are tiny (a few 8-9 s
 synthetic videos, the tiny random-init model, a few training steps).
@@ -30,14 +31,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support import sim_cluster as sc  # before ray: the 127.0.0.1 variables
+from bench import sim_cluster as sc  # before ray: the 127.0.0.1 variables
 
 from bench import autoscale  # noqa: E402
-from pipeline import faults, storage  # noqa: E402
+from pipeline import storage  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.schema import decode  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
 from preprocess.synthetic import generate_corpus  # noqa: E402
+from tests.support import inflight  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,30 +112,27 @@ class NodeKiller(threading.Thread):
         return self.removed_id
 
 
-def hold_one_video(monkeypatch, tmp_path, stage: str) -> Path:
-    """pipeline/faults.py on for this test: every video of every stage marked in flight, and the first
-    one `stage` starts held (its node is lost during the hold, which a missed kill only lengthens).
-    -> the marker directory."""
+def hold_one_video(tmp_path, stage: str) -> tuple[Path, inflight.InFlight]:
+    """The in-flight markers on for this test (the job's `wrap_stage`): every video of every stage marked
+    in flight, and the first one `stage` starts held (its node is lost during the hold, which a missed
+    kill only lengthens). -> (the marker directory, the hook to pass to the job)."""
     root = tmp_path / "inflight"
-    monkeypatch.setenv(faults.DIR_ENV, str(root))
-    monkeypatch.setenv(faults.STAGE_ENV, stage)
-    monkeypatch.setenv(faults.HOLD_ENV, str(sc.scaled(150.0)))
-    return root
+    return root, inflight.InFlight(str(root), hold=stage, hold_s=sc.scaled(150.0))
 
 
 def held_node(root: Path, stage: str):
     """The node of the video `stage` holds (a function for NodeKiller's `target`)."""
-    return lambda: (faults.held(root, stage) or {}).get("node_id")
+    return lambda: (inflight.held(root, stage) or {}).get("node_id")
 
 
 def check_lost_in_flight(root: Path, stage: str, removed: str) -> dict:
     """What the markers prove: the held video was in flight on the removed node when it went (that
     process never ended its work on it), and another process on another node did it after. -> the
     marker of that other process."""
-    m = faults.held(root, stage)
+    m = inflight.held(root, stage)
     assert m and m["node_id"] == removed, (m, removed)
     assert not m["done"], f"{m['video_id']} was finished on the removed node before it went"
-    redone = [r for r in faults.markers(root, stage) if r["video_id"] == m["video_id"] and r["pid"] != m["pid"]]
+    redone = [r for r in inflight.markers(root, stage) if r["video_id"] == m["video_id"] and r["pid"] != m["pid"]]
     assert [r["done"] for r in redone] == [True] and redone[0]["node_id"] != removed, redone
     return redone[0]
 
@@ -141,10 +140,10 @@ def check_lost_in_flight(root: Path, stage: str, removed: str) -> dict:
 # ----------------------------------------------------------------------------- preprocess
 
 
-def run_preprocess_job(cfg, info, out):
+def run_preprocess_job(cfg, info, out, **hook):
     from preprocess.job import run_preprocess
 
-    return run_preprocess(cfg, {s: (p, "longvale") for s, p in info.longvale.items()}, info.video_dir, out)
+    return run_preprocess(cfg, {s: (p, "longvale") for s, p in info.longvale.items()}, info.video_dir, out, **hook)
 
 
 def shard_samples(out):
@@ -173,14 +172,13 @@ def test_preprocess_actors_run_only_on_cpu_nodes(sim, baseline_shards):
     assert sim.kinds_of(nodes) == {"cpu"}
 
 
-def test_preprocess_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpus, baseline_shards, tmp_path,
-                                                                     monkeypatch):
+def test_preprocess_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpus, baseline_shards, tmp_path):
     out = str(tmp_path / "shards")
-    root = hold_one_video(monkeypatch, tmp_path, "preprocess")
+    root, watch = hold_one_video(tmp_path, "preprocess")
     killer = NodeKiller(sim, "FeaturizeVideos", "cpu", target=held_node(root, "preprocess"),
                         probe=lambda: mf.committed_parts(out))
     killer.start()
-    summary = run_preprocess_job(sim_cfg(), corpus, out)
+    summary = run_preprocess_job(sim_cfg(), corpus, out, wrap_stage=watch)
     removed = killer.finish()
     assert killer.probed == {}, "the node was removed after the job had committed its work"
     assert sim.kind_by_id[check_lost_in_flight(root, "preprocess", removed)["node_id"]] == "cpu"
@@ -223,16 +221,16 @@ def test_caption_actors_on_the_gpu_node_featurizers_on_cpu_nodes(sim, baseline_c
 
 
 def test_offline_captioning_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpus, baseline_captions,
-                                                                              tmp_path, monkeypatch):
+                                                                              tmp_path):
     from infer.offline.job import run_caption
 
     out = str(tmp_path / "captions")
     parts = Path(out) / "parts"
-    root = hold_one_video(monkeypatch, tmp_path, "caption-featurize")
+    root, watch = hold_one_video(tmp_path, "caption-featurize")
     killer = NodeKiller(sim, "FeaturizeForCaption", "cpu", target=held_node(root, "caption-featurize"),
                         probe=lambda: sorted(parts.glob("*.parquet")))
     killer.start()
-    summary = run_caption(sim_cfg(), corpus.video_dir, "", out)
+    summary = run_caption(sim_cfg(), corpus.video_dir, "", out, wrap_stage=watch)
     removed = killer.finish()
     assert killer.probed == [], "the node was removed after the run had committed its captions"
     assert sim.kind_by_id[check_lost_in_flight(root, "caption-featurize", removed)["node_id"]] == "cpu"
@@ -241,7 +239,7 @@ def test_offline_captioning_survives_losing_a_cpu_node_with_a_video_in_flight(si
 
 
 def test_offline_captioning_survives_losing_the_gpu_node_with_videos_in_flight(sim, corpus, baseline_captions,
-                                                                              tmp_path, monkeypatch):
+                                                                              tmp_path):
     """Two "GPU" nodes; the caption actor's node goes while it holds a call's videos, the actor is
     started again on the other one, and the run ends with every video exactly once, captioned as in
     the uninterrupted run. The cluster is left with one "GPU" node, as before."""
@@ -249,13 +247,13 @@ def test_offline_captioning_survives_losing_the_gpu_node_with_videos_in_flight(s
 
     out = str(tmp_path / "captions")
     parts = Path(out) / "parts"
-    root = hold_one_video(monkeypatch, tmp_path, "caption")
+    root, watch = hold_one_video(tmp_path, "caption")
     sim.add("gpu")  # the one that takes over
     killer = NodeKiller(sim, "CaptionVideos", "gpu", target=held_node(root, "caption"), replace=False,
                         probe=lambda: sorted(parts.glob("*.parquet")))
     killer.start()
     try:
-        summary = run_caption(sim_cfg(), corpus.video_dir, "", out)
+        summary = run_caption(sim_cfg(), corpus.video_dir, "", out, wrap_stage=watch)
         removed = killer.finish()
     finally:
         for node in sim.nodes["gpu"][1:]:  # back to one "GPU" node, whatever happened
@@ -288,16 +286,14 @@ def train_ids(shards: str) -> list[str]:
 
 
 def test_training_resumes_mid_epoch_after_losing_a_worker_node_and_sees_each_sample_once_per_epoch(
-        sim, baseline_shards, tmp_path, monkeypatch):
+        sim, baseline_shards, tmp_path):
     """4 training videos, 2 workers of one video per step: 2 steps an epoch. The node goes in the
     middle of epoch 1 (paused after step 3, once checkpoint 3 is registered); the restart resumes
     from checkpoint 3 and the steps' logged video ids give every epoch each video exactly once."""
+    from tests.support.train_faults import PauseAt
     from train.trainer import run_train
 
     marker = tmp_path / "paused.txt"
-    monkeypatch.setenv("PADCAP_TRAIN_PAUSE_AT_STEP", "3")
-    monkeypatch.setenv("PADCAP_TRAIN_PAUSE_MARKER", str(marker))
-    monkeypatch.setenv("PADCAP_TRAIN_PAUSE_S", str(sc.scaled(90.0)))
     out = tmp_path / "train"
     killer = NodeKiller(sim, "RayTrainWorker", "cpu",
                         ready=lambda: marker.exists() and registered_checkpoint(out) == "checkpoint_0000003",
@@ -305,7 +301,7 @@ def test_training_resumes_mid_epoch_after_losing_a_worker_node_and_sees_each_sam
     killer.start()
     cfg = sim_cfg("train.max_steps=6", "train.checkpoint_every=3", "train.val_every=0", "train.max_failures=2",
                   "train.keep_checkpoints=3")
-    summary = run_train(cfg, baseline_shards, str(out))
+    summary = run_train(cfg, baseline_shards, str(out), on_step=PauseAt(step=3, marker=str(marker), seconds=sc.scaled(90.0)))
     removed = killer.finish()
     assert killer.probed[-1] == "checkpoint_0000003"  # the latest checkpoint when the node went
     details = storage.read_json(summary["details"])

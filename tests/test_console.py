@@ -39,7 +39,6 @@ def test_progress_lines_of_every_stage():
 def test_quiet_console_keeps_the_terminal_short_and_the_log_whole(tmp_path):
     script = textwrap.dedent(f"""
         import os, sys
-        sys.path.insert(0, {str(ROOT)!r})
         from pipeline.console import QuietConsole
         console = QuietConsole({str(tmp_path / "run")!r}, max_steps=1000)
         console.stage_start("train")
@@ -52,7 +51,7 @@ def test_quiet_console_keeps_the_terminal_short_and_the_log_whole(tmp_path):
         console.close()
         print("after close")
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[-2:] == ["stage  time  result", "after close"]
@@ -70,7 +69,6 @@ def test_a_failing_parser_falls_back_to_passing_the_output_through(tmp_path):
     failure reaches the terminal as it came."""
     script = textwrap.dedent(f"""
         import os, sys
-        sys.path.insert(0, {str(ROOT)!r})
         from pipeline.console import QuietConsole, parse_progress
 
         def parser(stage, line, max_steps):
@@ -90,7 +88,7 @@ def test_a_failing_parser_falls_back_to_passing_the_output_through(tmp_path):
         print("after close", flush=True)
         sys.exit(3)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 3, out.stderr  # the script's own exit status
     lines = out.stdout.splitlines()
     note = next(i for i, line in enumerate(lines) if "passing the output through" in line)

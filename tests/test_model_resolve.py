@@ -9,7 +9,7 @@ import pytest
 
 from infer.loading import load_model, resolve_model
 from pipeline.config import Config
-from tests.support.release import CHECKPOINT
+from bench.release_models import CHECKPOINT
 
 
 def _cfg() -> Config:

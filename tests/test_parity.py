@@ -16,7 +16,7 @@ from infer.parity import check as parity
 from infer.parity.weights import weight_problems
 from pipeline.release.checkpoint import read_state_dict
 from pipeline.release.model import ReleaseCaptioner
-from tests.support.release import CHECKPOINT, FIXTURE
+from bench.release_models import CHECKPOINT, FIXTURE
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "release-golden"
 CASES = [FIXTURE] + ([SHARED] if SHARED.is_dir() else [])

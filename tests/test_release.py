@@ -19,7 +19,7 @@ from pipeline.release.checkpoint import ReleaseError, read_state_dict, weight_fi
 from pipeline.release.grounding import find_and_merge
 from pipeline.release.layout import AVGrid, audio_counts, build_layout, index_sets, mrope_ids, prompt_visible
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
-from tests.support.release import CHECKPOINT, FIXTURE, fixture_video, load, perturbed, random_video
+from bench.release_models import CHECKPOINT, FIXTURE, fixture_video, load, perturbed, random_video
 
 GOLDEN = json.loads((FIXTURE / "golden.json").read_text())
 

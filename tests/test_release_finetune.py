@@ -18,7 +18,7 @@ from pipeline.release.checkpoint import read_state_dict
 from pipeline.release.finetune import ReleaseFinetune, TrainVideo, collate_release, timestep_interval
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
 from pipeline.schema import Event
-from tests.support.release import CHECKPOINT, FIXTURE, fixture_video, load, random_video
+from bench.release_models import CHECKPOINT, FIXTURE, fixture_video, load, random_video
 from train.losses import compute_losses
 
 EVENTS = [Event(0.5, 3.0, "a dog barks"), Event(4.0, 8.0, "a car passes by")]

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.release.checkpoint import mapped_safetensors, read_state_dict
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
-from tests.support.release import CHECKPOINT
+from bench.release_models import CHECKPOINT
 
 
 def _bf16_copy(tmp_path, fmt: str):
@@ -88,7 +88,7 @@ def test_an_fp32_checkpoint_loads_in_bf16_and_on_a_named_device():
 
 
 def test_a_towers_only_load_reads_the_towers_and_leaves_the_llm_unread():
-    from tests.support.release import fixture_video
+    from bench.release_models import fixture_video
 
     full = ReleaseCaptioner.from_release(CHECKPOINT)
     towers = ReleaseCaptioner.from_release(CHECKPOINT, device="cpu", towers_only=True)

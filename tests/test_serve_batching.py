@@ -1,7 +1,9 @@
 """EngineBatcher (infer/serving/engine_loop.py): concurrent requests share engine calls, keys never mix.
 
-The engine here is a recording stand-in: these tests are about the queueing rule
-(which requests go into which call), not about decoding.
+The engine here is a recording stand-in with the real engine's serving interface
+(tests/support/serve_engine.py StandInEngine), driven through production's one path
+(`run(feed, emit)`): these tests are about the queueing rule (which requests go into which
+decode), not about decoding.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import threading
 import pytest
 
 from infer.serving.engine_loop import EngineBatcher
+from tests.support.serve_engine import StandInEngine
 
 
-class Recorder:
-    """caption(samples) -> [(tag, sample)]; the first call blocks until `gate` is set."""
+class Recorder(StandInEngine):
+    """decode(samples) -> [(tag, sample)]; the first call blocks until `gate` is set."""
 
     def __init__(self, tag: str, gate: threading.Event | None = None, fail_on: object = None):
         self.tag, self.gate, self.fail_on = tag, gate, fail_on
         self.calls: list[list] = []
 
-    def caption(self, samples):
+    def decode(self, samples):
         if self.gate is not None and not self.calls:
             self.calls.append(list(samples))
             self.gate.wait(10)

@@ -20,7 +20,7 @@ from infer.serving.errors import RequestError
 from infer.serving.service import CaptionService
 from tests.support.serve_cases import (BOUNDARY, bad_requests, events_of, free_port, make_video_tree, post_json,
                                        post_upload, send, serve_test_config, wait_healthy, well_formed_body)
-from tests.support.serve_engine import direct_caption, synthetic_videos, tiny_engine
+from tests.support.serve_engine import StandInEngine, direct_caption, synthetic_videos, tiny_engine
 
 
 @pytest.fixture(scope="module")
@@ -357,11 +357,11 @@ def test_engine_failure_is_a_500_with_a_request_id(service, tree):
 
     from infer.serving.api import build_app
 
-    class Broken:
+    class Broken(StandInEngine):
         def __init__(self, cfg):
             pass
 
-        def caption(self, samples):
+        def decode(self, samples):
             raise RuntimeError("engine bug")
 
     svc = CaptionService(service.cfg, Broken, service.card)

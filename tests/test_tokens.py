@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ from pipeline.tokens import (
     AV_MARKER,
     TokenizerError,
     add_special_tokens,
+    bpe_corpus,
     bpe_tokenizer,
     build_tokenizer,
     prompt_ids,
@@ -38,6 +42,33 @@ def test_bpe_is_small_deterministic_and_has_specials():
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
     # the synthetic grammar is in the training text: captions are short
     assert len(tok.encode(TEXTS[0], add_special_tokens=False)) <= 20
+
+
+# The small BPE as it was built when the caption grammar moved into the core (pipeline/caption_grammar.py):
+# its training text and its whole serialised tokenizer (vocabulary, merges, specials) must not change.
+BPE_CORPUS_SHA256 = "e372a56aea3564faf3b4b272a2f77b1d5a5f03a112370a5a80f180e95ce13565"
+BPE_TOKENIZER_SHA256 = "3eed70ab87a8a62cc60c87d6cd2c39b5680fb8af2958c67ba2373fcff94a12fe"
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def test_bpe_is_pinned_byte_for_byte():
+    corpus = bpe_corpus()
+    assert len(corpus) == 401
+    assert _sha256("\n".join(corpus)) == BPE_CORPUS_SHA256
+    assert _sha256(bpe_tokenizer().backend_tokenizer.to_str()) == BPE_TOKENIZER_SHA256
+
+
+def test_bpe_needs_no_stage_package():
+    """The core's tokenizer is the same whether or not `preprocess` can be imported (it no longer tries)."""
+    code = ("import hashlib, sys; sys.modules['preprocess'] = None\n"
+            "from pipeline.tokens import bpe_tokenizer\n"
+            "print(hashlib.sha256(bpe_tokenizer().backend_tokenizer.to_str().encode()).hexdigest())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == BPE_TOKENIZER_SHA256
 
 
 def test_prompt_is_cut_from_the_chat_template():

@@ -113,18 +113,16 @@ def test_deepspeed_zero2_on_cpu_two_workers(ray_local, shards, tmp_path):
     assert sorted(p.name for p in (final / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
 
 
-def test_killed_worker_restarts_from_the_latest_checkpoint(ray_local, shards, tmp_path, monkeypatch):
+def test_killed_worker_restarts_from_the_latest_checkpoint(ray_local, shards, tmp_path):
+    from tests.support.train_faults import CrashAt
     from train.trainer import run_train
 
     marker = tmp_path / "crashed.txt"
-    monkeypatch.setenv("PADCAP_TRAIN_CRASH_AT_STEP", "3")
-    monkeypatch.setenv("PADCAP_TRAIN_CRASH_MARKER", str(marker))
-    monkeypatch.setenv("PADCAP_TRAIN_CRASH_RANK", "1")
     restored = lambda: set(Path(tempfile.gettempdir()).glob("padcap-restore-*"))  # noqa: E731
     before = restored()
     cfg = small_cfg("train.max_steps=5", "train.checkpoint_every=2", "train.val_every=0", "train.max_failures=1",
                     "train.backend=ddp")
-    summary = run_train(cfg, shards, str(tmp_path / "out"))
+    summary = run_train(cfg, shards, str(tmp_path / "out"), on_step=CrashAt(step=3, marker=str(marker), rank=1))
     assert marker.read_text().startswith("rank 1 exited at step 3")  # the first attempt really died
     hist = check_outputs(summary, str(tmp_path / "out"), 5)
     summary = storage.read_json(summary["details"])

@@ -105,7 +105,7 @@ class EvalCounts:
 def caption_parser(cfg) -> Callable[[str], dict] | None:
     """The attribute parser for `cfg.data.dataset` (the synthetic grammar's), or None."""
     if cfg.data.dataset == "synthetic":
-        from preprocess.synthetic import parse_caption
+        from pipeline.caption_grammar import parse_caption
 
         return parse_caption
     return None

@@ -19,9 +19,12 @@ s3://), `FailureConfig(max_failures)`, `CheckpointConfig(num_to_keep)`. The run 
 after a hash of the config sections training depends on and of the manifest rows it
 reads, so re-running an interrupted run resumes its latest checkpoint, and changed
 config or shards start fresh; a run that finished is started again from step 0. A worker that
-dies is restarted by Ray Train from the latest checkpoint (tested by killing one:
-PADCAP_TRAIN_CRASH_AT_STEP / PADCAP_TRAIN_CRASH_MARKER / PADCAP_TRAIN_CRASH_RANK make a
-worker `os._exit` once, at that step, while the marker file does not exist).
+dies is restarted by Ray Train from the latest checkpoint.
+
+`on_step(ctx, step)`: the one hook into the workers (`run_train` / `build_trainer`), a picklable
+callable that every rank calls after each optimizer step with its `RayContext` (rank, world size,
+`last_checkpoint`); default none. The kill-restart tests pass one that kills or pauses a worker at
+a step (tests/support/train_faults.py).
 
 After training (driver): the final checkpoint's model/ -> `<out>/model` (loadable by
 `PadCaptioner.from_pretrained`; a release fine-tune's checkpoints hold only the trained
@@ -36,13 +39,11 @@ import dataclasses
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import numpy as np
 import pyarrow as pa
 import ray
 import ray.train
@@ -50,37 +51,32 @@ import torch
 from ray.train import Checkpoint, CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from pipeline import storage
+from pipeline.cluster import init_ray, train_resources
+from pipeline.config import Config, load_config, section_hash
+from pipeline.schema import FIELDS, KEY
+from preprocess import manifest as mf
+from preprocess.encoders import encoder_versions
+from train import checkpoint as ckpt
+from train.data import read_keyed_records, read_samples, shuffle_buffer
+from train.evaluate import caption_parser
+from train.deepspeed_config import check_zero_stage
+from train.loop import resolve_backend, train_loop
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from pipeline import storage  # noqa: E402
-from pipeline.cluster import init_ray, train_resources  # noqa: E402
-from pipeline.config import Config, load_config, section_hash  # noqa: E402
-from pipeline.schema import FIELDS, KEY  # noqa: E402
-from preprocess import manifest as mf  # noqa: E402
-from preprocess.encoders import encoder_versions  # noqa: E402
-from train import checkpoint as ckpt  # noqa: E402
-from train.data import read_keyed_records, read_samples, shuffle_buffer  # noqa: E402
-from train.evaluate import caption_parser  # noqa: E402
-from train.deepspeed_config import check_zero_stage  # noqa: E402
-from train.loop import resolve_backend, train_loop  # noqa: E402
-
-CRASH_ENV = ("PADCAP_TRAIN_CRASH_AT_STEP", "PADCAP_TRAIN_CRASH_MARKER", "PADCAP_TRAIN_CRASH_RANK")
-CRASH_WAIT_S = 120.0  # the most a crashing rank waits for the controller to hold its last checkpoint
-# a pause at one step (once: while the marker does not exist), the window in which the node-loss
-# test (tests/test_cluster_sim.py) kills a node, knowing which checkpoint is the latest
-PAUSE_ENV = ("PADCAP_TRAIN_PAUSE_AT_STEP", "PADCAP_TRAIN_PAUSE_MARKER", "PADCAP_TRAIN_PAUSE_S")
-FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME", *CRASH_ENV, *PAUSE_ENV)
+FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME")
+StepHook = Callable[["RayContext", int], None]  # (the rank's context, the step just taken): the module doc's hook
 
 
 # --------------------------------------------------------------------------- worker side
 
 
 class RayContext:
-    """The loop's context inside a Ray Train worker."""
+    """The loop's context inside a Ray Train worker. last_checkpoint: the directory name of the last
+    checkpoint this rank reported (None before the first)."""
 
-    def __init__(self):
+    def __init__(self, on_step: StepHook | None = None):
         import ray.train.torch as rtt
 
         c = ray.train.get_context()
@@ -89,13 +85,14 @@ class RayContext:
         self.local_rank = c.get_local_rank()
         self.device = rtt.get_device()
         self._restored: tempfile.TemporaryDirectory | None = None
-        self._last_checkpoint: str | None = None  # dir name of the last checkpoint this rank reported
+        self.last_checkpoint: str | None = None
+        self._on_step = on_step
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None:
         if checkpoint_dir:
-            self._last_checkpoint = f"checkpoint_{int(metrics['step']):07d}"
+            self.last_checkpoint = f"checkpoint_{int(metrics['step']):07d}"
             ray.train.report(metrics, checkpoint=Checkpoint.from_directory(checkpoint_dir),
-                             checkpoint_dir_name=self._last_checkpoint)
+                             checkpoint_dir_name=self.last_checkpoint)
         else:
             ray.train.report(metrics)
 
@@ -114,55 +111,9 @@ class RayContext:
             self._restored = None
 
     def on_step(self, step: int) -> None:
-        """Fault injection for the kill-restart tests (off unless PADCAP_TRAIN_CRASH_AT_STEP or
-        PADCAP_TRAIN_PAUSE_AT_STEP is set)."""
-        self._pause(step)
-        at = os.environ.get("PADCAP_TRAIN_CRASH_AT_STEP")
-        if not at or step != int(at):
-            return
-        rank = int(os.environ.get("PADCAP_TRAIN_CRASH_RANK", "1" if self.world_size > 1 else "0"))
-        marker = os.environ.get("PADCAP_TRAIN_CRASH_MARKER", "")
-        if self.rank != rank or not marker or os.path.exists(marker):
-            return
-        Path(marker).write_text(f"rank {self.rank} exited at step {step}\n")
-        print(f"[train] fault injection: rank {self.rank} exits at step {step}", flush=True)
-        # The Ray Train controller collects reported checkpoints by polling the workers; a
-        # worker that dies within a poll of its last report can take that checkpoint with it
-        # (seen once in CI: the restart began at step 0). Exit once the controller holds it, as
-        # a real crash long after its last checkpoint would find it.
-        self._wait_until_registered(self._last_checkpoint)
-        os._exit(1)
-
-    def _wait_until_registered(self, name: str | None, poll_s: float = 0.05) -> None:
-        """Block until the controller's checkpoint-manager snapshot (written when it registers a
-        checkpoint) names checkpoint `name`, or CRASH_WAIT_S passed (then say so)."""
-        if name is None:
-            return
-        storage = ray.train.get_context().get_storage()
-        fs, path = storage.storage_filesystem, storage.checkpoint_manager_snapshot_path
-        deadline = time.monotonic() + CRASH_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                with fs.open_input_stream(path) as f:
-                    latest = json.loads(f.read().decode()).get("latest_checkpoint_result") or {}
-                if latest.get("checkpoint_dir_name") == name:
-                    return
-            except (FileNotFoundError, OSError, ValueError):
-                pass  # not written yet, or caught mid-write
-            time.sleep(poll_s)
-        print(f"[train] fault injection: {name} not registered after {CRASH_WAIT_S:.0f}s; exiting anyway", flush=True)
-
-    def _pause(self, step: int) -> None:
-        """Every rank sleeps PADCAP_TRAIN_PAUSE_S at step PADCAP_TRAIN_PAUSE_AT_STEP, unless the marker
-        exists (rank 0 writes it: a restarted run does not pause again)."""
-        at, marker = os.environ.get("PADCAP_TRAIN_PAUSE_AT_STEP"), os.environ.get("PADCAP_TRAIN_PAUSE_MARKER", "")
-        if not at or step != int(at) or not marker or os.path.exists(marker):
-            return
-        seconds = float(os.environ.get("PADCAP_TRAIN_PAUSE_S", "60"))
-        print(f"[train] fault injection: rank {self.rank} pauses {seconds:.0f}s at step {step}", flush=True)
-        if self.rank == 0:
-            Path(marker).write_text(f"paused at step {step}\n")
-        time.sleep(seconds)
+        """The run's step hook (module doc), if it has one."""
+        if self._on_step is not None:
+            self._on_step(self, step)
 
 
 class RayEpochs:
@@ -186,7 +137,7 @@ def _set_dist_env(ctx: RayContext) -> None:
 def train_worker(config: dict[str, Any]) -> None:
     """train_loop_per_worker: everything a worker does."""
     cfg = Config.from_json(config["cfg"])
-    ctx = RayContext()
+    ctx = RayContext(config.get("on_step"))
     _set_dist_env(ctx)
     val = read_samples(config["val_keys"], limit=cfg.train.val_samples)
     data = RayEpochs(ray.train.get_dataset_shard("train"), cfg.train.seed, cfg.train.shuffle_buffer, ctx.rank)
@@ -306,9 +257,9 @@ def worker_env(cfg: Config) -> dict[str, str]:
 
 
 def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None = None,
-                  rows: list[dict[str, Any]] | None = None) -> TorchTrainer:
+                  rows: list[dict[str, Any]] | None = None, on_step: StepHook | None = None) -> TorchTrainer:
     """The TorchTrainer of run `name` (default: `train_run_name` of the config and the shards);
-    `rows`: the manifest of `shards_dir` when the caller has read it already."""
+    `rows`: the manifest of `shards_dir` when the caller has read it already; `on_step`: the module doc's hook."""
     tc = cfg.train
     if resolve_backend(tc, tc.use_gpu) == "deepspeed":
         check_zero_stage(tc)  # refused here, on the driver, not in every worker after start-up
@@ -329,7 +280,7 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
     return TorchTrainer(
         train_worker,
         train_loop_config={"cfg": cfg.to_json(indent=None), "val_keys": val_keys, "visual_dim": int(dv),
-                           "audio_dim": int(da)},
+                           "audio_dim": int(da), "on_step": on_step},
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=use_gpu, resources_per_worker=resources,
                                      accelerator_type=accelerator),
         run_config=RunConfig(name=name or train_run_name(cfg, training_data_id(cfg, rows)), storage_path=path, storage_filesystem=fs,
@@ -368,8 +319,9 @@ def heldout_table(heldout: dict[str, Any]) -> list[str]:
     return rows
 
 
-def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
-    """The `train` stage: train on Ray, publish the model, plot, evaluate held-out. -> summary."""
+def run_train(cfg: Config, shards_dir: str, out_dir: str, on_step: StepHook | None = None) -> dict[str, Any]:
+    """The `train` stage: train on Ray, publish the model, plot, evaluate held-out. -> summary.
+    `on_step`: the module doc's hook."""
     from train.heldout import evaluate_heldout
     from train.plots import learning_curve
 
@@ -379,7 +331,7 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str) -> dict[str, Any]:
     name = train_run_name(cfg, training_data_id(cfg, rows))
     ray_dir = storage.join(out_dir, "ray")
     clear_finished_run(ray_dir, name)
-    trainer = build_trainer(cfg, shards_dir, out_dir, name, rows)
+    trainer = build_trainer(cfg, shards_dir, out_dir, name, rows, on_step)
     result = trainer.fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training ended without a checkpoint ({result.error})")

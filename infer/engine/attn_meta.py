@@ -15,15 +15,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from infer.engine.packing import BlockPlan, kernel_calls
 from infer.engine.paged import FREE_SEQ, SCRATCH_SEQ
 
-if TYPE_CHECKING:
-    from infer.engine.kernels import Kernel
+
+class _Multiples(Protocol):
+    q_block_multiple: int  # query blocks come in multiples of this
+
+
+class KernelTraits(Protocol):
+    """What building the metadata reads of a kernel (infer/engine/kernels.py `Kernel` has it): this module
+    imports no kernel, so kernels.py may import the metadata without a cycle."""
+
+    name: str
+    contract: _Multiples
+    max_calls: int
+    workspace: "Workspace"
 
 
 @dataclass
@@ -57,7 +68,7 @@ class AttnMeta:
 
     @staticmethod
     def build(blocks: Sequence[BlockPlan], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
-              lim_b: Sequence[int], *, q_block: int, pool, kernel: "Kernel", group: int = 1,
+              lim_b: Sequence[int], *, q_block: int, pool, kernel: KernelTraits, group: int = 1,
               workspace: "Workspace | None" = None) -> "AttnMeta":
         """Host description of a step -> AttnMeta on the pool's device (a few copies in all).
 
@@ -162,7 +173,7 @@ def _visibility(page_t: torch.Tensor, npages: torch.Tensor, slot_rules: list[tor
     return ((kseq == sa) & (kidx < la)) | ((kseq == sb) & (kidx < lb))
 
 
-def _gather_meta(blocks, rules, pool, kernel: "Kernel", group: int, workspace: "Workspace | None") -> GatherMeta:
+def _gather_meta(blocks, rules, pool, kernel: KernelTraits, group: int, workspace: "Workspace | None") -> GatherMeta:
     """A gathering kernel's meta: the blocks planned into calls (infer/engine/packing.py), each call's queries,
     pages and mask laid out once, for every layer of the step."""
     n, S, mult = len(rules[0]), pool.page_size, kernel.contract.q_block_multiple
@@ -210,7 +221,7 @@ def _gather_meta(blocks, rules, pool, kernel: "Kernel", group: int, workspace: "
                     out_rows=out_rows.to(dev))
 
 
-def _flex_meta(blocks, rules, q_block: int, pool, kernel: "Kernel") -> FlexMeta:
+def _flex_meta(blocks, rules, q_block: int, pool, kernel: KernelTraits) -> FlexMeta:
     """FlexAttention's meta: one block per scheduler block (no packing: flex reads only the listed pages
     of each block, so several videos in one block would compute as much and in fewer parallel tiles),
     their number rounded up to a power of two and a fixed query block (compiled flex specialises on

@@ -25,6 +25,11 @@ once per job, not once per chunk; a row's timings name the processes that featur
 it, `featurize_pid` / `caption_pid`). A re-run skips videos already captioned with the same model
 and config, and a run killed midway and restarted ends with every video exactly once. `captions.jsonl` and
 `captions.parquet` are the consolidation of all parts, for the videos listed this run.
+
+`wrap_stage(stage, cls) -> cls`: the one hook into the job, called on the driver with
+("caption-featurize", FeaturizeForCaption) and ("caption", CaptionVideos) before Ray Data runs
+them; it returns the class to run (a subclass that observes it, e.g. the node-loss tests'
+in-flight markers). Default: as is.
 """
 
 from __future__ import annotations
@@ -39,21 +44,19 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from pipeline import storage
+from pipeline.cluster import init_ray, placement
+from pipeline.config import Config, load_config, section_hash
+from pipeline.schema import FIELDS, KEY, decode, encode
 
-from pipeline import faults, storage  # noqa: E402
-from pipeline.cluster import init_ray, node_id, placement  # noqa: E402
-from pipeline.config import Config, load_config, section_hash  # noqa: E402
-from pipeline.schema import FIELDS, KEY, decode, encode  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 RESULT_COLUMNS: dict[str, pa.DataType] = {
     "video_id": pa.string(),
@@ -165,11 +168,10 @@ class FeaturizeForCaption:
             try:
                 if not uri:
                     raise FileNotFoundError("no uri for this video")
-                with faults.in_flight("caption-featurize", [vid], node_id()):
-                    if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
-                        fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
-                    else:
-                        fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
+                if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
+                    fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
+                else:
+                    fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
             except Exception as e:  # explained, never fatal
                 status, error = "error", f"{type(e).__name__}: {e}"
             for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS):
@@ -220,8 +222,7 @@ class CaptionVideos:
                  "capped": "[]", "segments_kept": 0, "segments_total": 0,
                  "error_kind": "input" if str(batch["status"][i]) != "ok" else ""}
                 for i in range(n)]
-        with faults.in_flight("caption", [r["video_id"] for r in rows], node_id()):
-            self._caption(batch, rows)
+        self._caption(batch, rows)
         return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
 
     def _caption(self, batch: dict[str, np.ndarray], rows: list[dict[str, Any]]) -> None:
@@ -386,10 +387,18 @@ def _commit_part(out: str, rows: list[dict[str, Any]], chunk: str) -> int:
     return sum(r["status"] == "ok" for r in rows)
 
 
+StageWrapper = Callable[[str, type], type]  # (stage name, stage class) -> the class Ray Data runs
+
+
+def _as_is(stage: str, cls: type) -> type:
+    return cls
+
+
 def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
-                chunk_videos: int = 64, max_chunks: int | None = None) -> dict[str, Any]:
+                chunk_videos: int = 64, max_chunks: int | None = None,
+                wrap_stage: StageWrapper = _as_is) -> dict[str, Any]:
     """Caption every listed video not yet captioned with this model+config. Returns a summary,
-    with `judge`'s verdict in it (`failure` is set when the job failed)."""
+    with `judge`'s verdict in it (`failure` is set when the job failed). `wrap_stage`: the module doc's hook."""
     judge([], [], cfg.infer.max_failed_fraction, out)  # a threshold out of range fails before any work
     t_start = time.perf_counter()
     items = list_videos(videos, cfg.data.video_extensions) if isinstance(videos, str) else list(videos)
@@ -401,17 +410,18 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
             if r["status"] == "ok" and r["model_id"] == model_id and r["config_hash"] == config_hash}
     todo = [v for v in items if v["video_id"] not in done]
     print(f"[caption] {len(items)} videos, {len(done)} already captioned with {model_id}, {len(todo)} to do", flush=True)
-    env = {"env_vars": {**storage.forwarded_env(), **faults.forwarded_env()}}
+    env = {"env_vars": storage.forwarded_env()}
     chunk_videos = max(1, int(chunk_videos))
     once = OncePerVideo()  # video id -> the row committed (or about to be) for it this run
     if todo:  # one pipeline for the whole job: each actor loads its encoders / model once, not once per chunk
         block = max(1, min(chunk_videos, cfg.infer.videos_per_call))  # results stream back a block at a time
         ds = ray.data.from_items([{**v, "chunk": ""} for v in todo], override_num_blocks=-(-len(todo) // block))
-        ds = ds.map_batches(FeaturizeForCaption, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None)},
+        cfg_json = resolved.to_json(indent=None)
+        ds = ds.map_batches(wrap_stage("caption-featurize", FeaturizeForCaption), fn_constructor_kwargs={"cfg_json": cfg_json},
                             batch_size=1, runtime_env=env, **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)))
-        ds = ds.map_batches(CaptionVideos, fn_constructor_kwargs={"cfg_json": resolved.to_json(indent=None),
-                                                                  "model_dir": model_dir},
+        ds = ds.map_batches(wrap_stage("caption", CaptionVideos), fn_constructor_kwargs={"cfg_json": cfg_json,
+                                                                                         "model_dir": model_dir},
                             batch_size=max(1, cfg.infer.videos_per_call), runtime_env=env,
                             **placement(cfg.cluster, cfg.cluster.caption_cpus_per_actor, cfg.cluster.caption_gpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))

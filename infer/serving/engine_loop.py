@@ -16,8 +16,9 @@ on to the oldest other key.
 A request whose client goes away (its task cancelled) leaves the batch at the next step.
 When a run raises (a server bug on some input), each request that was in it and has no
 result yet is retried alone, so the exception reaches only the request whose video caused
-it. Engines with only `caption(samples)` (test stand-ins) are driven in batches of up to
-`max_batch` through the same path. Used by infer/serving/service.py; asyncio + one thread, no ray.
+it. Every engine is driven the one way: `run(feed, emit)` and `result(sample, decoded)`, the interface of
+infer.engine.core.CaptionEngine (test stand-ins implement it too: tests/support/serve_engine.py).
+Used by infer/serving/service.py; asyncio + one thread, no ray.
 """
 
 from __future__ import annotations
@@ -138,13 +139,10 @@ class EngineBatcher:
             nonlocal in_flight
             in_flight -= 1
             item = req.tag
-            item.settle(item.engine.result(item.sample, result) if hasattr(item.engine, "result") else result)
+            item.settle(item.engine.result(item.sample, result))
 
         try:
-            if hasattr(first.engine, "run"):
-                first.engine.run(feed, emit)
-            else:
-                _run_captions(first.engine, feed, emit, self.max_batch)
+            first.engine.run(feed, emit)
         except Exception as e:  # noqa: BLE001 - handed to the waiting request
             if len(taken) == 1 and not first.settled:
                 first.settle(error=e)
@@ -160,18 +158,3 @@ def _request(item: _Item) -> Request:
         return Request(item.sample, cancelled=item.gone, tag=item)
     return Request(item.sample, cancelled=item.gone, tag=item, options=item.options)
 
-
-def _run_captions(engine, feed, emit, max_batch: int) -> None:
-    """`run(feed, emit)` for an engine that only has caption(samples): batches of <= max_batch."""
-    while True:
-        batch = []
-        while len(batch) < max_batch and (req := feed()) is not None:
-            batch.append(req)
-        batch = [r for r in batch if not r.cancelled()]
-        if not batch:
-            return
-        results = engine.caption([r.sample for r in batch])
-        if len(results) != len(batch):
-            raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} samples")
-        for r, res in zip(batch, results):
-            emit(r, res)

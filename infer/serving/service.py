@@ -3,7 +3,7 @@
 The plain logic of the serving endpoint (no ray, no HTTP): infer/serving/api.py puts a
 FastAPI app in front of it and infer/serving/deployment.py makes it a Ray Serve deployment.
 The decoding engine is injected as a factory `InferConfig -> engine`, so tests run
-the real tiny model or any object with the engine's `caption(samples)` contract.
+the real tiny model or any object with the engine's serving interface (`Engine` below).
 
     service = CaptionService(cfg, engine_factory=partial(CaptionEngine, model), card=card)
     # the encoders: preprocess.featurize.Featurizer(cfg), built once per replica
@@ -48,7 +48,8 @@ from pydantic import ValidationError
 
 from infer.serving.engine_loop import EngineBatcher
 from infer.serving.media_pool import BOOT_TIMEOUT_S, DecodePool, DecodeTimeout
-from infer.engine.requests import VideoOptions
+from infer.engine.requests import Request, VideoOptions
+from infer.loading import ModelCard  # noqa: F401  (re-exported: the card a replica serves)
 from infer.serving.errors import RequestError
 from infer.serving.protocol import CaptionOptions, error_message
 from infer.serving.uris import UriPolicy, materialize
@@ -59,24 +60,19 @@ log = logging.getLogger("padcap.serve")
 
 
 class Engine(Protocol):
-    """What the service needs of an engine: infer.engine.core.CaptionEngine (`run(feed, emit)` +
-    `result`, continuous batching), or any object with `caption(samples)` (test stand-ins,
-    driven in batches by infer/serving/engine_loop.py)."""
+    """What the service needs of an engine, as infer.engine.core.CaptionEngine offers it (test stand-ins
+    offer the same: tests/support/serve_engine.py). infer/serving/engine_loop.py drives it.
 
-    def caption(self, samples: list[Sample]) -> list[Any]: ...
+    run(feed, emit): decode every request `feed` gives (polled at each step boundary; None: nothing now),
+        `emit(request, decoded)` as each finishes; returns when nothing is in flight and `feed` has nothing.
+    result(sample, decoded): what `emit` handed over -> the VideoResult a response is made of."""
+
+    def run(self, feed: Callable[[], Request | None], emit: Callable[[Request, Any], None]) -> None: ...
+
+    def result(self, sample: Sample, decoded: Any) -> Any: ...
 
 
 FeaturizeFn = Callable[[str, Any], Sample]  # (local path, annotation with .video_id/.events) -> Sample
-
-
-@dataclass
-class ModelCard:
-    """What GET /v1/model reports about the loaded model."""
-
-    model_id: str
-    source: str  # the model dir, or "tiny (random init, smoke mode)"
-    device: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

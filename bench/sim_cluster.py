@@ -5,7 +5,8 @@
     sim.kinds_of(actor_nodes("FeaturizeVideos"))       # -> {"cpu"}: the kinds of node those actors ran on
     sim.remove(node) ; sim.add("cpu") ; sim.shutdown()
 
-Every node is a real raylet with its own object store (capped small: a raylet per node is
+Shared by bench/autoscale.py and the node-loss tests (tests/test_cluster_sim.py), so it lives with
+the benchmarks: no product or bench module imports test code. Every node is a real raylet with its own object store (capped small: a raylet per node is
 memory hungry), bound to 127.0.0.1. The "GPU" node advertises the custom resource
 `sim_gpu` instead of GPUs (there are none); the CPU nodes advertise `cpu_node`. The head
 has no CPUs (like `cluster/ray-cluster.yaml`'s head) and runs the dashboard, which the state
@@ -18,12 +19,11 @@ whose workers inherit them.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from tests.support.serve_cases import free_port
 
 # Read when ray is imported: import this module (or set these) before ray.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every service binds to 127.0.0.1
@@ -112,6 +112,13 @@ def actors(name: str, alive_only: bool = False) -> list[Any]:
 def actor_nodes(name: str, alive_only: bool = False) -> list[str]:
     """The node ids the matching actors ran (or run) on."""
     return [a.node_id for a in actors(name, alive_only) if a.node_id]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the dashboard)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def box_scale() -> float:

@@ -1,4 +1,6 @@
-"""Helpers for the release-model tests: the copied release-golden fixture and variations of it."""
+"""Release-format models and videos from the copied release-golden fixture (tests/data/release_golden) and
+seeded variations of it: for the release-model tests and bench/release_bf16.py (bench code, so that no
+product or bench module imports test code)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
 from pipeline.release.video import ReleaseVideo
 
-FIXTURE = Path(__file__).resolve().parents[1] / "data" / "release_golden"
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "data" / "release_golden"
 CHECKPOINT = FIXTURE / "checkpoint"
 
 
