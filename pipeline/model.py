@@ -18,7 +18,7 @@ state at all (a hook would leave it exposed to weight decay and cost two vocab x
 buffers), and checkpoints hold two rows, not the matrix. `embed_tokens` substitutes the
 rows for the <G>/<S> ids; `lm_logits` replaces those two logit columns.
 
-Forward (training), per padded batch (pipeline.batch.Packed), two stages:
+Forward (training), per padded batch (pipeline.examples.Packed), two stages:
   1. columns [0, split): prefix + serial <G>s (or a whole plain sample), with a KV cache;
      planning logits, event vectors (grounding layer, rows that predict each <G>),
      segment vectors, and the aggregation layer's input states come from this pass;
@@ -48,7 +48,7 @@ from transformers.cache_utils import DynamicCache
 from pipeline.aggregation import Aggregator, attention_row, interval_mask
 from pipeline.anchor_attention import branch_anchor_pairs, own_anchor_mass
 from pipeline.backbone import DTYPES, load_backbone, position_adapter
-from pipeline.batch import Batch, Example, collate, make_example
+from pipeline.examples import Batch, Example, collate, make_example
 from pipeline.config import ModelConfig, from_dict
 from pipeline.grounding import GroundingHead, readout, segment_hidden, similarity_logits, soft_targets
 from pipeline.layout import IGNORE, LayoutOptions, Role

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from pipeline.backbone import BackboneError, position_adapter, preset_config
-from pipeline.batch import collate
+from pipeline.examples import collate
 from pipeline.layout import IGNORE, Role, mask_between
 from pipeline.model import PadCaptioner
 from tests.support.padcap import sample, tiny_cfg

@@ -41,7 +41,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from infer.oracles.front import DecodeError, decode_reserve, ground_intervals, prepare_example, token_position_ids
 from infer.engine.sampling import DecodeControl, plan_decision, planning_capped
-from pipeline.batch import collate
+from pipeline.examples import collate
 from pipeline.grounding import segment_hidden, similarity_logits
 from pipeline.layout import Role, anchor_position, shared_position
 

@@ -1,4 +1,4 @@
-"""The release's front end (preprocess/release_frontend.py) against the release-golden fixture and RELEASE.md."""
+"""The release's media preparation (preprocess/release_media.py) against the release-golden fixture and RELEASE.md."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from pipeline.release.layout import audio_counts, index_sets
-from preprocess import release_frontend as rf
+from preprocess import release_media as rf
 from preprocess.media import MediaError
 from tests.support.mp4 import solid_frames, tone, write_mp4
 
 GOLDEN = Path(__file__).parent / "data" / "release_golden"  # the fixture copied from shared/release-golden
-CFG = rf.FrontendConfig()
+CFG = rf.MediaConfig()
 
 
 def golden_inputs():
