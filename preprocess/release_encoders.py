@@ -11,7 +11,8 @@ them, by features.release_features:
   stored  the featurizer encodes: a schema-2 `Sample` (pipeline/schema.py) with visual float16 [T, V, d]
           (V = (gh/2)(gw/2) merged tokens per timestep, LLM width d), ragged audio float16 [A_total, d] with
           per-segment counts a_t (all 60 tokens per started 30 s chunk, padding included; none without
-          audio), grid_thw and seconds_per_timestep. ~35 MB per 256-frame video at d = 2048 (RELEASE.md §7).
+          audio), grid_thw and seconds_per_timestep. ~35 MB per 256-frame video at d = 2048
+          (docs/design/release.md §5.7).
   online  the featurizer runs only the media preparation: a `pipeline.release.video.ReleaseVideo` holding
           pixel_values and mel, which the captioning engine encodes with its own model on its own device
           (infer/oracles/release_front.py `media_tokens`), so a Serve replica or caption actor holds one copy of

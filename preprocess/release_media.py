@@ -1,7 +1,7 @@
 """The released PadCaptioner-3B's media preparation: frames and audio prepared exactly as its test path does.
 
 Pure python + torch, no ray. What the release (showlab/PadCaptioner @ da150ad, video-SALMONN 2+ base)
-feeds its vision tower and Whisper encoder, re-implemented from /work/shared/RELEASE.md §2, §4.1-4.3
+feeds its vision tower and Whisper encoder, re-implemented from docs/design/release.md §2, §4.1-4.3
 (citations there: `D` = qwenvl/data/dataset.py, `P` = its vendored Qwen2VLImageProcessorFast):
 
     inputs = read_release_inputs("a.mp4", MediaConfig())
@@ -36,14 +36,14 @@ PyAV with FFmpeg's swresample doing the resample to 16 kHz and the downmix to mo
 with FFmpeg; preprocess/media.py instead averages channels), the whole stream from its own start, not
 aligned or trimmed to the video timeline (D:483-522).
 
-Audio (D:483-522, RELEASE.md §4.2). Shorter than 1 s -> zero-padded to 1 s; cut into 30 s pieces; each
+Audio (D:483-522, docs/design/release.md §4.2). Shorter than 1 s -> zero-padded to 1 s; cut into 30 s pieces; each
 piece through WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160,
 chunk_length=30) with its default max-length padding -> [128, 3000]; A_total = 60 * ceil(samples / 480000).
 A file without an audio stream (or whose audio cannot be decoded: the release's `process_audio` returns
 None on any error) gets no audio tokens at all.
 
 Interleave counts a_t and per-timestep index sets come from pipeline/release/layout.py (`audio_counts`,
-`index_sets`, RELEASE.md §2 and §4.3), given this media preparation's grid, d and A_total (`av_grid`).
+`index_sets`, docs/design/release.md §2 and §4.3), given this media preparation's grid, d and A_total (`av_grid`).
 """
 
 from __future__ import annotations
