@@ -3,7 +3,8 @@
     sched = Scheduler(runner, pool, step_tokens=512, max_rows=128, q_block=16)
     plan = sched.plan(videos)            # -> StepPlan (ForwardBatch + who owns which rows), or None
     hidden, states = runner.forward(plan.batch)
-    sched.absorb(plan, hidden, states)   # decisions, chunk states, branch rows' logits rows
+    # the engine (infer/engine/core.py, CaptionEngine._absorb) hands the outputs back to each video:
+    # prefill states, planning decisions, branch tokens
 
 A video moves through three phases, each a kind of row in the shared step:
 
