@@ -7,7 +7,7 @@ bench/throughput.py's video mix with N videos in flight, records the query block
 decode-only step in which all N decode, and times one layer's attention for each of them, on
 tensors of the model's attention shape (page gather + SDPA with an additive mask), under
 
-  packed        the engine's own plan (`infer.attention_calls`, default 3: infer/engine/packing.py plan_calls;
+  packed        the engine's own plan (`infer.attention_calls`, default 3: infer/engine/packing.py pack_calls;
                 0: the exact plan below)
   max_calls_K   the same planner allowed K calls, K = 1..6
   exact         one call per query block, its own rows and pages: no padding at all, the lower
@@ -47,12 +47,12 @@ from throughput import make_videos  # noqa: E402
 
 import infer.engine.attn_meta as attn_meta  # noqa: E402
 from infer.engine.core import CaptionEngine  # noqa: E402
-from infer.engine.packing import BlockPlan, Call, kernel_calls, padded_work  # noqa: E402
+from infer.engine.packing import QueryBlock, Call, kernel_calls, padded_work  # noqa: E402
 from infer.engine.step import ForwardBatch  # noqa: E402
 from pipeline.config import InferConfig  # noqa: E402
 
 
-def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[list[BlockPlan], float]]:
+def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[list[QueryBlock], float]]:
     """(query blocks, wall ms) of every decode-only step in which `in_flight` videos decode.
 
     The engine runs as bench/throughput.py's decode phase (each newcomer's prefill in a step of its
@@ -62,11 +62,11 @@ def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[
     eng = CaptionEngine(model, ecfg)
     if eng.kernel.name not in ("sdpa", "reference"):
         raise SystemExit(f"bench/packing.py measures the gathering kernels; the engine chose {eng.kernel.name}")
-    asked: list[list[BlockPlan]] = []
+    asked: list[list[QueryBlock]] = []
     build = attn_meta._gather_meta
 
     def recording_build(blocks, *args, **kw):
-        asked.append([BlockPlan(list(b.tokens), list(b.pages)) for b in blocks])
+        asked.append([QueryBlock(list(b.tokens), list(b.pages)) for b in blocks])
         return build(blocks, *args, **kw)
 
     forward, steps = eng.runner.forward, []
@@ -88,7 +88,7 @@ def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[
     return steps
 
 
-def needed_work(blocks: list[BlockPlan], group: int) -> int:
+def needed_work(blocks: list[QueryBlock], group: int) -> int:
     """Query rows x pages the blocks need (padded_work's unit)."""
     return sum(len(b.tokens) * group * len(b.pages) for b in blocks)
 

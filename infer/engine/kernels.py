@@ -9,7 +9,7 @@ sequence, against a dense softmax:
 
     >>> import torch
     >>> from infer.engine.attn_meta import AttnMeta
-    >>> from infer.engine.packing import BlockPlan
+    >>> from infer.engine.packing import QueryBlock
     >>> from infer.engine.paged import PagePool
     >>> _ = torch.manual_seed(0)
     >>> kernel = choose_kernel("reference", torch.float32, torch.device("cpu"))
@@ -17,7 +17,7 @@ sequence, against a dense softmax:
     >>> seq = pool.open(); _ = pool.reserve(2); pool.grow(seq, 6); pool.sync()
     >>> k, v = torch.randn(6, 1, 8), torch.randn(6, 1, 8)
     >>> pool.layer[0][pool.slots(seq, 0, 6), 0] = k; pool.layer[0][pool.slots(seq, 0, 6), 1] = v
-    >>> meta = AttnMeta.build([BlockPlan(tokens=[0], pages=seq.pages)], [seq.id], [6], [seq.id], [0],
+    >>> meta = AttnMeta.build([QueryBlock(tokens=[0], pages=seq.pages)], [seq.id], [6], [seq.id], [0],
     ...                       q_block=16, pool=pool, kernel=kernel)   # token 0 sees keys 0..5 of seq
     >>> q = torch.randn(1, 1, 8)
     >>> o = kernel(q, pool, 0, meta, 8 ** -0.5)
