@@ -15,7 +15,7 @@ Prints JSON: per mode the wall time per video (prefill + planning + grounding +
 decode), the decode time, ms per generated token, ms per decode step, steps, and the
 ratio to monolithic; the ideal step ratio sum(len) / max(len); the memory-bandwidth
 floor per step (bytes of the weights read per step + KV bytes, over the bandwidth:
-REFERENCE.md section 4); the roofline per step of the engine and the single chain
+docs/design/method.md section 4); the roofline per step of the engine and the single chain
 (bytes over the bandwidth or FLOPs over the measured GEMM peak, whichever is larger,
 for the linear layers and for the attention), the speedup it allows on this device, and
 how far each decoder runs above it; and the targets.
@@ -58,7 +58,7 @@ BENCH_BACKBONE = "bench-small"
 # a bench-only Qwen2 shape (registered as a backbone preset at run time)
 BENCH_SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=2, rope_theta=1000000.0, vocab_size=None)
-# practical HBM bandwidth (GB/s) by device name; REFERENCE.md section 4
+# practical HBM bandwidth (GB/s) by device name; docs/design/method.md section 4
 KNOWN_BANDWIDTH = {"H200": 4300.0, "H100": 3000.0, "A100": 1700.0, "A6000": 770.0, "L40S": 800.0, "L4": 270.0}
 DV, DA, V_TOKENS, A_TOKENS = 32, 16, 6, 2
 

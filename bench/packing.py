@@ -44,12 +44,12 @@ from bench.throughput import make_videos
 
 import infer.engine.attn_meta as attn_meta
 from infer.engine.core import CaptionEngine
-from infer.engine.packing import BlockPlan, Call, kernel_calls, padded_work
+from infer.engine.packing import QueryBlock, Call, kernel_calls, padded_work
 from infer.engine.step import ForwardBatch
 from pipeline.config import InferConfig
 
 
-def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[list[BlockPlan], float]]:
+def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[list[QueryBlock], float]]:
     """(query blocks, wall ms) of every decode-only step in which `in_flight` videos decode.
 
     The engine runs as bench/throughput.py's decode phase (each newcomer's prefill in a step of its
@@ -59,11 +59,11 @@ def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[
     eng = CaptionEngine(model, ecfg)
     if eng.kernel.name not in ("sdpa", "reference"):
         raise SystemExit(f"bench/packing.py measures the gathering kernels; the engine chose {eng.kernel.name}")
-    asked: list[list[BlockPlan]] = []
+    asked: list[list[QueryBlock]] = []
     build = attn_meta._gather_meta
 
     def recording_build(blocks, *args, **kw):
-        asked.append([BlockPlan(list(b.tokens), list(b.pages)) for b in blocks])
+        asked.append([QueryBlock(list(b.tokens), list(b.pages)) for b in blocks])
         return build(blocks, *args, **kw)
 
     forward, steps = eng.runner.forward, []
@@ -85,7 +85,7 @@ def record_steps(model, cfg: InferConfig, videos, in_flight: int) -> list[tuple[
     return steps
 
 
-def needed_work(blocks: list[BlockPlan], group: int) -> int:
+def needed_work(blocks: list[QueryBlock], group: int) -> int:
     """Query rows x pages the blocks need (padded_work's unit)."""
     return sum(len(b.tokens) * group * len(b.pages) for b in blocks)
 

@@ -1,6 +1,6 @@
 """How often bf16 decoding of the release model agrees with fp32: intervals, K, tokens.
 
-RELEASE.md 7.2: thresholds on bf16 sigmoids, bf16 ties in the grounding mass and greedy
+docs/design/release.md 5.2: thresholds on bf16 sigmoids, bf16 ties in the grounding mass and greedy
 argmax near ties make exact bf16 parity unreachable; parity is defined statistically.
 This benchmark draws many random release-format models (the fixture model with seeded
 noise on every matrix, infer tests' `perturbed`) and random videos (3-8 timesteps, with and

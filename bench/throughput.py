@@ -65,7 +65,7 @@ from bench.decode import (A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_b
 
 from infer.engine.attn_meta import AttnMeta
 from infer.engine.core import CaptionEngine
-from infer.engine.packing import BlockPlan
+from infer.engine.packing import QueryBlock
 from infer.engine.paged import FREE_SEQ
 from infer.engine.programs import PadProgram
 from infer.oracles.decoders import monolithic
@@ -206,7 +206,7 @@ def single_chain_fast(model, eng: CaptionEngine, sample: Sample, control: Decode
         positions.append(pos[:, None])
         lims.append(prog.length + i + 1)
     n = prog.length + k
-    meta = AttnMeta.build([BlockPlan(range(lo, min(n, lo + eng.q_block)), prefix.pages)
+    meta = AttnMeta.build([QueryBlock(range(lo, min(n, lo + eng.q_block)), prefix.pages)
                            for lo in range(0, n, eng.q_block)], [prefix.id] * n, lims, [FREE_SEQ] * n, [0] * n,
                           q_block=eng.q_block, pool=pool, kernel=eng.kernel, group=eng.weights.heads // eng.weights.kv_heads)
     dev = eng.device
@@ -225,7 +225,7 @@ def single_chain_fast(model, eng: CaptionEngine, sample: Sample, control: Decode
         while True:
             pool.grow(chain, steps + 1)
             pool.sync()
-            meta = AttnMeta.build([BlockPlan([0], prefix.pages + chain.pages)], [prefix.id], [n], [chain.id], [steps + 1],
+            meta = AttnMeta.build([QueryBlock([0], prefix.pages + chain.pages)], [prefix.id], [n], [chain.id], [steps + 1],
                                   q_block=eng.q_block, pool=pool, kernel=eng.kernel, group=eng.weights.heads // eng.weights.kv_heads)
             batch = ForwardBatch(x.to(eng.weights.dtype), torch.full((3, 1), start + steps, device=dev),
                                  pool.slots(chain, steps, steps + 1).to(dev), meta)

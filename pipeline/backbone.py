@@ -97,7 +97,7 @@ def load_backbone(model_cfg, vocab_size: int) -> tuple[PreTrainedModel, dict]:
     dtype = DTYPES[model_cfg.dtype]
     name = model_cfg.backbone
     if name in PRESETS:
-        config = preset_config(name, vocab_size, model_cfg.backbone_init_std)
+        config = preset_config(name, vocab_size)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(model_cfg.backbone_seed)
             # from_config(attn_implementation=...) mutates the config it is given: pass a copy

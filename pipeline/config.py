@@ -19,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +26,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from pipeline.config_build import ConfigError, from_dict  # noqa: F401  (re-exported)
+from pipeline.config_retired import RetiredKeyError, is_retired, upgrade_override
 from pipeline.config_synthetic import HardOptions, SyntheticConfig  # noqa: F401  (re-exported)
-
-
-class ConfigError(ValueError):
-    """A config key is unknown, missing or of the wrong type; the message names it."""
 
 
 # --------------------------------------------------------------------------- sections
@@ -104,20 +100,16 @@ class ModelConfig:
     aggregation: Literal["attention", "mean", "scoring_head", "none"] = "attention"
     aggregation_layer: int = -1  # -1: the middle layer
     aggregation_jitter: float = 0.1
-    # raw: anchor = <G> row + the aggregated middle-layer states as they are; embedding: the
-    # aggregated feature rescaled to the RMS of the embedding rows (PadCaptioner.scale_anchor_features)
-    anchor_feature_scale: Literal["raw", "embedding"] = "raw"
     grounding_layer: int = -2  # hidden states of the second-to-last layer
     # guide for random-init backbones (pipeline/anchor_attention.py): weight of a hinge on the
-    # attention mass each caption-branch row puts on its own anchor at `anchor_guide_layer`,
+    # attention mass each caption-branch row puts on its own anchor at the first layer,
     # zero once the head-averaged mass reaches `anchor_guide_target`; 0 = off
     anchor_guide_weight: float = 0.0
-    anchor_guide_layer: int = 0
     anchor_guide_target: float = 0.25
     grounding_loss_weight: float = 5.0
     branch_loss_weight: float = 1.0  # weight of the caption-branch cross-entropy in the total
     grounding_threshold: float = 0.5  # relative to the max (0.7 ChronusAV, 0.5 LongVALE)
-    grounding_max_gap: int = 2  # bridge gaps of at most this many segments
+    grounding_merge_gap: int = 2  # bridge gaps of at most this many segments
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
@@ -125,10 +117,7 @@ class ModelConfig:
     train_backbone_embeddings: bool = False  # the new <G>/<S> rows always train; random-init presets need this to learn text
     max_seq_len: int = 4096
     backbone_seed: int = 0  # random init of preset backbones and of the new modules
-    # the <G>/<S> rows start at the mean embedding row plus noise of this many embedding stds
-    new_token_noise: float = 0.1
-    backbone_init_std: float = 0.0  # std of a preset backbone's random weights; 0 = HF's initializer_range (0.02)
-    # std of a preset backbone's query and key projections (0 = backbone_init_std): larger ones make the
+    # std of a preset backbone's query and key projections (0 = HF's initializer_range, 0.02): larger ones make the
     # random heads select (attention logits scale with its square) without touching the residual stream
     attention_init_std: float = 0.0
     visual_dim: int = 0  # Dv of the shard features; 0 = taken from the data when the model is built
@@ -352,84 +341,7 @@ class Config:
         return from_dict(cls, json.loads(text))
 
 
-# --------------------------------------------------------------------------- typed building
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp` and return it (ints widen to floats)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{key}: {value!r} does not match {_type_name(tp)}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {type(value).__name__}")
-        return from_dict(tp, value, prefix=key + ".")
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
-        return {_coerce(k, args[0], f"{key} key"): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
-        if math.isnan(value):  # compares false with everything: would pass every check downstream
-            raise ConfigError(f"{key}: expected a number, got nan")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)}")
-
-
-def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """Build dataclass `cls` from a (partial) mapping; unknown keys and bad types raise."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"unknown config key {prefix}{unknown[0]} (valid keys in {prefix or 'the root'}: {sorted(names)})")
-    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
-    return cls(**kwargs)
+# --------------------------------------------------------------------------- overrides
 
 
 def _override_type(dotted: str) -> Any:
@@ -450,6 +362,20 @@ def _override_type(dotted: str) -> Any:
         else:
             raise ConfigError(f"unknown config key {here} ({'.'.join(parts[:i])} has no keys; in override {dotted}=...)")
     return tp
+
+
+def _current_key(dotted: str, raw: str) -> str | None:
+    """`dotted` with a renamed last key under its new name; None for a removed key at its old
+    default; a removed key at another value is an error (pipeline/config_retired.py)."""
+    parent, _, last = dotted.rpartition(".")
+    section = _override_type(parent) if parent else Config
+    if not dataclasses.is_dataclass(section) or not is_retired(section.__name__, last):
+        return dotted
+    try:
+        new = upgrade_override(section.__name__, last, _parse_override(raw, Any), parent + ".")
+    except RetiredKeyError as e:
+        raise ConfigError(str(e)) from None
+    return None if new is None else f"{parent}.{new}".lstrip(".")
 
 
 def _is_text(tp: Any) -> bool:
@@ -473,7 +399,9 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, raw = item.split("=", 1)
-        key = key.strip()
+        key = _current_key(key.strip(), raw)
+        if key is None:  # a removed knob set to its old default: nothing to set
+            continue
         tp = _override_type(key)
         parts = key.split(".")
         node = tree

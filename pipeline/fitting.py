@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pipeline.batch import ExampleError
+from pipeline.examples import ExampleError
 from pipeline.schema import Event, Sample
 
 

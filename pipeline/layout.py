@@ -1,7 +1,7 @@
 """Sequence layout of PadCaptioner: token roles, the event-factorized mask, positions.
 
 Pure torch functions (no model, no tokenizer): token ids and sizes in, a `Layout`
-out. Training (`dense_layout`, `plain_layout`; pipeline/batch.py `pack`) and decoding (infer/, which
+out. Training (`dense_layout`, `plain_layout`; pipeline/examples.py `pack`) and decoding (infer/, which
 calls `visible` / `mask_between` / `shared_position` / `anchor_position` /
 `branch_position` / `event_order` itself) use the SAME functions, so the two can
 never disagree about who sees whom or where a token sits.
@@ -51,7 +51,7 @@ A = pos(<G>_K) + 1 = P + K (`anchor_position`); step j of every branch at A + j
 the backbone's position ids (1D RoPE today; a 3D mRoPE adapter reads `segment`).
 
 Masks are additive floats [1, 1, L, L]: 0 visible, finfo(float32).min hidden, built
-per sample; pipeline/batch.py `pack` pads a batch keeping every sample's own mask.
+per sample; pipeline/examples.py `pack` pads a batch keeping every sample's own mask.
 """
 
 from __future__ import annotations

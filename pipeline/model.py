@@ -18,7 +18,7 @@ state at all (a hook would leave it exposed to weight decay and cost two vocab x
 buffers), and checkpoints hold two rows, not the matrix. `embed_tokens` substitutes the
 rows for the <G>/<S> ids; `lm_logits` replaces those two logit columns.
 
-Forward (training), per padded batch (pipeline.batch.Packed), two stages:
+Forward (training), per padded batch (pipeline.examples.Packed), two stages:
   1. columns [0, split): prefix + serial <G>s (or a whole plain sample), with a KV cache;
      planning logits, event vectors (grounding layer, rows that predict each <G>),
      segment vectors, and the aggregation layer's input states come from this pass;
@@ -48,7 +48,7 @@ from transformers.cache_utils import DynamicCache
 from pipeline.aggregation import Aggregator, attention_row, interval_mask
 from pipeline.anchor_attention import branch_anchor_pairs, own_anchor_mass
 from pipeline.backbone import DTYPES, load_backbone, position_adapter
-from pipeline.batch import Batch, Example, collate, make_example
+from pipeline.examples import Batch, Example, collate, make_example
 from pipeline.config import ModelConfig, from_dict
 from pipeline.grounding import GroundingHead, readout, segment_hidden, similarity_logits, soft_targets
 from pipeline.layout import IGNORE, LayoutOptions, Role
@@ -57,6 +57,8 @@ from pipeline.tokens import add_special_tokens, build_tokenizer, prompt_ids, spe
 FORMAT_VERSION = 1
 META_FILE = "padcaptioner.json"
 EXTRA_FILE = "extra.safetensors"
+NEW_TOKEN_NOISE = 0.1
+"""The new <G>/<S> rows start at the mean embedding row + noise of this many embedding stds."""
 
 
 class ModelError(ValueError):
@@ -100,6 +102,7 @@ class PadCaptioner(nn.Module):
         self.aggregation_layer = n_layers // 2 if cfg.aggregation_layer == -1 else cfg.aggregation_layer
         if not 0 <= self.aggregation_layer < n_layers:
             raise ModelError(f"model.aggregation_layer={cfg.aggregation_layer} outside [0, {n_layers})")
+        self.anchor_guide_layer = 0  # the hidden states the anchor guide reads (model.anchor_guide_weight > 0)
         if not -(n_layers + 1) <= cfg.grounding_layer <= n_layers:
             raise ModelError(f"model.grounding_layer={cfg.grounding_layer} outside the {n_layers + 1} hidden states")
         for p in base.parameters():
@@ -120,7 +123,7 @@ class PadCaptioner(nn.Module):
         dtype = DTYPES[cfg.dtype]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.backbone_seed + 1)
-            noise = in_w.detach().float().std().item() * cfg.new_token_noise
+            noise = in_w.detach().float().std().item() * NEW_TOKEN_NOISE
 
             def rows(w: torch.Tensor) -> nn.Parameter:
                 return nn.Parameter(w.detach().float().mean(0).repeat(2, 1) + noise * torch.randn(2, d))
@@ -251,7 +254,7 @@ class PadCaptioner(nn.Module):
 
     def ground(self, logits: torch.Tensor, segment_times: torch.Tensor) -> list[tuple[float, float]]:
         """[K, T] logits -> K (start, end) intervals with the configured threshold and gap."""
-        return readout(logits, segment_times, self.cfg.grounding_threshold, self.cfg.grounding_max_gap)
+        return readout(logits, segment_times, self.cfg.grounding_threshold, self.cfg.grounding_merge_gap)
 
     def aggregation_row(self, hidden_in: torch.Tensor, layout, position_ids: torch.Tensor,
                         key_visible: torch.Tensor) -> torch.Tensor | None:
@@ -276,18 +279,7 @@ class PadCaptioner(nn.Module):
             row = self.aggregation_row(hidden_in, layout, position_ids, key_visible)
         feats, weights = self.aggregator(hidden_in, layout.visual_index.to(hidden_in.device),
                                          layout.audio_index.to(hidden_in.device), inside, row)
-        return self.scale_anchor_features(feats), weights
-
-    def scale_anchor_features(self, feats: torch.Tensor) -> torch.Tensor:
-        """`model.anchor_feature_scale`: "raw" keeps the aggregated states as they are (the scale of
-        the middle layer's residual stream); "embedding" rescales each to the RMS of the input
-        embedding rows, so the anchor (<G> row + feature) is on the scale of the tokens around it."""
-        if self.cfg.anchor_feature_scale == "raw" or feats.numel() == 0:
-            return feats
-        table = self.decoder.embed_tokens.weight.detach()
-        target = table.float().pow(2).mean().sqrt()
-        rms = feats.float().pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-12)
-        return (feats.float() * (target / rms)).to(feats.dtype)
+        return feats, weights
 
     def anchor_embeddings(self, hidden_in, layout, segment_times, intervals, position_ids, key_visible,
                           row: torch.Tensor | None = None) -> torch.Tensor:
@@ -351,15 +343,15 @@ class PadCaptioner(nn.Module):
         if self.activation_checkpointing and self.training:  # HF drops caches under checkpointing
             res2 = self.run_decoder(torch.cat([emb1, emb2], 1), pk.mask, pos, output_hidden_states=guide)
             h2 = res2.last_hidden_state[:, s:]
-            guide_in = res2.hidden_states[self.cfg.anchor_guide_layer] if guide else None
+            guide_in = res2.hidden_states[self.anchor_guide_layer] if guide else None
         else:
             res2 = self.run_decoder(emb2, pk.mask[:, :, s:, :], pos[:, s:], cache=cache, output_hidden_states=guide)
             h2 = res2.last_hidden_state
-            guide_in = torch.cat([hs[self.cfg.anchor_guide_layer], res2.hidden_states[self.cfg.anchor_guide_layer]], 1) \
+            guide_in = torch.cat([hs[self.anchor_guide_layer], res2.hidden_states[self.anchor_guide_layer]], 1) \
                 if guide else None
         if guide:
             rows, anchors = branch_anchor_pairs(pk, [ex.layout for ex in exs], s)
-            out["anchor_mass"] = own_anchor_mass(self.decoder, self.cfg.anchor_guide_layer, self.adapter, guide_in, pos,
+            out["anchor_mass"] = own_anchor_mass(self.decoder, self.anchor_guide_layer, self.adapter, guide_in, pos,
                                                  pk.mask.to(dev), rows.to(dev), anchors.to(dev))
         lab2 = labels[:, s:]
         rows2 = lab2 != IGNORE

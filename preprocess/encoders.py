@@ -11,7 +11,7 @@ Registered here: `pixels` (visual) and `mel` (audio), weight-free, for the embed
 run; `hf_vision` and `whisper` (HF models from local paths) live in
 `preprocess/hf_encoders.py` and register themselves when this module is imported, as
 do `release` (visual and audio: the released PadCaptioner-3B's own towers, with their
-own front end) from `preprocess/release_encoders.py`.
+own media preparation) from `preprocess/release_encoders.py`.
 Add an encoder with `@register_visual("name")` / `@register_audio("name")` on a
 subclass of VisualEncoder / AudioEncoder, all from `preprocess/encoder_base.py` (the
 registry lives there, so the encoder modules import it and this module imports them:

@@ -9,7 +9,7 @@ This is what the preprocessing Ray Data job calls per video (pure python, no ray
 It runs in two halves, so that the decoding and the encoders can live in different processes:
 
     media = featurizer.read(uri)               # MediaReader: decode only, no weights (DecodedVideo /
-                                               # the release front end's ReleaseInputs: picklable arrays)
+                                               # the release media preparation's ReleaseInputs: picklable arrays)
     sample = featurizer.encode(media, annotation)   # the encoders (towers), then align the events
 
 A Serve replica's decode workers run a `MediaReader` alone (infer/serving/media_pool.py) and the
@@ -22,7 +22,7 @@ MediaError(kind="annotation") ("annotation points beyond the video"); a smaller
 overshoot is clipped to the media's end (and a negative start to 0). An event
 that would be empty after clipping is an error too, never dropped silently.
 feature_hash = section_hash(cfg.features), so shards record the settings that made them.
-With the `release` encoders the release's own front end and towers run instead
+With the `release` encoders the release's own media preparation and towers run instead
 (preprocess/release_encoders.py `ReleaseFeaturizer`).
 """
 
@@ -36,14 +36,14 @@ from preprocess.encoders import get_audio_encoder, get_visual_encoder
 from preprocess.events import align_events  # noqa: F401  (also imported from here)
 from preprocess.media import DecodedVideo, decode_video
 from preprocess.release_encoders import ReleaseFeaturizer, ReleaseReader, uses_release
-from preprocess.release_frontend import ReleaseInputs
+from preprocess.release_media import ReleaseInputs
 
 
 class MediaReader:
     """The decode half of a Featurizer: uri -> the media as arrays, no encoder built (no weights).
 
     A DecodedVideo (frames uint8, audio float32: preprocess/media.py), or with the `release`
-    encoders the release front end's ReleaseInputs (resized uint8 frames, log-mel chunks).
+    encoders the release media preparation's ReleaseInputs (resized uint8 frames, log-mel chunks).
     Callable as reader(uri, annotation) too (the annotation is not needed to decode)."""
 
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
@@ -65,7 +65,7 @@ class Featurizer:
         self.storage_options = storage_options
         self.reader = MediaReader(cfg, storage_options)
         self.release = None
-        if uses_release(cfg.features):  # the release's own front end and towers (preprocess/release_encoders.py)
+        if uses_release(cfg.features):  # the release's own media rules and towers (preprocess/release_encoders.py)
             self.release = ReleaseFeaturizer(cfg, storage_options, reader=self.reader.release)
             self.feature_hash = self.release.feature_hash
             return

@@ -4,15 +4,16 @@
     featurizer = Featurizer(cfg)          # preprocess/featurize.py hands a release config to ReleaseFeaturizer
     item = featurizer(uri, annotation)
 
-The front end is preprocess/release_frontend.py (the release's frame and audio rules); the towers are the
+The media preparation is preprocess/release_media.py (the release's frame and audio rules); the towers are the
 checkpoint's (pipeline/release/model.py `ReleaseCaptioner.encode_video` / `encode_audio`). Two ways to use
 them, by features.release_features:
 
   stored  the featurizer encodes: a schema-2 `Sample` (pipeline/schema.py) with visual float16 [T, V, d]
           (V = (gh/2)(gw/2) merged tokens per timestep, LLM width d), ragged audio float16 [A_total, d] with
           per-segment counts a_t (all 60 tokens per started 30 s chunk, padding included; none without
-          audio), grid_thw and seconds_per_timestep. ~35 MB per 256-frame video at d = 2048 (RELEASE.md §7).
-  online  the featurizer runs only the front end: a `pipeline.release.video.ReleaseVideo` holding
+          audio), grid_thw and seconds_per_timestep. ~35 MB per 256-frame video at d = 2048
+          (docs/design/release.md §5.7).
+  online  the featurizer runs only the media preparation: a `pipeline.release.video.ReleaseVideo` holding
           pixel_values and mel, which the captioning engine encodes with its own model on its own device
           (infer/oracles/release_front.py `media_tokens`), so a Serve replica or caption actor holds one copy of
           the towers and nothing is stored. Not storable in shards (schema.encode refuses it).
@@ -38,7 +39,7 @@ from pipeline.schema import COUNT_DTYPE, FEATURE_DTYPE, Sample, validate
 from preprocess.encoder_base import AudioEncoder, VisualEncoder, register_audio, register_visual
 from preprocess.events import align_events
 from preprocess.media import DecodedVideo
-from preprocess.release_frontend import FrontendConfig, ReleaseInputs, read_release_inputs, whisper_extractor
+from preprocess.release_media import MediaConfig, ReleaseInputs, read_release_inputs, whisper_extractor
 
 _MODELS: dict[tuple[str, str], Any] = {}
 _LOCK = threading.Lock()
@@ -101,7 +102,7 @@ class _ReleaseTower:
         return release_model(self.path, self.device)
 
     def encode(self, decoded: DecodedVideo) -> np.ndarray:
-        raise TypeError("the release encoders take the release front end's ReleaseInputs (encode_inputs), not a "
+        raise TypeError("the release encoders take the release media's ReleaseInputs (encode_inputs), not a "
                         "DecodedVideo: its frames and audio follow other rules; Featurizer routes a release config")
 
 
@@ -152,25 +153,25 @@ class ReleaseAudioEncoder(_ReleaseTower, AudioEncoder):
 
 
 class ReleaseReader:
-    """The release front end alone: a video -> its `ReleaseInputs` (resized uint8 frames, log-mel chunks), no
+    """The release media preparation alone: a video -> its `ReleaseInputs` (resized uint8 frames, log-mel chunks), no
     weights (what a Serve decode worker runs, infer/serving/media_pool.py)."""
 
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
         self.path = _need_release_path(cfg.features)
         self.cfg = cfg
         self.storage_options = storage_options
-        self.frontend = FrontendConfig.from_features(cfg.features)
+        self.media = MediaConfig.from_features(cfg.features)
         self.extractor = whisper_extractor()
 
     def __call__(self, uri: str) -> ReleaseInputs:
         f = self.cfg.features
-        return read_release_inputs(uri, self.frontend, self.storage_options, f.max_media_bytes, f.decode_threads,
+        return read_release_inputs(uri, self.media, self.storage_options, f.max_media_bytes, f.decode_threads,
                                    self.extractor)
 
 
 class ReleaseFeaturizer:
     """A video (+ annotation) -> schema-2 Sample (stored) or ReleaseVideo (online); see the module doc.
-    `inputs(uri)` is the front end (`ReleaseReader`), `encode(inputs, annotation)` the rest."""
+    `inputs(uri)` is the media preparation (`ReleaseReader`), `encode(inputs, annotation)` the rest."""
 
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None, reader: ReleaseReader | None = None):
         features = cfg.features
@@ -191,7 +192,7 @@ class ReleaseFeaturizer:
         return self.encode(self.inputs(uri), annotation)
 
     def encode(self, inputs: ReleaseInputs, annotation: Any):
-        """The front end's output -> a ReleaseVideo (online) or a schema-2 Sample through the towers (stored)."""
+        """Prepared media -> a ReleaseVideo (online) or a schema-2 Sample through the towers (stored)."""
         if self.online:
             return inputs_video(inputs, annotation.video_id)
         events = align_events(annotation.events, inputs.length_s, self.cfg.features.duration_tolerance_s,

@@ -8,7 +8,7 @@ sound, and its caption names both:
 
 8 colours x 4 shapes x 8 motions x 8 sounds = 2,048 captions; within a video the
 colours and the sounds of the events are all different. That is the default regime;
-`regime="hard"` (preprocess/synthetic_hard.py) plans 8-16 events per video, some
+`regime="hard"` (preprocess/synthetic_hard.py) scripts 8-16 events per video, some
 overlapping, some back to back, with repeated colours and sounds and distractor sounds
 that belong to no event, in the same grammar and files. Event bounds are snapped
 to frame boundaries, so annotations match the media to the sample. The same seed
@@ -55,7 +55,7 @@ from pipeline.caption_grammar import (  # noqa: F401  (re-exported: the corpus's
     visual_caption,
 )
 from pipeline.config import SyntheticConfig
-from preprocess.synthetic_media import EventSpec, VideoPlan, render_audio, render_frames, write_mp4
+from preprocess.synthetic_media import EventSpec, VideoScript, render_audio, render_frames, write_mp4
 
 # 2: visual captions 'the <colour> <shape>' ('striped square' for stripes) instead of 'a' / 'an' / 'a set of'
 GENERATOR_VERSION = 2
@@ -66,7 +66,7 @@ CATEGORY = "synthetic"
 MAX_EVENTS = min(len(COLOURS), len(SOUNDS))  # colours and sounds are distinct within a video
 
 
-# --------------------------------------------------------------------------- planning
+# --------------------------------------------------------------------------- scripts
 
 
 @dataclass
@@ -130,13 +130,13 @@ def _min_frames(cfg: SyntheticConfig) -> tuple[int, int]:
     return max(1, math.ceil(cfg.min_event_seconds * cfg.fps)), max(1, math.ceil(cfg.min_gap_seconds * cfg.fps))
 
 
-def plan_video(cfg: SyntheticConfig, index: int, split: str) -> VideoPlan:
-    """The deterministic plan of video `index`: length, event layout and attributes
+def script_video(cfg: SyntheticConfig, index: int, split: str) -> VideoScript:
+    """The deterministic script of video `index`: length, event layout and attributes
     (`cfg.regime == "hard"`: preprocess/synthetic_hard.py's planner)."""
     if cfg.regime == "hard":
-        from preprocess.synthetic_hard import plan_hard_video
+        from preprocess.synthetic_hard import script_hard_video
 
-        return plan_hard_video(cfg, index, split)
+        return script_hard_video(cfg, index, split)
     rng = np.random.default_rng([cfg.seed, index, 0])
     fps = cfg.fps
     n = int(round(rng.uniform(cfg.min_duration, cfg.max_duration) * fps))
@@ -157,7 +157,7 @@ def plan_video(cfg: SyntheticConfig, index: int, split: str) -> VideoPlan:
         events.append(EventSpec(start, end, COLOURS[colours[i]], SHAPES[shapes[i]], MOTIONS[motions[i]], SOUNDS[sounds[i]]))
         cursor = end + int(gap_len[i + 1])
     assert cursor == n, (cursor, n)
-    return VideoPlan(
+    return VideoScript(
         video_id=f"synth_{index:05d}",
         split=split,
         num_frames=n,
@@ -170,14 +170,14 @@ def plan_video(cfg: SyntheticConfig, index: int, split: str) -> VideoPlan:
     )
 
 
-def plan_corpus(cfg: SyntheticConfig) -> list[VideoPlan]:
-    """All video plans; the last round(num_videos * test_fraction) videos form the test split."""
+def script_corpus(cfg: SyntheticConfig) -> list[VideoScript]:
+    """All video scripts; the last round(num_videos * test_fraction) videos form the test split."""
     validate_config(cfg)
     n_test = int(round(cfg.num_videos * cfg.test_fraction))
     if cfg.test_fraction > 0 and cfg.num_videos >= 2:
         n_test = min(max(n_test, 1), cfg.num_videos - 1)
     n_train = cfg.num_videos - n_test
-    return [plan_video(cfg, i, "train" if i < n_train else "test") for i in range(cfg.num_videos)]
+    return [script_video(cfg, i, "train" if i < n_train else "test") for i in range(cfg.num_videos)]
 
 
 # --------------------------------------------------------------------------- writing
@@ -187,26 +187,26 @@ def _seconds(frame: int, fps: int) -> float:
     return round(frame / fps, 6)
 
 
-def render_video(plan: VideoPlan, path: str) -> str:
-    """Render and encode one planned video to `path` (atomically). Returns the path."""
-    rng = np.random.default_rng(list(plan.entropy))
-    frames = render_frames(plan, rng)
-    audio = render_audio(plan, rng)
+def render_video(script: VideoScript, path: str) -> str:
+    """Render and encode one scripted video to `path` (atomically). Returns the path."""
+    rng = np.random.default_rng(list(script.entropy))
+    frames = render_frames(script, rng)
+    audio = render_audio(script, rng)
     tmp = f"{path}.tmp-{os.getpid()}.mp4"
-    write_mp4(tmp, frames, audio, plan.fps, plan.sample_rate)
+    write_mp4(tmp, frames, audio, script.fps, script.sample_rate)
     os.replace(tmp, path)
     return path
 
 
-def _render_job(args: tuple[VideoPlan, str]) -> str:
+def _render_job(args: tuple[VideoScript, str]) -> str:
     return render_video(*args)
 
 
-def _event_records(plan: VideoPlan) -> list[dict]:
+def _event_records(script: VideoScript) -> list[dict]:
     return [
         {
-            "start": _seconds(e.start_frame, plan.fps),
-            "end": _seconds(e.end_frame, plan.fps),
+            "start": _seconds(e.start_frame, script.fps),
+            "end": _seconds(e.end_frame, script.fps),
             "start_frame": e.start_frame,
             "end_frame": e.end_frame,
             "colour": e.colour,
@@ -215,7 +215,7 @@ def _event_records(plan: VideoPlan) -> list[dict]:
             "sound": e.sound,
             "caption": dense_caption(e.colour, e.shape, e.motion, e.sound),
         }
-        for e in plan.events
+        for e in script.events
     ]
 
 
@@ -225,11 +225,11 @@ def _write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def write_annotations(plans: list[VideoPlan], root: Path) -> tuple[dict[str, str], dict[str, str]]:
+def write_annotations(scripts: list[VideoScript], root: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Write the LongVALE and ChronusAV files for every split; returns (longvale, chronusav) paths."""
     longvale, chronusav = {}, {}
     for split in ("train", "test"):
-        chosen = [p for p in plans if p.split == split]
+        chosen = [p for p in scripts if p.split == split]
         lv = {
             p.video_id: {
                 "duration": _seconds(p.num_frames, p.fps),
@@ -257,7 +257,7 @@ def write_annotations(plans: list[VideoPlan], root: Path) -> tuple[dict[str, str
     return {k: str(v) for k, v in longvale.items()}, {k: str(v) for k, v in chronusav.items()}
 
 
-def _manifest(cfg: SyntheticConfig, plans: list[VideoPlan]) -> dict:
+def _manifest(cfg: SyntheticConfig, scripts: list[VideoScript]) -> dict:
     return {
         "generator_version": GENERATOR_VERSION,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "num_workers"},  # output-relevant only
@@ -277,17 +277,17 @@ def _manifest(cfg: SyntheticConfig, plans: list[VideoPlan]) -> dict:
                 "distractors": [{"start": _seconds(d.start_frame, p.fps), "end": _seconds(d.end_frame, p.fps),
                                  "sound": d.sound} for d in p.distractors],
             }
-            for p in plans
+            for p in scripts
         ],
     }
 
 
-def _info(root: Path, plans: list[VideoPlan], reused: bool) -> CorpusInfo:
+def _info(root: Path, scripts: list[VideoScript], reused: bool) -> CorpusInfo:
     return CorpusInfo(
         root=str(root),
         video_dir=str(root / "videos"),
-        videos={p.video_id: str(root / "videos" / f"{p.video_id}.mp4") for p in plans},
-        splits={s: [p.video_id for p in plans if p.split == s] for s in ("train", "test")},
+        videos={p.video_id: str(root / "videos" / f"{p.video_id}.mp4") for p in scripts},
+        splits={s: [p.video_id for p in scripts if p.split == s] for s in ("train", "test")},
         longvale={s: str(root / f"longvale_{s}.json") for s in ("train", "test")},
         chronusav={s: str(root / f"chronusav_{s}.json") for s in ("train", "test")},
         manifest=str(root / "synthetic_manifest.json"),
@@ -308,10 +308,10 @@ def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite:
     from tqdm import tqdm
 
     root = Path(out_dir).resolve()
-    plans = plan_corpus(cfg)
-    manifest = _manifest(cfg, plans)
+    scripts = script_corpus(cfg)
+    manifest = _manifest(cfg, scripts)
     man_path = root / "synthetic_manifest.json"
-    info = _info(root, plans, reused=False)
+    info = _info(root, scripts, reused=False)
     if not overwrite and man_path.exists():
         try:
             old = json.loads(man_path.read_text(encoding="utf-8"))
@@ -319,11 +319,11 @@ def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite:
             old = None
         files = list(info.videos.values()) + list(info.longvale.values()) + list(info.chronusav.values())
         if old == json.loads(json.dumps(manifest)) and all(os.path.exists(f) for f in files):
-            return _info(root, plans, reused=True)
+            return _info(root, scripts, reused=True)
     (root / "videos").mkdir(parents=True, exist_ok=True)
     if man_path.exists():
         man_path.unlink()
-    jobs = [(p, info.videos[p.video_id]) for p in plans]
+    jobs = [(p, info.videos[p.video_id]) for p in scripts]
     workers = cfg.num_workers or _default_workers(len(jobs))
     bar = tqdm(total=len(jobs), desc="synthetic videos", unit="video", disable=not progress)
     if workers <= 1:
@@ -335,7 +335,7 @@ def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite:
             for _ in pool.map(_render_job, jobs):
                 bar.update(1)
     bar.close()
-    write_annotations(plans, root)
+    write_annotations(scripts, root)
     _write_json(man_path, manifest)
     return info
 

@@ -1,6 +1,6 @@
 """The `hard` synthetic regime's planner: many, overlapping, look-alike events and distractor sounds.
 
-    plan = plan_hard_video(cfg, index, split)   # cfg.regime == "hard"; cfg.hard: HardOptions
+    script = script_hard_video(cfg, index, split)   # cfg.regime == "hard"; cfg.hard: HardOptions
     validate_hard(cfg)                          # ValueError naming the first impossible setting
 
 Why: in the default regime every event of a video has its own colour and its own sound and
@@ -34,7 +34,7 @@ import math
 import numpy as np
 
 from pipeline.config_synthetic import HardOptions, SyntheticConfig
-from preprocess.synthetic_media import EventSpec, SoundSpec, VideoPlan
+from preprocess.synthetic_media import EventSpec, SoundSpec, VideoScript
 
 HARD_MAX_EVENTS = 32
 GAP, BACK_TO_BACK, OVERLAP = 0, 1, 2
@@ -163,13 +163,13 @@ def _distractors(cfg: SyntheticConfig, n: int, events: list[EventSpec], rng: np.
     return sorted(placed, key=lambda d: d.start_frame)
 
 
-def plan_hard_video(cfg: SyntheticConfig, index: int, split: str) -> VideoPlan:
-    """The deterministic hard-regime plan of video `index` (module doc)."""
+def script_hard_video(cfg: SyntheticConfig, index: int, split: str) -> VideoScript:
+    """The deterministic hard-regime script of video `index` (module doc)."""
     rng = np.random.default_rng([cfg.seed, index, 0])
     n, spans, _ = layout(cfg, rng)
     lanes = _lanes(spans, rng)
     events = [EventSpec(s, e, *attrs, lane=lane) for (s, e), attrs, lane in zip(spans, _attributes(spans, rng), lanes)]
-    return VideoPlan(
+    return VideoScript(
         video_id=f"synth_{index:05d}",
         split=split,
         num_frames=n,

@@ -4,15 +4,15 @@ Pure numpy rendering (deterministic for a given `numpy.random.Generator`) plus a
 PyAV writer that encodes H.264 (libx264, one thread, fixed options) and AAC into
 an mp4. Used by `preprocess/synthetic.py`; not run on its own.
 
-    frames = render_frames(plan, rng)              # uint8 [N, H, W, 3]
-    audio = render_audio(plan, rng)                # float32 [S] in [-1, 1]
+    frames = render_frames(script, rng)              # uint8 [N, H, W, 3]
+    audio = render_audio(script, rng)                # float32 [S] in [-1, 1]
     write_mp4(path, frames, audio, fps, sample_rate)
 
 Every visual pattern is a large shape (about half the frame) in a saturated colour
 over a dark-grey noisy background, so colour survives a 32x32 downsample and
 mean pooling; every sound occupies its own frequency band or texture. In the hard
 regime an event has a lane (half size, top-left or bottom-right quadrant) so two
-concurrent events are both visible, concurrent sounds add, and a plan's distractors
+concurrent events are both visible, concurrent sounds add, and a script's distractors
 (`SoundSpec`, sounds that belong to no event) are mixed in after the events.
 """
 
@@ -85,7 +85,7 @@ class SoundSpec:
 
 
 @dataclass(frozen=True)
-class VideoPlan:
+class VideoScript:
     """Everything needed to render one video deterministically."""
 
     video_id: str
@@ -163,13 +163,13 @@ def _in_lane(lane: int, cx: float, cy: float, size: float, w: int, h: int) -> tu
     return ax * w + LANE_SCALE * (cx - w / 2.0), ay * h + LANE_SCALE * (cy - h / 2.0), LANE_SCALE * size
 
 
-def render_frames(plan: VideoPlan, rng: np.random.Generator) -> np.ndarray:
+def render_frames(script: VideoScript, rng: np.random.Generator) -> np.ndarray:
     """uint8 [N, H, W, 3]: noisy grey background, every active event's shape drawn over it
-    (in plan order; a later shape covers an earlier one where they meet)."""
-    n, h, w = plan.num_frames, plan.height, plan.width
+    (in script order; a later shape covers an earlier one where they meet)."""
+    n, h, w = script.num_frames, script.height, script.width
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32) + 0.5
     active: list[list[int]] = [[] for _ in range(n)]
-    for i, ev in enumerate(plan.events):
+    for i, ev in enumerate(script.events):
         for f in range(ev.start_frame, ev.end_frame):
             active[f].append(i)
     frames = np.empty((n, h, w, 3), dtype=np.uint8)
@@ -178,10 +178,10 @@ def render_frames(plan: VideoPlan, rng: np.random.Generator) -> np.ndarray:
         img = bg + rng.normal(0.0, BACKGROUND_NOISE, size=(h, w, 3)).astype(np.float32)
         base = img.copy()  # background + noise: every shape's pixels are its colour + this noise
         for i in active[f]:
-            ev = plan.events[i]
+            ev = script.events[i]
             length = ev.end_frame - ev.start_frame
             progress = (f - ev.start_frame + 0.5) / length
-            t, t_mid = (f + 0.5) / plan.fps, (ev.start_frame + ev.end_frame) / (2.0 * plan.fps)
+            t, t_mid = (f + 0.5) / script.fps, (ev.start_frame + ev.end_frame) / (2.0 * script.fps)
             cx, cy, size, visible = _placement(ev.motion, progress, t, t_mid, w, h)
             if visible:
                 mask = _shape_mask(ev.shape, xx, yy, *_in_lane(ev.lane, cx, cy, size, w, h))
@@ -229,13 +229,13 @@ def _fade(num: int, sr: int, period: float | None = None) -> np.ndarray:
     return np.where(dist < edge, 0.5 - 0.5 * np.cos(np.pi * dist / edge), 1.0)
 
 
-def render_audio(plan: VideoPlan, rng: np.random.Generator) -> np.ndarray:
+def render_audio(script: VideoScript, rng: np.random.Generator) -> np.ndarray:
     """float32 [S] mono waveform: quiet noise, each event's sound over its exact interval, then
     each distractor's (concurrent sounds add)."""
-    sr = plan.sample_rate
-    audio = rng.normal(0.0, BACKGROUND_AUDIO_STD, size=plan.num_samples)
-    for ev in (*plan.events, *plan.distractors):
-        a, b = plan.sample_index(ev.start_frame), plan.sample_index(ev.end_frame)
+    sr = script.sample_rate
+    audio = rng.normal(0.0, BACKGROUND_AUDIO_STD, size=script.num_samples)
+    for ev in (*script.events, *script.distractors):
+        a, b = script.sample_index(ev.start_frame), script.sample_index(ev.end_frame)
         audio[a:b] += _sound(ev.sound, b - a, sr, rng) * _fade(b - a, sr)
     return np.clip(audio, -1.0, 1.0).astype(np.float32)
 

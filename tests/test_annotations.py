@@ -335,7 +335,7 @@ def test_s3_uri(s3_server):
 
 def test_synthetic_corpus_formats_read_back_identically(tmp_path):
     cfg = SyntheticConfig(num_videos=6, seed=2, max_events=6)
-    plans = syn.plan_corpus(cfg)
+    plans = syn.script_corpus(cfg)
     longvale, chronusav = syn.write_annotations(plans, tmp_path)
     for split in ("train", "test"):
         lv, e1 = A.read_annotations(longvale[split], "auto")

@@ -1,6 +1,6 @@
 """`ray job submit` against a local head on 127.0.0.1 runs the driver end to end.
 
-Starts a head with the environment shared/ENVIRONMENT.md gives, submits
+Starts a head with the environment docs/design/environment.md gives, submits
 `python pipeline/run.py` with a small config through `ray job submit --working-dir .`,
 waits for SUCCEEDED, checks the outputs, and stops the head.
 """

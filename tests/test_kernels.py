@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from infer.engine.attn_meta import AttnMeta
 from infer.engine.kernels import FLEX_CONTRACT, choose_kernel
-from infer.engine.packing import BlockPlan
+from infer.engine.packing import QueryBlock
 from infer.engine.paged import FREE_SEQ, OutOfPages, PagePool, pages_for
 
 HKV, G, D = 2, 3, 16
@@ -68,7 +68,7 @@ def _layout(seed: int, page_size: int, q_block: int, kernel, dtype=torch.float32
             chunk = group[lo:lo + q_block]
             pages = list(dict.fromkeys(p for a, la, b, lb in chunk for p in a[0].pages[: pages_for(la, page_size)]))
             pages += [p for _, _, b, lb in chunk if b is not None for p in b[0].pages[: pages_for(lb, page_size)]]
-            blocks.append(BlockPlan(range(start + lo, start + lo + len(chunk)), pages))
+            blocks.append(QueryBlock(range(start + lo, start + lo + len(chunk)), pages))
         start += len(group)
     meta = AttnMeta.build(blocks, [a[0].id for a, *_ in rows], [la for _, la, _, _ in rows],
                           [b[0].id if b is not None else FREE_SEQ for _, _, b, _ in rows],
@@ -262,14 +262,14 @@ def test_plan_calls_keeps_every_token_once_with_its_pages_and_pads_less():
     MAX_CALLS calls, every token sits in exactly one bin of at most F tokens whose pages hold all its
     block's pages; the padded work is less than one call of one block per video, and less than the best
     single call; blocks of one width (one video) make one call."""
-    from infer.engine.packing import GATHER_ROWS, MAX_CALLS, padded_work, plan_calls
+    from infer.engine.packing import GATHER_ROWS, MAX_CALLS, padded_work, pack_calls
 
     rnd = random.Random(0)
     blocks, n, first = [], 0, 1
     for rows, pages in [(rnd.randint(1, 16), rnd.randint(60, 250)) for _ in range(16)] + [(1, 90)]:
-        blocks.append(BlockPlan(range(n, n + rows), list(range(first, first + pages))))
+        blocks.append(QueryBlock(range(n, n + rows), list(range(first, first + pages))))
         n, first = n + rows, first + pages
-    calls = plan_calls(blocks, (4, 8, 16), group=4, page_size=16)
+    calls = pack_calls(blocks, (4, 8, 16), group=4, page_size=16)
     assert 1 < len(calls) <= MAX_CALLS
     owner = {t: b for b in blocks for t in b.tokens}
     seen = [t for c in calls for b in c.bins for t in b.tokens]
@@ -281,7 +281,7 @@ def test_plan_calls_keeps_every_token_once_with_its_pages_and_pads_less():
             for t in b.tokens:
                 assert set(owner[t].pages) <= set(b.pages)
     unpacked = len(blocks) * 16 * 4 * max(len(b.pages) for b in blocks)
-    one = plan_calls(blocks, (4, 8, 16), group=4, page_size=16, max_calls=1)
+    one = pack_calls(blocks, (4, 8, 16), group=4, page_size=16, max_calls=1)
     assert len(one) == 1
     assert padded_work(calls, 4) < padded_work(one, 4) < unpacked
     # against the work needed (each token against its block's pages) and one gather of each block's pages
@@ -291,10 +291,10 @@ def test_plan_calls_keeps_every_token_once_with_its_pages_and_pads_less():
     assert cost(calls) < 1.6 * (needed + GATHER_ROWS * sum(len(b.pages) for b in blocks))
     # blocks of one sequence (prefill pieces over a prefix and its prefixes) share their pages: one bin
     pre = list(range(1, 41))
-    same = [BlockPlan(range(0, 4), pre[:10]), BlockPlan(range(4, 8), pre[:25]), BlockPlan(range(8, 12), pre)]
-    got = plan_calls(same, (16,), group=1, page_size=16)
+    same = [QueryBlock(range(0, 4), pre[:10]), QueryBlock(range(4, 8), pre[:25]), QueryBlock(range(8, 12), pre)]
+    got = pack_calls(same, (16,), group=1, page_size=16)
     assert len(got) == 1 and len(got[0].bins) == 1
     assert got[0].bins[0].pages == pre and sorted(got[0].bins[0].tokens) == list(range(12))
     # one video's decode rows (one width): one call
-    video = [BlockPlan(range(lo, lo + 4), list(range(1, 200))) for lo in range(0, 16, 4)]
-    assert len(plan_calls(video, (4, 8, 16), group=4, page_size=16)) == 1
+    video = [QueryBlock(range(lo, lo + 4), list(range(1, 200))) for lo in range(0, 16, 4)]
+    assert len(pack_calls(video, (4, 8, 16), group=4, page_size=16)) == 1

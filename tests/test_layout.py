@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.batch import pack
+from pipeline.examples import pack
 from pipeline.layout import (
     FEATURE_ID,
     IGNORE,

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pipeline.batch import collate
+from pipeline.examples import collate
 from pipeline.model import PadCaptioner
 from tests.support.padcap import sample, tiny_cfg
 from train.losses import compute_losses

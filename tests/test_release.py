@@ -135,7 +135,7 @@ def test_both_position_modes_equal_the_fixture(model):
 
 
 def test_interleave_counts_and_index_sets():
-    # RELEASE.md 2: a 12 s video at 64 frames (fps 64/12, d = 0.375 s): counts [0, 1, 1, ..., 1, 37]
+    # docs/design/release.md 2: a 12 s video at 64 frames (fps 64/12, d = 0.375 s): counts [0, 1, 1, ..., 1, 37]
     grid = AVGrid(timesteps=32, rows=1, cols=1, seconds_per_step=2 / (64 / 12), audio_tokens=60)
     counts = audio_counts(grid)
     assert counts[0] == 0 and counts[-1] == 37 and sum(counts) == 60

@@ -151,7 +151,7 @@ def test_a_serve_replica_runs_the_release_front_end_online(videos, model):
                              ModelCard(model_id="tiny-release", source=str(CHECKPOINT), device="cpu"))
     try:
         body = asyncio.run(service.caption_file(videos["av"], "clip one.mp4", None))
-        # the decode worker sends the front end's arrays back; the replica makes the ReleaseVideo
+        # the decode worker sends the media preparation's arrays back; the replica makes the ReleaseVideo
         served = service._featurize(videos["av"], Ann("av"))
     finally:
         service.close()
@@ -176,10 +176,10 @@ def test_caption_actor_rows_feed_the_release_engine(videos, model, mode, monkeyp
              "chunk": np.array(["c0", "c0"])}
     out = stage(batch)
     assert out["status"] == ["ok", "error"] and "missing" in out["error"][1]
-    loaded = list(release_encoders._MODELS.values())  # online: the front end alone; stored: the towers alone
+    loaded = list(release_encoders._MODELS.values())  # online: the media preparation alone; stored: the towers alone
     assert len(loaded) == (mode == "stored") and all(m.decoder.embed_tokens.weight.is_meta for m in loaded)
     row = {c: out[c][0] for c in out}
-    assert bool(row[RELEASE_INPUTS]) == (mode == "online")  # online: the front end's output, not features
+    assert bool(row[RELEASE_INPUTS]) == (mode == "online")  # online: the media preparation's output, not features
     video = as_release_video(engine_input(row, "av"))  # a stored sample is converted by the engine itself
     assert isinstance(video, ReleaseVideo) and video.grid_thw == (20, 4, 6)
     result = CaptionEngine(model, cfg.infer).caption([video], controls=[DecodeControl(num_events=1, lengths=[2])])[0]
@@ -226,7 +226,7 @@ def test_offline_captioning_with_the_release_checkpoint_runs_its_encoders_online
     assert summary["captioned"] == 2 and rows["notes"]["status"] == "error" and "text file" in rows["notes"]["error"]
     assert rows["av"]["duration"] == pytest.approx(5.0) and rows["av"]["segments_total"] == 20
     assert rows["silent"]["segments_total"] == 12
-    # the same as the engine called directly on the front end's output
+    # the same as the engine called directly on the media preparation's output
     model, _, resolved = load_model(cfg, str(CHECKPOINT))
     assert resolved.features.release_features == "online"
     direct = CaptionEngine(model, resolved.infer).caption([DirectFeaturizer(resolved)(videos["av"], Ann("av"))])[0]

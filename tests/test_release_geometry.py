@@ -14,7 +14,7 @@ from pipeline.config import FeaturesConfig, InferConfig
 from pipeline.release.geometry import RELEASE, Geometry
 from pipeline.release.layout import build_layout, mrope_ids, tau
 from pipeline.release.model import ReleaseCaptioner
-from preprocess import release_frontend as rf
+from preprocess import release_media as rf
 from preprocess.release_encoders import inputs_video
 from tests.support.mp4 import solid_frames, tone, write_mp4
 from bench.release_models import CHECKPOINT, reshaped_checkpoint
@@ -47,7 +47,7 @@ def test_geometry_is_read_from_the_config_with_the_3b_defaults(other, tmp_path):
 def test_a_differently_shaped_checkpoint_runs_by_its_own_geometry(other, tmp_path):
     path = write_mp4(tmp_path / "a.mp4", solid_frames(40, 64, 96, [(200, 30, 30), (30, 200, 30)]), fps=8,
                      audio=tone(440, 5.0))
-    cfg = rf.FrontendConfig.from_features(FeaturesConfig(release_path=str(other)))
+    cfg = rf.MediaConfig.from_features(FeaturesConfig(release_path=str(other)))
     assert cfg.geometry == Geometry.from_dir(other)
     inputs = rf.read_release_inputs(str(path), cfg)
     # 40 frames kept, 64x96 px (multiples of 16): 40 timesteps of 8 x 12 patches, d = 1 / 8 fps
@@ -74,7 +74,7 @@ def test_a_differently_shaped_checkpoint_runs_by_its_own_geometry(other, tmp_pat
     assert res[0].error is None
 
     # the 3B's geometry does not fit this checkpoint's vision tower
-    wrong = rf.read_release_inputs(str(path), rf.FrontendConfig())
+    wrong = rf.read_release_inputs(str(path), rf.MediaConfig())
     assert wrong.pixel_values().shape[1] == 1176
     with pytest.raises(RuntimeError):
         model.encode_video(wrong.pixel_values(), torch.tensor([list(wrong.grid_thw)]))

@@ -231,8 +231,8 @@ def test_every_colour_shape_and_sound_survives_encoding(tmp_path, sample_rate):
         events.append(media.EventSpec(cursor, cursor + 16, syn.COLOURS[i], syn.SHAPES[i % 4], syn.MOTIONS[i],
                                       syn.SOUNDS[i]))
         cursor += 16 + 8
-    plan = media.VideoPlan("all", "train", cursor, fps, sample_rate, 64, 64, tuple(events), (7, 0, 1))
-    path = syn.render_video(plan, str(tmp_path / "all.mp4"))
+    script = media.VideoScript("all", "train", cursor, fps, sample_rate, 64, 64, tuple(events), (7, 0, 1))
+    path = syn.render_video(script, str(tmp_path / "all.mp4"))
     frames = decode_frames(path)
     audio, sr = decode_audio(path)
     assert sr == sample_rate and len(frames) == cursor
@@ -248,8 +248,8 @@ def test_motion_is_visible(tmp_path):
     fps = 8
     motions = ["moves to the left", "moves to the right", "moves up", "moves down", "grows", "shrinks"]
     events = [media.EventSpec(8 + 32 * i, 8 + 32 * i + 24, "red", "square", m, "silence") for i, m in enumerate(motions)]
-    plan = media.VideoPlan("m", "train", 8 + 32 * len(motions), fps, 16000, 64, 64, tuple(events), (1, 2, 3))
-    frames = decode_frames(syn.render_video(plan, str(tmp_path / "m.mp4")))
+    script = media.VideoScript("m", "train", 8 + 32 * len(motions), fps, 16000, 64, 64, tuple(events), (1, 2, 3))
+    frames = decode_frames(syn.render_video(script, str(tmp_path / "m.mp4")))
 
     def stats(frame):
         mask = np.abs(frame.astype(np.float64) - BG).max(axis=2) > 60
@@ -287,8 +287,8 @@ def test_same_seed_same_corpus_other_seed_differs(corpus, tmp_path):
     for vid, path in corpus.videos.items():
         assert np.array_equal(decode_frames(path), decode_frames(again.videos[vid]))
         assert np.array_equal(decode_audio(path)[0], decode_audio(again.videos[vid])[0])
-    other = syn.plan_corpus(dataclasses.replace(CFG, seed=1))
-    assert [p.events for p in other] != [p.events for p in syn.plan_corpus(CFG)]
+    other = syn.script_corpus(dataclasses.replace(CFG, seed=1))
+    assert [p.events for p in other] != [p.events for p in syn.script_corpus(CFG)]
 
 
 def test_existing_identical_corpus_is_reused(corpus):
@@ -309,12 +309,12 @@ def test_cli(tmp_path, capsys):
 
 
 def test_within_video_colours_and_sounds_are_distinct():
-    for plan in syn.plan_corpus(dataclasses.replace(CFG, num_videos=40, max_events=8, min_duration=40, max_duration=60)):
-        colours = [e.colour for e in plan.events]
-        sounds = [e.sound for e in plan.events]
+    for script in syn.script_corpus(dataclasses.replace(CFG, num_videos=40, max_events=8, min_duration=40, max_duration=60)):
+        colours = [e.colour for e in script.events]
+        sounds = [e.sound for e in script.events]
         assert len(set(colours)) == len(colours) and len(set(sounds)) == len(sounds)
-        starts = [e.start_frame for e in plan.events]
-        assert starts == sorted(starts) and plan.events[0].start_frame >= 8 and plan.events[-1].end_frame <= plan.num_frames - 8
+        starts = [e.start_frame for e in script.events]
+        assert starts == sorted(starts) and script.events[0].start_frame >= 8 and script.events[-1].end_frame <= script.num_frames - 8
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 import torch
 import webdataset as wds
 
-from pipeline.batch import ExampleError
+from pipeline.examples import ExampleError
 from pipeline.layout import Role
 from pipeline.model import PadCaptioner
 from pipeline.schema import KEY, META, TIMES, encode

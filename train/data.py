@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import storage
-from pipeline.batch import Batch, ExampleError, collate
+from pipeline.examples import Batch, ExampleError, collate
 from pipeline.fitting import drop_segments, fit_segments, fit_to_model, keep_indices, remap_interval, sequence_length  # noqa: F401
 from pipeline.schema import FIELDS, KEY, Event, Sample, SchemaError, decode
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from infer.engine.packing import BlockPlan, kernel_calls
+from infer.engine.packing import QueryBlock, kernel_calls
 from infer.engine.paged import FREE_SEQ, SCRATCH_SEQ
 
 
@@ -67,7 +67,7 @@ class AttnMeta:
         raise NotImplementedError
 
     @staticmethod
-    def build(blocks: Sequence[BlockPlan], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
+    def build(blocks: Sequence[QueryBlock], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
               lim_b: Sequence[int], *, q_block: int, pool, kernel: KernelTraits, group: int = 1,
               workspace: "Workspace | None" = None) -> "AttnMeta":
         """Host description of a step -> AttnMeta on the pool's device (a few copies in all).
@@ -128,7 +128,7 @@ class FlexMeta(AttnMeta):
         return int(self.pages.shape[0])
 
 
-def _slots(blocks: Sequence[BlockPlan], n: int, q_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _slots(blocks: Sequence[QueryBlock], n: int, q_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Blocks -> gather [Qb, BM] (step token of each slot, n = padding), pages [Qb, B] (padded with
     page 0), npages [Qb] int32."""
     width = max(1, max(len(b.pages) for b in blocks))
@@ -230,7 +230,7 @@ def _flex_meta(blocks, rules, q_block: int, pool, kernel: KernelTraits) -> FlexM
     if max(len(b.tokens) for b in blocks) > q_block:
         raise ValueError(f"a query block of {max(len(b.tokens) for b in blocks)} tokens over q_block {q_block}")
     qb = len(blocks)
-    blocks = list(blocks) + [BlockPlan((), ())] * (pow2(qb) - qb)
+    blocks = list(blocks) + [QueryBlock((), ())] * (pow2(qb) - qb)
     gather, page_t, npages = _slots(blocks, n, q_block)
     gather = gather.flatten()
     out = torch.empty(n, dtype=torch.long)

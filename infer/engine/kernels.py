@@ -1,8 +1,29 @@
 """Attention over the paged KV pool: one interface, kernels with public contracts, a pure-torch reference.
 
     kernel = choose_kernel("auto", dtype, device)               # "sdpa" on CPU, "flex" on CUDA
-    meta = AttnMeta.build(plan, pool, kernel, scratch)          # once per step (infer/engine/attn_meta.py)
+    meta = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=16, pool=pool, kernel=kernel)
     o = kernel(q, pool, layer, meta, scale)                     # q [N, Hq, D] -> o [N, Hq * D]
+
+`AttnMeta.build` runs once per step (infer/engine/attn_meta.py). One query over six keys of one
+sequence, against a dense softmax:
+
+    >>> import torch
+    >>> from infer.engine.attn_meta import AttnMeta
+    >>> from infer.engine.packing import QueryBlock
+    >>> from infer.engine.paged import PagePool
+    >>> _ = torch.manual_seed(0)
+    >>> kernel = choose_kernel("reference", torch.float32, torch.device("cpu"))
+    >>> pool = PagePool(1, 4, 4, 1, 8, torch.float32, torch.device("cpu"))  # 1 layer, 4 pages of 4, Hkv 1, D 8
+    >>> seq = pool.open(); _ = pool.reserve(2); pool.grow(seq, 6); pool.sync()
+    >>> k, v = torch.randn(6, 1, 8), torch.randn(6, 1, 8)
+    >>> pool.layer[0][pool.slots(seq, 0, 6), 0] = k; pool.layer[0][pool.slots(seq, 0, 6), 1] = v
+    >>> meta = AttnMeta.build([QueryBlock(tokens=[0], pages=seq.pages)], [seq.id], [6], [seq.id], [0],
+    ...                       q_block=16, pool=pool, kernel=kernel)   # token 0 sees keys 0..5 of seq
+    >>> q = torch.randn(1, 1, 8)
+    >>> o = kernel(q, pool, 0, meta, 8 ** -0.5)
+    >>> dense = torch.softmax(q[0] @ k[:, 0].T * 8 ** -0.5, -1) @ v[:, 0]
+    >>> o.shape, torch.allclose(o, dense, atol=1e-6)
+    (torch.Size([1, 8]), True)
 
 What a step asks of attention. The N tokens of a step (prefill chunks, planning rows, branch
 rows of many videos) each see at most two sequences of the pool (infer/engine/paged.py): query t

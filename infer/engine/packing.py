@@ -1,6 +1,6 @@
 """How a step's query blocks become a gathering kernel's calls: few calls, little padded work.
 
-    calls = plan_calls(blocks, sizes=(4, 8, 16), group=4, page_size=16)   # -> [Call(q_block, bins), ...]
+    calls = pack_calls(blocks, sizes=(4, 8, 16), group=4, page_size=16)   # -> [Call(q_block, bins), ...]
 
 The scheduler cuts a step's tokens into blocks of one video each (its decode rows, a planning
 row, a prefill piece), so their token counts and page counts differ widely. A gathering kernel
@@ -45,7 +45,7 @@ _CUT_CANDIDATES = 12  # width boundaries tried for the cuts (the distinct widths
 
 
 @dataclass
-class BlockPlan:
+class QueryBlock:
     """One query block as the scheduler describes it (host): its step tokens and the pages they may see."""
 
     tokens: Sequence[int]
@@ -57,7 +57,7 @@ class Call:
     """One kernel call: `bins` of at most `q_block` tokens each, all padded to the widest bin's pages."""
 
     q_block: int
-    bins: list[BlockPlan]
+    bins: list[QueryBlock]
 
     @property
     def width(self) -> int:
@@ -81,7 +81,7 @@ def _per_page(F: int, group: int, page_size: int) -> int:
     return page_size * (max(F * group, MIN_ROWS) + GATHER_ROWS)
 
 
-def _pieces(blocks: Sequence[BlockPlan], F: int) -> list[Piece]:
+def _pieces(blocks: Sequence[QueryBlock], F: int) -> list[Piece]:
     """Blocks split into pieces of at most F tokens, widest first (then fullest)."""
     out = []
     for b in blocks:
@@ -116,7 +116,7 @@ def _pack(pieces: Sequence[Piece], F: int, W: int) -> list[list[Piece]]:
     return [b[3] for b in bins]
 
 
-def _cuts(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int, page_size: int, max_calls: int) -> list[int]:
+def _cuts(blocks: Sequence[QueryBlock], sizes: Sequence[int], group: int, page_size: int, max_calls: int) -> list[int]:
     """Where to cut the blocks (sorted widest first) into calls: indices (exclusive ends). A run's bins at
     bin size F are estimated as the sum over its blocks of the larger of t / F and w / W (t tokens, w pages,
     W the run's widest), each run costing, at the F that suits it best,
@@ -138,17 +138,17 @@ def _cuts(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int, page_si
             best = np.minimum(best, bins[his - lo - 1] * W * _per_page(F, group, page_size))
         for hi, c in zip(his.tolist(), best.tolist()):
             cost[lo, hi] = c + CALL_COST
-    best_plan = (cost[0, n], [n])
+    best_cuts = (cost[0, n], [n])
     for k in range(1, max_calls):
         for cut in itertools.combinations(starts, k):
             bounds = [0, *cut, n]
             c = sum(cost[lo, hi] for lo, hi in zip(bounds, bounds[1:]))
-            if c < best_plan[0]:
-                best_plan = (c, bounds[1:])
-    return best_plan[1]
+            if c < best_cuts[0]:
+                best_cuts = (c, bounds[1:])
+    return best_cuts[1]
 
 
-def plan_calls(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int, page_size: int,
+def pack_calls(blocks: Sequence[QueryBlock], sizes: Sequence[int], group: int, page_size: int,
                max_calls: int = MAX_CALLS) -> list[Call]:
     """The step's blocks -> at most `max_calls` calls of packed bins (module doc): the cuts into width
     classes that cost least (estimated, each class at its best bin size), then each class packed at every
@@ -160,7 +160,7 @@ def plan_calls(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int, pa
     against 1.3 ms a step on the 2-core box)."""
     real = sorted((b for b in blocks if len(b.tokens)), key=lambda b: -len(b.pages))  # stable: step order in ties
     if not real:
-        return [Call(1, list(blocks) or [BlockPlan((), ())])]
+        return [Call(1, list(blocks) or [QueryBlock((), ())])]
     calls, lo = [], 0
     for hi in _cuts(real, sizes, group, page_size, max_calls):  # cuts fall between blocks
         run, W = real[lo:hi], max(1, len(real[lo].pages))
@@ -168,29 +168,29 @@ def plan_calls(blocks: Sequence[BlockPlan], sizes: Sequence[int], group: int, pa
                    for F in sizes for bins in [_pack(_pieces(run, F), F, W)]]
         _, F, bins = min(options, key=lambda o: o[0])
         # the exact union of each bin's pages (W above only bounds them)
-        calls.append(Call(F, [BlockPlan([t for toks, _ in members for t in toks],
+        calls.append(Call(F, [QueryBlock([t for toks, _ in members for t in toks],
                                         list(dict.fromkeys(p for _, pages in members for p in pages)))
                               for members in bins]))
         lo = hi
     return calls
 
 
-def exact_calls(blocks: Sequence[BlockPlan], multiple: int = 1) -> list[Call]:
+def exact_calls(blocks: Sequence[QueryBlock], multiple: int = 1) -> list[Call]:
     """One call per query block with tokens, as many rows (rounded up to `multiple`) and pages as it has: no
     padding, at one call per block (`infer.attention_calls=0`; bench/packing.py measures both ways)."""
     real = [b for b in blocks if len(b.tokens)]
     if not real:
-        return [Call(1, list(blocks) or [BlockPlan((), ())])]
+        return [Call(1, list(blocks) or [QueryBlock((), ())])]
     return [Call(round_up(len(b.tokens), multiple), [b]) for b in real]
 
 
-def kernel_calls(blocks: Sequence[BlockPlan], group: int, page_size: int, max_calls: int = MAX_CALLS,
+def kernel_calls(blocks: Sequence[QueryBlock], group: int, page_size: int, max_calls: int = MAX_CALLS,
                  multiple: int = 1) -> list[Call]:
-    """The calls a gathering kernel makes for a step's blocks: `plan_calls` over the bin sizes aligned to
+    """The calls a gathering kernel makes for a step's blocks: `pack_calls` over the bin sizes aligned to
     `multiple` (the kernel's query-block alignment), at most `max_calls`; 0 = `exact_calls`."""
     if not max_calls:
         return exact_calls(blocks, multiple)
-    return plan_calls(blocks, sorted({round_up(f, multiple) for f in SIZES}), group, page_size, max_calls)
+    return pack_calls(blocks, sorted({round_up(f, multiple) for f in SIZES}), group, page_size, max_calls)
 
 
 def padded_work(calls: Sequence[Call], group: int, multiple: int = 1) -> int:
@@ -199,4 +199,4 @@ def padded_work(calls: Sequence[Call], group: int, multiple: int = 1) -> int:
     return sum(len(c.bins) * c.rows(multiple) * group * c.width for c in calls)
 
 
-__all__ = ["BlockPlan", "Call", "plan_calls", "exact_calls", "kernel_calls", "padded_work", "round_up", "SIZES", "MAX_CALLS", "GATHER_ROWS", "CALL_COST"]
+__all__ = ["QueryBlock", "Call", "pack_calls", "exact_calls", "kernel_calls", "padded_work", "round_up", "SIZES", "MAX_CALLS", "GATHER_ROWS", "CALL_COST"]

@@ -19,7 +19,7 @@ mask and positions; planning greedy over {<G>, <S>} from the last instruction ro
 <G> fed at shared_position(P + k); the grounding-layer state of the row that predicted a
 <G> is its event query; then grounding and attention-guided anchors at A = P + K.
 
-Release (RELEASE.md 2-4): the release prompt with its M-RoPE ids, the AV block
+Release (docs/design/release.md 2-4): the release prompt with its M-RoPE ids, the AV block
 bidirectional; at every decision row the event vector is grounded; a <G> is fed as
 E[<G>] + agg(the interval grounded at the row that predicted it), at L + k + delta;
 K = 0 allowed; anchors E[<G>] + agg(interval) at L + K + delta (pipeline/layout.py's
@@ -41,7 +41,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from infer.oracles.front import DecodeError, decode_reserve, ground_intervals, prepare_example, token_position_ids
 from infer.engine.sampling import DecodeControl, plan_decision, planning_capped
-from pipeline.batch import collate
+from pipeline.examples import collate
 from pipeline.grounding import segment_hidden, similarity_logits
 from pipeline.layout import Role, anchor_position, shared_position
 

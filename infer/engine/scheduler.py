@@ -3,7 +3,8 @@
     sched = Scheduler(runner, pool, step_tokens=512, max_rows=128, q_block=16)
     plan = sched.plan(videos)            # -> StepPlan (ForwardBatch + who owns which rows), or None
     hidden, states = runner.forward(plan.batch)
-    sched.absorb(plan, hidden, states)   # decisions, chunk states, branch rows' logits rows
+    # the engine (infer/engine/core.py, CaptionEngine._absorb) hands the outputs back to each video:
+    # prefill states, planning decisions, branch tokens
 
 A video moves through three phases, each a kind of row in the shared step:
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infer.engine.attn_meta import AttnMeta, Workspace
-from infer.engine.packing import BlockPlan
+from infer.engine.packing import QueryBlock
 from infer.engine.paged import FREE_SEQ, PagePool, Seq, pages_for
 from infer.engine.step import ForwardBatch, LayerJob, ModelRunner
 
@@ -134,7 +135,7 @@ class Scheduler:
         v.reserved -= len(seq.pages) - before
 
     def _blocks(self, first: int, count: int, pages: list[int], own: list[list[int]] | None = None,
-                size: int = 0) -> list[BlockPlan]:
+                size: int = 0) -> list[QueryBlock]:
         """Query blocks of `size` (default q_block) over step tokens [first, first + count): each sees
         `pages` (+ its rows' own pages)."""
         out = []
@@ -142,7 +143,7 @@ class Scheduler:
         for lo in range(first, first + count, size):
             hi = min(first + count, lo + size)
             extra = [p for r in range(lo - first, hi - first) for p in own[r]] if own else []
-            out.append(BlockPlan(range(lo, hi), pages + extra))
+            out.append(QueryBlock(range(lo, hi), pages + extra))
         return out
 
     def plan(self, videos: list[VideoState]) -> StepPlan | None:
@@ -154,7 +155,7 @@ class Scheduler:
         lim_a: list[int] = []
         seq_b: list[int] = []
         lim_b: list[int] = []
-        blocks: list[BlockPlan] = []
+        blocks: list[QueryBlock] = []
         n = 0
         branch_rows, plan_rows, chunks = [], [], []
         # 1. every running branch row (anchors at step 0, else the last token)
@@ -258,7 +259,7 @@ class Scheduler:
                              jobs=tuple(job for _, job in jobs))
         return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks, jobs)
 
-    def _chunk_blocks(self, first: int, pref: Seq, lims: list[int]) -> list[BlockPlan]:
+    def _chunk_blocks(self, first: int, pref: Seq, lims: list[int]) -> list[QueryBlock]:
         """Query blocks of a prefill chunk at step tokens [first, first + len(lims)): each sees the prefix
         pages up to the furthest limit among its tokens."""
         out = self._blocks(first, len(lims), [], size=self.prefill_block)
@@ -296,7 +297,7 @@ class Scheduler:
 
         self.pool.sync()
         w = self.runner.w
-        attn = AttnMeta.build([BlockPlan([0], [0])], [SCRATCH_SEQ], [1], [FREE_SEQ], [0], q_block=self.prefill_block,
+        attn = AttnMeta.build([QueryBlock([0], [0])], [SCRATCH_SEQ], [1], [FREE_SEQ], [0], q_block=self.prefill_block,
                               pool=self.pool,
                               kernel=self.runner.kernel, group=w.heads // w.kv_heads)
         batch = ForwardBatch(embeds=torch.zeros(1, w.hidden, dtype=w.dtype, device=self.device),

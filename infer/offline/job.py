@@ -8,7 +8,7 @@ Ray Data lists the videos, decodes and encodes them in a CPU actor pool
 (`preprocess.featurize.Featurizer`), captions them in an engine actor pool
 (`infer.engine.core.CaptionEngine`, several videos per call, GPUs per actor from
 `cluster.caption_gpus_per_actor`; with the release encoders in online mode the CPU
-actors run only the release's front end and the engine actor encodes with its own
+actors run only the release's media preparation and the engine actor encodes with its own
 model, see `engine_input`), and writes one row per video (id, uri,
 duration, events, timings, model id, config hash) as JSONL and Parquet, plus an
 error row with its reason (`error`) and kind (`error_kind`) for every video that failed.
@@ -76,7 +76,7 @@ RESULT_COLUMNS: dict[str, pa.DataType] = {
 }
 ERROR_KINDS = ("input", "refused", "engine")
 SAMPLE_COLUMNS = [KEY, *FIELDS]
-RELEASE_INPUTS = "release_inputs"  # online release encoders: the front end's output (ReleaseInputs.to_bytes)
+RELEASE_INPUTS = "release_inputs"  # online release encoders: the media preparation's output (ReleaseInputs.to_bytes)
 
 
 @dataclass
@@ -154,7 +154,7 @@ class FeaturizeForCaption:
 
         self.featurizer = Featurizer(Config.from_json(cfg_json))
         self.pid = os.getpid()
-        release = self.featurizer.release  # online release encoders: only the front end runs here
+        release = self.featurizer.release  # online release encoders: only the media preparation runs here
         self.front_end = release.inputs if release is not None and release.online else None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
@@ -188,11 +188,11 @@ class FeaturizeForCaption:
 
 def engine_input(fields: dict[str, Any], video_id: str):
     """One featurized row -> what the engine captions: a decoded Sample (a stored schema-2 sample of the
-    release encoders too: the engine takes its tokens), or a ReleaseVideo of the release's front-end output
+    release encoders too: the engine takes its tokens), or a ReleaseVideo of the release's media preparation output
     (online release encoders), which the engine encodes with its own model."""
     if fields.get(RELEASE_INPUTS):
         from preprocess.release_encoders import inputs_video
-        from preprocess.release_frontend import ReleaseInputs
+        from preprocess.release_media import ReleaseInputs
 
         return inputs_video(ReleaseInputs.from_bytes(fields[RELEASE_INPUTS]), video_id)
     return decode({c: fields[c] for c in SAMPLE_COLUMNS})

@@ -160,7 +160,7 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
     t0 = time.perf_counter()
     example = prepare_example(model, sample, cap)
     lay = example.layout
-    from pipeline.batch import collate
+    from pipeline.examples import collate
 
     pk = collate([example]).packed
     cache = DynamicCache(config=model.hf_config)

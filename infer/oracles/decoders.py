@@ -41,7 +41,7 @@ from infer.engine.decoded import Decoded
 from infer.oracles.front import (StageTimer, cat_meta, decode_reserve, ground_intervals, prepare_example, row_mask, run_front,
                          token_position_ids)
 from infer.engine.sampling import NO_CONTROL, DecodeControl, TokenChooser, plan_decision, planning_capped, video_chooser
-from pipeline.batch import collate
+from pipeline.examples import collate
 from pipeline.config import InferConfig
 from pipeline.layout import Role, TokenMeta, branch_position, dense_layout, event_order, shared_position
 

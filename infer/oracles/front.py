@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infer.engine.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_capped
-from pipeline.batch import Example, collate
+from pipeline.examples import Example, collate
 from pipeline.fitting import fit_for_decoding
 from pipeline.grounding import similarity_logits
 from pipeline.layout import Layout, Role, TokenMeta, additive_mask, anchor_position, mask_between, shared_position

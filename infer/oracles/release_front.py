@@ -3,7 +3,7 @@
     front = release_front(model, video, max_events, control, timer)
     # front.cache: prefix + serial <G>s; front.anchors [K, d] at front.anchor_pos (text position)
 
-The release's test-time rules (RELEASE.md 2-4), one video:
+The release's test-time rules (docs/design/release.md 2-4), one video:
   1. encoders (online when the video carries pixels / mel, else its stored tokens), the
      prompt with the AV interleave, M-RoPE ids in the settings' mode;
   2. prefill with a causal mask made bidirectional among the AV tokens; keep
@@ -166,7 +166,7 @@ def release_prefill(model, video: ReleaseVideo, cache) -> ReleasePrefill:
 
 
 def seconds(step: tuple[int, int], d: float) -> tuple[float, float]:
-    """Timestep interval (a, b) -> seconds [a d, (b + 1) d] (RELEASE.md 4.4; not clipped)."""
+    """Timestep interval (a, b) -> seconds [a d, (b + 1) d] (docs/design/release.md 4.4; not clipped)."""
     return step[0] * d, (step[1] + 1) * d
 
 

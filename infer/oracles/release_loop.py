@@ -5,7 +5,7 @@
 
 After the front half (infer/oracles/release_front.py, shared with the engine), the release
 runs the K branches in lock-step through the HF decoder with an explicit 4D mask
-(RELEASE.md 2, M:4499-4616): one forward of the K anchors at position (L + K) + delta,
+(docs/design/release.md 2, M:4499-4616): one forward of the K anchors at position (L + K) + delta,
 each seeing the prefix and itself; then round r feeds every branch's previous token
 (a finished branch is fed <|im_end|> and its output ignored) at position
 (L + K) + 1 + r + delta, each row seeing the prefix and its own branch's cache slots
@@ -103,7 +103,7 @@ def release_text(tokenizer, decoded: Decoded, steps: list[tuple[int, int]], d: f
     """The release test script's final text: per event "s - e" seconds then its caption, one per line.
 
     The caption (special tokens dropped) gets a leading space unless it starts with one of
-    " ;,.<"; an empty one becomes "; " unless it is the last (RELEASE.md fixture fact 14).
+    " ;,.<"; an empty one becomes "; " unless it is the last (tests/data/release_golden/README.md, fixture fact 14).
     """
     lines = []
     for i, ((a, b), toks) in enumerate(zip(steps, decoded.tokens)):

@@ -3,7 +3,7 @@
     problems = weight_problems(model, read_state_dict(dir))   # [] when every tensor is where it belongs
 
 Independent of the loader: the table below is written from the release's key names
-(RELEASE.md 1.2: one row per kind of tensor, full-key patterns, each naming the attribute
+(docs/design/release.md 1.2: one row per kind of tensor, full-key patterns, each naming the attribute
 path of the module this project puts it in), not from the loader's prefix rules
 (`ReleaseCaptioner.release_rules`), and the comparison reads the model's own parameters
 and buffers after loading. So a loader that maps a tensor to the wrong module (a swapped
@@ -28,7 +28,7 @@ QFORMER_LAYER = (r"(?:attention|crossattention)\.self\.(?:query|key|value)|(?:at
                  r"(?:dense|LayerNorm)|intermediate_query\.dense|output_query\.(?:dense|LayerNorm)")
 WB = r"\.(weight|bias)"
 
-# (release key, model attribute path): full-key patterns from the release's naming (RELEASE.md 1.2)
+# (release key, model attribute path): full-key patterns from the release's naming (docs/design/release.md 1.2)
 TABLE: list[tuple[str, str]] = [
     (r"model\.embed_tokens\.weight", LLM + "embed_tokens.weight"),
     (r"model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj)" + WB, LLM + r"layers.\1.self_attn.\2.\3"),

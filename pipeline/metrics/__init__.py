@@ -5,7 +5,7 @@
     result["metrics"]   # {"F1", "Sim", "SODA_c", "CIDEr", "METEOR"} on the 0-1 scale
     write_report(result, "pred.json", "val.json", "runs/x/report")
 
-Protocols (REFERENCE.md section 3; every result names its protocol and variant):
+Protocols (docs/design/method.md section 3; every result names its protocol and variant):
     densevid      METEOR / CIDEr-D at tIoU {0.3, 0.5, 0.7, 0.9}, detection P / R / F1;
                   missing="skip" (LongVALE) or "zero" (ActivityNet / PDVC)
     soda          SODA_c with METEOR (soda_cider=True adds CIDEr-D)
@@ -59,7 +59,7 @@ def _missing_policy(protocol: str, missing: str | None) -> str | None:
             raise ValueError("padcaptioner reports densevid's LongVALE variant (videos without predictions skipped); use --protocol densevid for 'zero'")
         return "skip"
     if missing not in (None, "skip"):  # soda / etbench leave such videos out (etbench then scales P, R)
-        raise ValueError(f"the {protocol} protocol leaves videos without predictions out (REFERENCE.md); missing='zero' applies to densevid only")
+        raise ValueError(f"the {protocol} protocol leaves videos without predictions out (docs/design/method.md section 3); missing='zero' applies to densevid only")
     return None
 
 

@@ -21,7 +21,7 @@ from pipeline.metrics.io import REF_FORMATS, InputError
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.metrics", description="Dense video captioning metrics (REFERENCE.md section 3).")
+    ap = argparse.ArgumentParser(prog="python -m pipeline.metrics", description="Dense video captioning metrics (docs/design/method.md section 3).")
     ap.add_argument("--pred", required=True, help="predictions: ActivityNet results JSON or engine output (.json / .jsonl)")
     ap.add_argument("--ref", required=True, help="references: LongVALE/ActivityNet JSON, ChronusAV JSON, YouCook2 JSON, or a shard dir/.tar")
     ap.add_argument("--protocol", choices=PROTOCOLS, default="padcaptioner")

@@ -1,4 +1,4 @@
-"""The densevid protocol (LongVALE / ActivityNet Captions evaluator), REFERENCE.md section 3.
+"""The densevid protocol (LongVALE / ActivityNet Captions evaluator), docs/design/method.md section 3.
 
 For each tIoU t in {0.3, 0.5, 0.7, 0.9}:
   - captioning: per video, every (prediction, reference) with tIoU >= t is a caption

@@ -1,4 +1,4 @@
-"""The E.T.Bench dense-captioning protocol (the paper's F1 and Sim), REFERENCE.md section 3.
+"""The E.T.Bench dense-captioning protocol (the paper's F1 and Sim), docs/design/method.md section 3.
 
 Videos: a reference video is "parsed" when its output gave at least one valid event;
 missing, empty and unparsable outputs are left out of the averages, and the

@@ -1,4 +1,4 @@
-"""SODA_c (story-oriented dense captioning), REFERENCE.md section 3.
+"""SODA_c (story-oriented dense captioning), docs/design/method.md section 3.
 
 Per video: sort predictions and references by start time; S[r, p] = tIoU(r, p) x
 METEOR(pred p vs ref r) (per-pair METEOR from the jar); find the order-preserving

@@ -9,6 +9,14 @@ so `tIoU >= 0.5` is false for two intervals that overlap by exactly half.
 
 `tiou_matrix` is the vectorised form; it performs the same IEEE float64
 operations in the same order as `tiou`, so both give bit-identical values.
+
+    >>> tiou((0.0, 10.0), (5.0, 15.0))
+    0.3333333331111111
+    >>> tiou((0.0, 2.0), (1.0, 2.0)) >= 0.5     # exactly half is not half
+    False
+    >>> tiou_matrix(np.array([[0.0, 10.0], [0.0, 2.0]]), np.array([[5.0, 15.0]])).tolist()
+    [[0.3333333331111111], [0.0]]
+
 Pure numpy, no I/O.
 """
 

@@ -9,7 +9,7 @@ frames (25 for 0.5 s) with the same stride, one learnt query per window cross-at
 to its window through a BERT-style Q-Former (self-attention, cross-attention to the
 window, a query-only feed-forward: the layer has no text branch), and `audio_proj`
 takes the query's output to the LLM width: 60 tokens per chunk, 2 per second, token j
-covering [0.5 j, 0.5 (j + 1)) s of the audio stream (RELEASE.md 4.2).
+covering [0.5 j, 0.5 (j + 1)) s of the audio stream (docs/design/release.md 4.2).
 
 Module names follow the release's keys under `audio.` (`qformer.bert.encoder.layer.N.
 crossattention.self.key`, ...) so the checkpoint maps onto it one to one; the Whisper

@@ -5,7 +5,7 @@
     out = tuner.forward_train(collate_release([ex]))   # the dict train/losses.py reads
     tuner.save_pretrained(out_dir)                     # a release-format directory again
 
-What trains, as the release trains (RELEASE.md 1.1): LoRA (r 128, alpha 256 upstream) on
+What trains, as the release trains (docs/design/release.md 1.1): LoRA (r 128, alpha 256 upstream) on
 `q_proj/k_proj/v_proj` of the LLM only (not Whisper's, not the vision tower's `qkv`),
 the grounding heads (`frm_head`, `evi_head`) and the rows of <G> and <S> (a separate
 [2, d] parameter substituted into the embedding table and the tied head, so the

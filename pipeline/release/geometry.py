@@ -3,7 +3,7 @@
     geo = Geometry.from_config(json.load(open(dir / "config.json")))   # or Geometry.from_dir(dir)
     geo.factor, geo.patch_dim, geo.audio_tokens_per_chunk
 
-What the front end, the layout and the towers must agree on (RELEASE.md 1.2, 2, 4.1-4.3), with
+What the media preparation, the layout and the towers must agree on (docs/design/release.md 1.2, 2, 4.1-4.3), with
 the published 3B's values as the defaults when a key is absent: `vision_config.patch_size` (14 px),
 `temporal_patch_size` (2 frames per timestep), `spatial_merge_size` (2: H/2 x W/2 LLM tokens per
 timestep), `tokens_per_second` (2: the M-RoPE temporal step per second, also the audio

@@ -1,4 +1,4 @@
-"""The release's grounding readout and aggregation, as pure functions (RELEASE.md 4.4).
+"""The release's grounding readout and aggregation, as pure functions (docs/design/release.md 4.4).
 
     a, b = find_and_merge(sim, threshold=0.7, merge_gap=2)        # timestep indices, inclusive
     feat = aggregate(attn_row, h_agg, lay, (a, b), mode, audio_weight)   # [d]
@@ -12,7 +12,7 @@ aggregate: for every timestep a..b the video (audio) index lists are concatenate
 duplicates kept (neighbouring audio sets overlap); weights over those tokens come from
 the aggregation row (head-mean attention probabilities of the user turn's <|im_end|> at
 layer `vision_audio_layer_index`): "release" = softmax of those probabilities (what the
-release does; nearly uniform, REFERENCE.md names it a defect), "renormalised" = the
+release does; nearly uniform, docs/design/method.md section 1 names it a defect), "renormalised" = the
 probabilities divided by their sum (ours); feature = sum w h (video) + audio_weight x
 sum w h (audio), h = that layer's input states. Pure torch.
 """

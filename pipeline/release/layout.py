@@ -6,7 +6,7 @@
     lay.video_sets / lay.audio_sets (per-timestep index lists); lay.query_index (aggregation row)
     pos, delta = mrope_ids(lay, mode)      # [3, L] and the rope delta; mode "release" | "training"
 
-Facts (RELEASE.md 2, 3, 4.3):
+Facts (docs/design/release.md 2, 3, 4.3):
   * prompt: `<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\n
     <|vision_start|>` AV `<|vision_end|>\\n{instruction}<|im_end|>\\n<|im_start|>assistant\\n`;
   * AV block: per timestep t its V = H'W' `<|video_pad|>` then a_t `<|audio_pad|>`, with

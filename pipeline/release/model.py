@@ -4,7 +4,7 @@
     video = model.encode_video(pixel_values, grid_thw)    # [T*V, d]  (vision tower + merger)
     audio = model.encode_audio(mel)                       # [C*60, d] (Whisper + window Q-Former)
 
-Parts (RELEASE.md 1.2), mapped by key prefix onto HF 5.24 classes and our own modules:
+Parts (docs/design/release.md 1.2), mapped by key prefix onto HF 5.24 classes and our own modules:
   `model.*`   -> Qwen2_5_VLForConditionalGeneration.model.language_model (the LLM, M-RoPE)
   `visual.*`  -> ....model.visual (Qwen2.5-VL vision tower + merger)
   `audio.*`   -> ReleaseAudio (HF WhisperEncoder + the window Q-Former + audio_proj)
@@ -57,12 +57,12 @@ DEFAULT_INSTRUCTION = "Could you outline the incidents that happened during diff
 
 @dataclass
 class ReleaseSettings:
-    """Test-time settings of the release (they are not in its config.json; RELEASE.md 4.4).
+    """Test-time settings of the release (they are not in its config.json; docs/design/release.md 4.4).
 
     grounding_threshold 0.7 is the release's ChronusAV setting (0.5 for LongVALE);
     positions: "release" = the ids the release computes at test time (parity), "training"
     = the ids the model was trained on; aggregation: "release" = softmax over the
-    attention probabilities (what the release does; REFERENCE.md calls it a defect: nearly
+    attention probabilities (what the release does; docs/design/method.md section 1 calls it a defect: nearly
     uniform), "renormalised" = the probabilities renormalised inside the interval (ours).
     max_events / max_branch_tokens: None = the checkpoint's fields, else the release's
     code defaults (30 / 320); a branch holds at most 1 + max_branch_tokens tokens.
@@ -279,7 +279,7 @@ class ReleaseCaptioner(nn.Module):
         return torch.nn.functional.linear(hidden, head.weight[ids], bias)
 
     def segment_vectors(self, hidden: torch.Tensor, lay) -> torch.Tensor:
-        """Grounding-layer states [L, d] -> per-timestep keys [T, d] (RELEASE.md 4.4).
+        """Grounding-layer states [L, d] -> per-timestep keys [T, d] (docs/design/release.md 4.4).
 
         frm_head on every AV token, then per timestep the mean over its video index set plus
         audio_mean_weight x the mean over its audio index set (zero for an empty set).
@@ -322,7 +322,7 @@ class ReleaseCaptioner(nn.Module):
 
 
 def check_token_ids(hf_config, tokenizer) -> dict[str, int]:
-    """The release's token ids from config.json, checked against the tokenizer (RELEASE.md 1.2)."""
+    """The release's token ids from config.json, checked against the tokenizer (docs/design/release.md 1.2)."""
     raw = hf_config.to_dict()
     ids: dict[str, int] = {}
     wrong = []

@@ -1,6 +1,6 @@
 """The memory plan (infer/engine/memory_plan.py) against what the engine really admits, and its command line.
 
-Run: .venv/bin/python -m pytest tests/test_plan.py -q
+Run: .venv/bin/python -m pytest tests/test_memory_plan.py -q
 """
 
 from __future__ import annotations

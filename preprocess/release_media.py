@@ -1,10 +1,10 @@
-"""The released PadCaptioner-3B's front end: frames and audio prepared exactly as its test path does.
+"""The released PadCaptioner-3B's media preparation: frames and audio prepared exactly as its test path does.
 
 Pure python + torch, no ray. What the release (showlab/PadCaptioner @ da150ad, video-SALMONN 2+ base)
-feeds its vision tower and Whisper encoder, re-implemented from /work/shared/RELEASE.md §2, §4.1-4.3
+feeds its vision tower and Whisper encoder, re-implemented from docs/design/release.md §2, §4.1-4.3
 (citations there: `D` = qwenvl/data/dataset.py, `P` = its vendored Qwen2VLImageProcessorFast):
 
-    inputs = read_release_inputs("a.mp4", FrontendConfig())
+    inputs = read_release_inputs("a.mp4", MediaConfig())
     inputs.pixel_values()          # float32 [T*gh*gw, 1176], the processor's patch layout
     inputs.grid_thw                # (T, gh, gw) in 14-px patches (the release's video_grid_thw)
     inputs.mel                     # float32 [C, 128, 3000] Whisper log-mel per 30 s chunk, or None
@@ -36,14 +36,14 @@ PyAV with FFmpeg's swresample doing the resample to 16 kHz and the downmix to mo
 with FFmpeg; preprocess/media.py instead averages channels), the whole stream from its own start, not
 aligned or trimmed to the video timeline (D:483-522).
 
-Audio (D:483-522, RELEASE.md §4.2). Shorter than 1 s -> zero-padded to 1 s; cut into 30 s pieces; each
+Audio (D:483-522, docs/design/release.md §4.2). Shorter than 1 s -> zero-padded to 1 s; cut into 30 s pieces; each
 piece through WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160,
 chunk_length=30) with its default max-length padding -> [128, 3000]; A_total = 60 * ceil(samples / 480000).
 A file without an audio stream (or whose audio cannot be decoded: the release's `process_audio` returns
 None on any error) gets no audio tokens at all.
 
 Interleave counts a_t and per-timestep index sets come from pipeline/release/layout.py (`audio_counts`,
-`index_sets`, RELEASE.md §2 and §4.3), given this front end's grid, d and A_total (`av_grid`).
+`index_sets`, docs/design/release.md §2 and §4.3), given this media preparation's grid, d and A_total (`av_grid`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from pipeline.release.geometry import RELEASE, Geometry
 from pipeline.release.layout import AVGrid, audio_counts, index_sets
 
 # patch / temporal patch / merge sizes, tokens per second and the audio window are the checkpoint's
-# (pipeline/release/geometry.py: FrontendConfig.geometry, the 3B's by default)
+# (pipeline/release/geometry.py: MediaConfig.geometry, the 3B's by default)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 RESCALE = 1 / 255
@@ -79,8 +79,8 @@ class FrontendError(ValueError):
 
 
 @dataclass(frozen=True)
-class FrontendConfig:
-    """The release's test-time front-end settings (scripts_run/test.sh): 64-256 frames at 0.5 s, 61250 / 784 px."""
+class MediaConfig:
+    """The release's test-time media settings (scripts_run/test.sh): 64-256 frames at 0.5 s, 61250 / 784 px."""
 
     seconds_per_frame: float = 0.5  # base_interval
     min_frames: int = 64  # video_min_frames
@@ -90,7 +90,7 @@ class FrontendConfig:
     geometry: Geometry = RELEASE  # the checkpoint's patch / merge / temporal sizes, token rates
 
     @classmethod
-    def from_features(cls, features: Any) -> "FrontendConfig":
+    def from_features(cls, features: Any) -> "MediaConfig":
         """From pipeline.config.FeaturesConfig (its frame-count fields and the release pixel budgets); the
         geometry from the config.json of `features.release_path` when that is a release directory."""
         from pipeline.release.checkpoint import is_release_dir
@@ -107,12 +107,12 @@ class FrontendConfig:
 # --------------------------------------------------------------------------- frames
 
 
-def frame_count(length_s: float, cfg: FrontendConfig) -> int:
+def frame_count(length_s: float, cfg: MediaConfig) -> int:
     """n = min(max(round(L / seconds_per_frame), min_frames), max_frames); Python round (half to even)."""
     return min(max(round(length_s / cfg.seconds_per_frame), cfg.min_frames), cfg.max_frames)
 
 
-def sample_indices(num_frames: int, average_fps: float, cfg: FrontendConfig) -> tuple[np.ndarray, float]:
+def sample_indices(num_frames: int, average_fps: float, cfg: MediaConfig) -> tuple[np.ndarray, float]:
     """(frame indices, L): np.unique(np.linspace(0, N - 1, n, dtype=int)) with L = N / average_fps."""
     if num_frames < 1 or not (math.isfinite(average_fps) and average_fps > 0):
         raise FrontendError(f"the video stream reports {num_frames} frames at {average_fps} fps")
@@ -121,7 +121,7 @@ def sample_indices(num_frames: int, average_fps: float, cfg: FrontendConfig) -> 
     return idx, length
 
 
-def pixel_budget(kept_frames: int, cfg: FrontendConfig) -> tuple[float, float]:
+def pixel_budget(kept_frames: int, cfg: MediaConfig) -> tuple[float, float]:
     """(max_pixels, min_pixels) per frame: max scaled by 0.95 * max_frames / kept when kept < max_frames."""
     top = cfg.max_frame_pixels
     if kept_frames < cfg.max_frames:
@@ -262,7 +262,7 @@ class ReleaseInputs:
     num_source_frames: int = 0
     average_fps: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
-    geometry: Geometry = RELEASE  # the checkpoint's (FrontendConfig.geometry)
+    geometry: Geometry = RELEASE  # the checkpoint's (MediaConfig.geometry)
 
     @property
     def num_timesteps(self) -> int:
@@ -334,7 +334,7 @@ class ReleaseInputs:
 
 
 def prepare_frames(frames: np.ndarray | torch.Tensor, kept: int, length_s: float,
-                   cfg: FrontendConfig) -> tuple[torch.Tensor, tuple[int, int, int], float]:
+                   cfg: MediaConfig) -> tuple[torch.Tensor, tuple[int, int, int], float]:
     """Sampled uint8 frames [N, H, W, 3] -> (resized uint8 [N, 3, h, w], grid (T, gh, gw), d)."""
     x = torch.as_tensor(np.ascontiguousarray(frames)) if isinstance(frames, np.ndarray) else frames
     if x.dtype != torch.uint8 or x.dim() != 4 or x.shape[-1] != 3:
@@ -348,7 +348,7 @@ def prepare_frames(frames: np.ndarray | torch.Tensor, kept: int, length_s: float
 
 
 def build_inputs(frames: np.ndarray | torch.Tensor, frame_indices: np.ndarray, num_source_frames: int,
-                 average_fps: float, waveform: np.ndarray | None, cfg: FrontendConfig,
+                 average_fps: float, waveform: np.ndarray | None, cfg: MediaConfig,
                  extractor=None) -> ReleaseInputs:
     """Sampled frames (by `sample_indices`) + 16 kHz mono audio (or None) -> ReleaseInputs."""
     length = num_source_frames / average_fps
@@ -398,7 +398,7 @@ def scan_metadata(path: str) -> tuple[int, float] | None:
     return count, count / ((hi - lo) * base)
 
 
-def read_frames(path: str, uri: str, cfg: FrontendConfig,
+def read_frames(path: str, uri: str, cfg: MediaConfig,
                 threads: int = 0) -> tuple[np.ndarray, np.ndarray, int, float, int]:
     """decord at source resolution: -> (uint8 [n, H, W, 3] RGB, indices, num_frames, average_fps, decord's count).
 
@@ -462,7 +462,7 @@ def read_audio(path: str) -> np.ndarray | None:
     return audio if audio.size and np.isfinite(audio).all() else None
 
 
-def read_release_inputs(uri: str, cfg: FrontendConfig, storage_options: dict[str, Any] | None = None,
+def read_release_inputs(uri: str, cfg: MediaConfig, storage_options: dict[str, Any] | None = None,
                         max_bytes: int = 0, threads: int = 0, extractor=None) -> ReleaseInputs:
     """A video file or fsspec URI -> ReleaseInputs. Raises preprocess.media.MediaError for unusable files."""
     from preprocess.media import MediaError, _probe, _sniff, open_media

@@ -1,4 +1,5 @@
-"""The release's front end (preprocess/release_frontend.py) against the release-golden fixture and RELEASE.md."""
+"""The release's media preparation (preprocess/release_media.py) against the release-golden fixture and
+docs/design/release.md."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import pytest
 import torch
 
 from pipeline.release.layout import audio_counts, index_sets
-from preprocess import release_frontend as rf
+from preprocess import release_media as rf
 from preprocess.media import MediaError
 from tests.support.mp4 import solid_frames, tone, write_mp4
 
 GOLDEN = Path(__file__).parent / "data" / "release_golden"  # the fixture copied from shared/release-golden
-CFG = rf.FrontendConfig()
+CFG = rf.MediaConfig()
 
 
 def golden_inputs():
@@ -154,7 +155,7 @@ def test_interleave_counts_and_index_sets_match_the_fixture():
 
 
 def test_interleave_counts_of_a_12_second_video():
-    # RELEASE.md §2: 12 s, 64 frames -> d = 0.375 s, T = 32: counts [0, 1, 1, 1, 0, ...] ending in 37
+    # docs/design/release.md §2: 12 s, 64 frames -> d = 0.375 s, T = 32: counts [0, 1, 1, 1, 0, ...] ending in 37
     idx, length = rf.sample_indices(300, 25.0, CFG)
     d = rf.timestep_seconds(len(idx), length)
     counts = counts_and_sets((32, 4, 4), d, rf.audio_token_total(12 * 16000))[0]
@@ -165,7 +166,7 @@ def test_interleave_counts_of_a_12_second_video():
 
 def test_index_sets_keep_the_two_segment_float_quirk():
     # d = 2 * 29.32 / 64 = 0.91625 s: ceil((t+1)*d/d) exceeds t+1 by float error for 4 of the 32
-    # timesteps (RELEASE.md §4.3), which then cover two segments
+    # timesteps (docs/design/release.md §4.3), which then cover two segments
     _, video, _ = counts_and_sets((32, 2, 2), 2 * 29.32 / 64, 60)
     assert sum(len(s) == 2 for s in video) == 4 and all(len(s) in (1, 2) for s in video)
 
@@ -246,7 +247,7 @@ def test_inputs_survive_serialisation(tmp_path):
 
 def test_stereo_is_downmixed_by_ffmpeg_not_averaged(tmp_path):
     # swresample's stereo -> mono matrix is (L + R) / sqrt(2): +3 dB over the channel mean that
-    # preprocess/media.py takes (RELEASE.md §7.4); the release's torchcodec decoder goes through it too
+    # preprocess/media.py takes (docs/design/release.md §5.4); the release's torchcodec decoder goes through it too
     frames = solid_frames(16, 56, 56, [(5, 5, 5)])
     stereo = rf.read_audio(str(write_mp4(tmp_path / "s.mp4", frames, fps=8, audio=tone(440, 2.0), layout="stereo")))
     mono = rf.read_audio(str(write_mp4(tmp_path / "m.mp4", frames, fps=8, audio=tone(440, 2.0), layout="mono")))
