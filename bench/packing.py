@@ -7,7 +7,7 @@ bench/throughput.py's video mix with N videos in flight, records the query block
 decode-only step in which all N decode, and times one layer's attention for each of them, on
 tensors of the model's attention shape (page gather + SDPA with an additive mask), under
 
-  packed        the engine's own plan (`infer.attention_calls`, default 3: infer/engine/packing.py plan_calls;
+  packed        the engine's own plan (`infer.attention_calls`, default 3: infer/engine/packing.py pack_calls;
                 0: the exact plan below)
   max_calls_K   the same planner allowed K calls, K = 1..6
   exact         one call per query block, its own rows and pages: no padding at all, the lower
