@@ -103,7 +103,7 @@ def load_backbone(model_cfg, vocab_size: int) -> tuple[PreTrainedModel, dict]:
             # from_config(attn_implementation=...) mutates the config it is given: pass a copy
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype,
                                                      attn_implementation=model_cfg.attn_implementation)
-        scale_attention_init(model, getattr(model_cfg, "attention_init_std", 0.0), config.initializer_range)
+        scale_attention_init(model, model_cfg.attention_init_std, config.initializer_range)
         ref = {"kind": "preset", "name": name, "seed": model_cfg.backbone_seed}
     else:
         path = Path(name)

@@ -115,8 +115,8 @@ class LayoutOptions:
             av_bidirectional=model_cfg.av_bidirectional,
             branch_order=model_cfg.branch_order,
             eos_padding_loss=model_cfg.eos_padding_loss,
-            g_visibility=getattr(model_cfg, "g_visibility", "all"),
-            chain=getattr(model_cfg, "layout", "parallel") == "chain",
+            g_visibility=model_cfg.g_visibility,
+            chain=model_cfg.layout == "chain",
         )
 
 

@@ -69,14 +69,6 @@ def _plan_position(value: int) -> torch.Tensor:
     return torch.full((3,), int(value), dtype=torch.long)
 
 
-def capture_layers(model, release: bool) -> tuple[int, int]:
-    """The hidden states a video's program reads from the step: (grounding layer, aggregation layer) in HF's
-    numbering (i < layers: the input of layer i). The release grounds on hidden_states[-2]."""
-    n_layers = model.hf_config.get_text_config(decoder=True).num_hidden_layers
-    ground = n_layers - 1 if release else model.cfg.grounding_layer % (n_layers + 1)
-    return ground, model.aggregation_layer
-
-
 @dataclass
 class Anchors:
     """The end of planning: intervals (seconds, planning order), anchors [K, d] at position A."""
@@ -91,8 +83,6 @@ class Anchors:
 
 class PadProgram:
     """A sample for the project's PadCaptioner (module doc)."""
-
-    release = False
 
     def __init__(self, model, sample, opts, control: DecodeControl):
         if opts.max_events < 1:
@@ -110,7 +100,7 @@ class PadProgram:
         except ValueError as e:
             raise DecodeError(f"{sample.video_id}: {e}") from e
         self.cuts = legal_cuts(self.limits)
-        self.capture = capture_layers(model, release=False)
+        self.capture = model.capture_layers()
         self.ground_layer, self.agg_layer = self.capture
         self.k = 0
         self.queries: list[torch.Tensor] = []
@@ -174,8 +164,6 @@ class PadProgram:
 class ReleaseProgram:
     """A video for the published release model (module doc)."""
 
-    release = True
-
     def __init__(self, model, video, opts, control: DecodeControl):
         from infer.oracles.release_front import decodable_video, prefill_inputs
         from pipeline.release.layout import prompt_visible
@@ -188,7 +176,7 @@ class ReleaseProgram:
         self.length = self.lay.length
         self.limits = row_limits(prompt_visible(self.lay))
         self.cuts = legal_cuts(self.limits)
-        self.capture = capture_layers(model, release=True)
+        self.capture = model.capture_layers()
         self.ground_layer, self.agg_layer = self.capture
         self.k = 0
         self.steps: list[tuple[int, int]] = []
@@ -243,3 +231,6 @@ class ReleaseProgram:
 
 def _stack(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 2)
+
+
+PROGRAMS = {"pad": PadProgram, "release": ReleaseProgram}  # a family's `program` -> its per-video program

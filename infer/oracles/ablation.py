@@ -37,8 +37,6 @@ from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
 from pipeline.config import InferConfig
 from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, event_order, mask_between
 
-TEXT_LAYOUTS = ("sequential", "textual_planning")
-
 
 def _positions(model, position: torch.Tensor, role: Role) -> torch.Tensor:
     """Backbone position ids [1, n] for n tokens of one role at layout positions `position` [n]."""
@@ -199,43 +197,28 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
 
 
 def engine_refusal(model, decoder: str) -> str | None:
-    """Why infer/engine/core.py cannot decode this model with `infer.decoder=decoder` (None: it can).
-
-    Its single-chain path (`infer.decoder=monolithic`) runs `decoder_for(model)` when that is
-    a Decoded-returning decoder, so a causal / own-<G> model decodes there in its own layout."""
-    if not hasattr(model, "cfg"):  # the release model (pipeline/release): the engine
-        return None
-    layout = getattr(model.cfg, "layout", "parallel")
-    if layout in TEXT_LAYOUTS:
-        return (f"model.layout={layout} writes its events as text: decode it with infer.oracles.ablation.text_chain "
-                "and score the text with the metrics (pipeline/textual.py parses it)")
-    if decoder == "parallel" and (model.options.mask != "factorized" or model.options.g_visibility != "all"):
-        return (f"parallel decoding needs a model trained with the factorized mask and global <G> visibility "
-                f"(model.mask={model.options.mask!r}, model.g_visibility={model.options.g_visibility!r}); use "
-                "infer.decoder=monolithic (the single-chain path decodes it in its training layout, infer/oracles/ablation.py)")
-    return None
+    """Why infer/engine/core.py cannot decode this model with `infer.decoder=decoder` (None: it can):
+    the family's own rule (`engine_refusal` of pipeline/family.py). Its single-chain path
+    (`infer.decoder=monolithic`) runs `decoder_for(model)` when that is a Decoded-returning decoder,
+    so a causal / own-<G> model decodes there in its own layout."""
+    return model.engine_refusal(decoder)
 
 
 def decoder_for(model, cfg: InferConfig):
     """The reference-style decoder a model must use instead of the engine, or None (the engine).
 
     parallel layout + factorized + global <G>: None (the engine); chain: monolithic;
-    causal mask or own-<G> visibility: layout_ordered; text layouts: text_chain.
+    causal mask or own-<G> visibility: layout_ordered; text layouts: text_chain (the model's
+    `baseline_decoder` names it).
     """
-    if not hasattr(model, "cfg"):  # the release model (pipeline/release): the engine
+    name = model.baseline_decoder
+    if name is None:
         return None
-    if not hasattr(model, "cfg"):  # the release model (pipeline/release): the engine
-        return None
-    layout = getattr(model.cfg, "layout", "parallel")
-    if layout in TEXT_LAYOUTS:
-        return text_chain
-    if layout == "chain":
+    if name == "monolithic":
         from infer.oracles.decoders import monolithic
 
         return monolithic
-    if model.options.mask != "factorized" or model.options.g_visibility != "all":
-        return layout_ordered
-    return None
+    return {"text_chain": text_chain, "layout_ordered": layout_ordered}[name]
 
 
 def decode_events(model, decoder, sample, cfg: InferConfig) -> tuple[dict, dict[str, float]]:

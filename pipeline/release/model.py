@@ -36,6 +36,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from pipeline.backbone import cast_keeping_rope
+from pipeline.family import well_formed
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
 from pipeline.release.geometry import Geometry
@@ -102,13 +103,6 @@ def head(dim: int, out: int) -> nn.Sequential:
     return nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim // 2), nn.GELU(), nn.Linear(dim // 2, out))
 
 
-@dataclass
-class ReleaseOptions:
-    """What the layout of the release model is, for code that asks a model (`model.options.mask`)."""
-
-    mask: str = "factorized"
-
-
 class ReleaseCaptioner(nn.Module):
     """See the module docstring. Build with `from_release` (weights) or `from_config` (random)."""
 
@@ -118,7 +112,6 @@ class ReleaseCaptioner(nn.Module):
         settings.check()
         self.settings = settings
         self.hf_cfg = hf_config
-        self.options = ReleaseOptions()
         raw = hf_config.to_dict()
         text = hf_config.get_text_config(decoder=True)
         self.hf = Qwen2_5_VLForConditionalGeneration._from_config(hf_config, dtype=torch.float32,
@@ -299,6 +292,32 @@ class ReleaseCaptioner(nn.Module):
         """evi_head(state) [d] x segment keys [T, d] -> sigmoid similarities [T], in the model dtype."""
         evi = self.evi_head(event)
         return torch.sigmoid(segments @ evi / math.sqrt(evi.shape[-1]))
+
+    # ------------------------------------------------------------------ the family interface (pipeline/family.py)
+
+    program = "release"  # the engine's program for this family (infer/engine/programs.py)
+    baseline_decoder = None  # decoded by the engine alone
+
+    def capture_layers(self) -> tuple[int, int]:
+        """(grounding layer, aggregation layer) in HF's numbering: the release grounds on hidden_states[-2]."""
+        return self.hf_cfg.get_text_config(decoder=True).num_hidden_layers - 1, self.aggregation_layer
+
+    def banned_ids(self) -> list[int]:
+        return [self.g_id, self.s_id, self.shift_id]
+
+    def default_caps(self) -> tuple[int, int]:
+        """The checkpoint's max_planning_events; 1 + max_branch_tokens (the first token comes from the anchor step)."""
+        return self.max_events, self.max_branch_tokens + 1
+
+    def engine_refusal(self, decoder: str) -> str | None:
+        return None if decoder == "parallel" else "the release model decodes in parallel only (infer.decoder=parallel)"
+
+    def final_intervals(self, intervals: list, duration: float) -> list:
+        """The release's seconds are not clipped to the video: results are."""
+        return [well_formed(s, e, duration, 1e-3) for s, e in intervals]
+
+    def cast_to(self, dtype: torch.dtype) -> None:
+        cast_keeping_rope(self, dtype)
 
     # ------------------------------------------------------------------ encoders
 
