@@ -44,7 +44,6 @@ from typing import Any, NamedTuple
 import torch
 
 from infer.engine.decoded import Decoded, to_events
-from infer.oracles.front import DecodeError
 from infer.engine.kernels import choose_kernel
 from infer.engine.paged import PagePool, pages_for
 from infer.engine.graphs import describe_graphs, step_graphs
@@ -55,6 +54,7 @@ from infer.engine.scheduler import Branch, Phase, Scheduler, StepPlan, VideoStat
 from infer.engine.step import Mode, ModelRunner
 from infer.engine.step_weights import StepWeights
 from pipeline.config import InferConfig
+from pipeline.family import DecodeError
 from pipeline.schema import Sample
 
 log = logging.getLogger("padcap.infer")

@@ -194,7 +194,7 @@ class ReleaseFinetune(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward_one(self, ex: ReleaseExample) -> dict:
-        from infer.oracles.release_front import prefill, seconds  # decoding's prefill; the one timestep -> seconds rule
+        from pipeline.release.decoding import prefill, seconds  # decoding's prefill; the one timestep -> seconds rule
 
         m = self.model
         dev, dtype = m.device, m.dtype
