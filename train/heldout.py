@@ -53,10 +53,9 @@ def teacher_forced(model, samples: list, parse=None) -> dict[str, float]:
 def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any]:
     """The engine's captions scored against the references, or {"unavailable": reason}."""
     try:
-        from infer.engine.core import CaptionEngine
+        from infer.oracles.ablation import caption_engine, decode_events, decoder_for, output_events
     except ImportError as e:
         return {"unavailable": f"infer.engine.core not importable ({e})"}
-    from infer.oracles.ablation import decode_events, decoder_for, output_events
 
     from infer.engine.requests import model_caps
 
@@ -65,7 +64,7 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     ablation = decoder_for(model, infer_cfg)  # an ablation model decodes in its own training layout
     t0 = time.perf_counter()
     if ablation is None:
-        results = CaptionEngine(model, infer_cfg).caption(samples)
+        results = caption_engine(model, infer_cfg).caption(samples)
         events, errors, name = [engine_events(r) for r in results], sum(1 for r in results if getattr(r, "error", None)), infer_cfg.decoder
         texts: list[str] = []
     else:

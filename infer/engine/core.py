@@ -29,8 +29,9 @@ video alone, whatever shares the step and in whatever order videos arrive
 
 A sample that cannot be decoded (feature dims, bad duration, a prompt over the model's
 length, more KV than the pool holds) gets a VideoResult with `error` set; the others go on.
-`infer.decoder = "monolithic"` runs the single-chain baseline (infer/oracles/decoders.py) one video
-at a time behind the same API.
+`infer.decoder = "monolithic"` runs a single-chain decoder one video at a time behind the same API:
+the caller chooses it and passes it as `single_chain` (infer/oracles/ablation.py `caption_engine`
+passes the model's own baseline; the engine imports no decoder of the oracles).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -85,13 +86,19 @@ class CaptionEngine:
     Not thread-safe: one caller at a time (an actor or a replica owns its engine).
     """
 
-    def __init__(self, model, cfg: InferConfig):
+    def __init__(self, model, cfg: InferConfig, single_chain: Callable | None = None):
+        """single_chain: (model, sample, options, control) -> Decoded, what `infer.decoder=monolithic` runs
+        (required for it)."""
         check_config(cfg)
         cfg = model_caps(cfg, model)  # 0 = the model's own max_events / max_branch_tokens
         check_config(cfg)
         refusal = model.engine_refusal(cfg.decoder)  # the release off parallel; ablation models it would decode wrongly
         if refusal:
             raise ValueError(refusal)
+        if cfg.decoder == "monolithic" and single_chain is None:
+            raise ValueError("infer.decoder=monolithic needs the single-chain decoder: build the engine with "
+                             "infer.oracles.ablation.caption_engine(model, cfg)")
+        self.single_chain = single_chain
         self.model = model
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
@@ -444,10 +451,7 @@ class CaptionEngine:
                        grounding_logits=a.grounding_logits if trace else None)
 
     def _run_monolithic(self, feed, emit) -> None:
-        from infer.oracles.ablation import decoder_for
-        from infer.oracles.decoders import monolithic
-
-        monolithic = decoder_for(self.model, self.cfg) or monolithic  # an ablation model: its own layout
+        monolithic = self.single_chain
         poll = _poller(feed)
         while (req := poll()) is not None:
             if req.cancelled():

@@ -221,6 +221,16 @@ def decoder_for(model, cfg: InferConfig):
     return {"text_chain": text_chain, "layout_ordered": layout_ordered}[name]
 
 
+def caption_engine(model, cfg: InferConfig):
+    """The engine for `model` under `cfg`, with the single-chain decoder `infer.decoder=monolithic` runs:
+    the model's own baseline (`decoder_for`: an ablation model decodes in its own layout), else
+    infer/oracles/decoders.py `monolithic`."""
+    from infer.engine.core import CaptionEngine
+    from infer.oracles.decoders import monolithic
+
+    return CaptionEngine(model, cfg, single_chain=decoder_for(model, cfg) or monolithic)
+
+
 def decode_events(model, decoder, sample, cfg: InferConfig) -> tuple[dict, dict[str, float]]:
     """One video through `decoder` (from `decoder_for`) -> (its output as the metrics read it:
     {"events": [...]} or, for a text chain, {"text": ...}; the decode's timings)."""
