@@ -179,6 +179,15 @@ class TokenMeta:
     plan_index: torch.Tensor | None = None
 
 
+def cat_meta(*parts: TokenMeta) -> TokenMeta:
+    """Token sets one after the other (keys of a forward: cache then new tokens); plan_index is kept
+    when every part has one, else None (untracked)."""
+    plans = [p.plan_index for p in parts]
+    return TokenMeta(order=torch.cat([p.order for p in parts]), role=torch.cat([p.role for p in parts]),
+                     event=torch.cat([p.event for p in parts]),
+                     plan_index=None if any(p is None for p in plans) else torch.cat(plans))
+
+
 def mask_between(queries: TokenMeta, keys: TokenMeta, options: LayoutOptions) -> torch.Tensor:
     """bool [Lq, Lk]: which keys each query sees (any query set, any key set)."""
     plan = keys.plan_index[None, :] if keys.plan_index is not None else None

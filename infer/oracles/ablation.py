@@ -32,10 +32,10 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded, caption_text
-from infer.oracles.front import StageTimer, cat_meta, decode_reserve, prepare_example, run_front
+from infer.oracles.front import StageTimer, decode_reserve, prepare_example, run_front
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
 from pipeline.config import InferConfig
-from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, event_order, mask_between
+from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, event_order, mask_between
 
 
 def _positions(model, position: torch.Tensor, role: Role) -> torch.Tensor:
@@ -80,7 +80,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     chooser = video_chooser(model.ids, cfg, sample.video_id, dev)
 
     anchors = _meta(event_order(torch.arange(k), 0, base, k, opts.branch_order), Role.ANCHOR, torch.arange(k))
-    keys = cat_meta_plan(keys, anchors)
+    keys = cat_meta(keys, anchors)
     mask = additive_mask(mask_between(anchors, keys, opts))[None, None]
     pos = _positions(model, torch.full((k,), branch_position(front.anchor_pos, 0)), Role.ANCHOR)
     out = model.run_decoder(front.anchors[None], mask, pos, cache=cache)
@@ -97,7 +97,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     while live:
         for e, step in _schedule(k, opts.branch_order, live):
             q = _meta(event_order(e, step, base, k, opts.branch_order), Role.BRANCH, e)
-            keys = cat_meta_plan(keys, q)
+            keys = cat_meta(keys, q)
             emb = model.embed_tokens(torch.tensor([[tokens[e][-1]]], device=dev))
             out = model.run_decoder(emb, additive_mask(mask_between(q, keys, opts))[None, None],
                                     _positions(model, torch.tensor([branch_position(front.anchor_pos, step)]), Role.BRANCH),
@@ -119,13 +119,6 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
                    steps=steps, timings=timings, planning_logits=front.planning_logits if control.trace else None,
                    branch_logits=[torch.stack(x) for x in logits_of] if control.trace else None,
                    grounding_logits=front.grounding_logits if control.trace else None)
-
-
-def cat_meta_plan(a: TokenMeta, b: TokenMeta) -> TokenMeta:
-    """`infer.oracles.front.cat_meta` that keeps the plan index."""
-    out = cat_meta(a, b)
-    out.plan_index = torch.cat([a.plan_index, b.plan_index])
-    return out
 
 
 # --------------------------------------------------------------------------- the text chain

@@ -34,7 +34,7 @@ from pipeline.batch import Example, collate
 from pipeline.decoding import decode_reserve, ground_intervals, prepare_example, token_position_ids  # noqa: F401
 from pipeline.family import DecodeError, well_formed  # noqa: F401
 from pipeline.grounding import similarity_logits
-from pipeline.layout import Layout, Role, TokenMeta, additive_mask, anchor_position, mask_between, shared_position
+from pipeline.layout import Layout, Role, TokenMeta, additive_mask, anchor_position, cat_meta, mask_between, shared_position
 
 
 @dataclass
@@ -91,11 +91,6 @@ def serial_g_meta(prefix_len: int, k: int) -> TokenMeta:
     """Meta of the k-th serial <G> (0-based), as the training layout places it."""
     idx = torch.tensor([prefix_len + k])
     return TokenMeta(order=shared_position(idx), role=torch.tensor([int(Role.SERIAL_G)]), event=torch.tensor([-1]))
-
-
-def cat_meta(a: TokenMeta, b: TokenMeta) -> TokenMeta:
-    return TokenMeta(order=torch.cat([a.order, b.order]), role=torch.cat([a.role, b.role]),
-                     event=torch.cat([a.event, b.event]))
 
 
 def row_mask(model, query: TokenMeta, keys: TokenMeta) -> torch.Tensor:

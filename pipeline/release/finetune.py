@@ -44,9 +44,9 @@ from transformers.cache_utils import DynamicCache
 
 from pipeline.family import CheckpointFormat, Counting
 from pipeline.grounding import similarity_logits, soft_targets
-from pipeline.layout import Role, TokenMeta, additive_mask, anchor_position, branch_position, shared_position
+from pipeline.layout import Role, TokenMeta, additive_mask, anchor_position, branch_position, cat_meta, shared_position
 from pipeline.release.grounding import aggregate, find_and_merge
-from pipeline.release.layout import cat_meta, event_meta, prompt_meta, release_visible, shared_meta
+from pipeline.release.layout import event_meta, prompt_meta, release_visible, shared_meta
 from pipeline.release.model import ReleaseCaptioner, settings_from
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event

@@ -197,12 +197,6 @@ def event_meta(base: int, num_events: int, event: list[int], step: list[int], br
     return TokenMeta(order=event_order(ev, st, base, num_events, branch_order).reshape(-1), role=role, event=ev)
 
 
-def cat_meta(*parts: TokenMeta) -> TokenMeta:
-    """Token sets one after the other (keys of a forward: cache then new tokens)."""
-    return TokenMeta(order=torch.cat([p.order for p in parts]), role=torch.cat([p.role for p in parts]),
-                     event=torch.cat([p.event for p in parts]))
-
-
 def release_visible(queries: TokenMeta, keys: TokenMeta) -> torch.Tensor:
     """bool [Lq, Lk]: the project's visibility rule with the release's mask options (`MASK`)."""
     return mask_between(queries, keys, MASK)
