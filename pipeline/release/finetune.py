@@ -52,7 +52,6 @@ from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event
 from pipeline.weights import effective_linear
 
-IGNORE = -100
 LLM_QKV = r".*language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)"
 RUN_CONFIG = "run_config.json"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

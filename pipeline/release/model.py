@@ -35,14 +35,14 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-from pipeline.backbone import cast_keeping_rope
+from pipeline.backbone import DTYPES, cast_keeping_rope
+from pipeline.config import ReleaseConfig
 from pipeline.family import well_formed
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
 from pipeline.release.geometry import Geometry
 from pipeline.release.layout import POSITION_MODES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AGGREGATIONS = ("release", "renormalised")
 TOKENS = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "video": "<|video_pad|>",
           "audio": "<|audio_pad|>", "im_start": "<|im_start|>", "im_end": "<|im_end|>", "g": "<G>", "s": "<S>",
@@ -53,31 +53,24 @@ CONFIG_IDS = {"video": "video_token_id", "vision_start": "vision_start_token_id"
 IGNORED_SUFFIXES = ("audio.qformer.bert.embeddings.position_ids",)
 TOWERS = ("hf.model.visual.", "audio.")  # the model keys of the two media towers
 RELEASE_TOWERS = ("visual.", "audio.")  # theirs in the release's file
-DEFAULT_INSTRUCTION = "Could you outline the incidents that happened during different time periods in the video?"
 
 
 @dataclass
-class ReleaseSettings:
-    """Test-time settings of the release (they are not in its config.json; RELEASE.md 4.4).
+class ReleaseSettings(ReleaseConfig):
+    """Test-time settings of the release (they are not in its config.json): the run's `release` section
+    (pipeline/config.py ReleaseConfig: positions, aggregation, grounding threshold 0.7 and merge gap 2,
+    the instruction, max_seq_len 32768, where the release's prefill applies a sliding window that HF 5.24
+    does not: longer prompts are refused) plus what a load decides.
 
-    grounding_threshold 0.7 is the release's ChronusAV setting (0.5 for LongVALE);
-    positions: "release" = the ids the release computes at test time (parity), "training"
-    = the ids the model was trained on; aggregation: "release" = softmax over the
-    attention probabilities (what the release does; REFERENCE.md calls it a defect: nearly
+    aggregation "release" = softmax over the attention probabilities (what the release does: nearly
     uniform), "renormalised" = the probabilities renormalised inside the interval (ours).
     max_events / max_branch_tokens: None = the checkpoint's fields, else the release's
     code defaults (30 / 320); a branch holds at most 1 + max_branch_tokens tokens.
     """
 
-    grounding_threshold: float = 0.7
-    grounding_merge_gap: int = 2
-    positions: str = "release"
-    aggregation: str = "release"
     max_events: int | None = None
     max_branch_tokens: int | None = None
-    instruction: str = DEFAULT_INSTRUCTION
     dtype: str = "float32"
-    max_seq_len: int = 32768  # the release's prefill applies a 32768 sliding window that HF 5.24 does not: refuse longer
 
     def check(self) -> None:
         if self.positions not in POSITION_MODES:
@@ -92,10 +85,8 @@ class ReleaseSettings:
 
 def settings_from(cfg, *, positions: str | None = None) -> ReleaseSettings:
     """ReleaseSettings from a project Config (its `release` section, `model.dtype`)."""
-    r = cfg.release
-    return ReleaseSettings(grounding_threshold=r.grounding_threshold, grounding_merge_gap=r.grounding_merge_gap,
-                           positions=positions or r.positions, aggregation=r.aggregation, instruction=r.instruction,
-                           max_seq_len=r.max_seq_len, dtype=cfg.model.dtype)
+    r = asdict(cfg.release)
+    return ReleaseSettings(**{**r, "positions": positions or r["positions"]}, dtype=cfg.model.dtype)
 
 
 def head(dim: int, out: int) -> nn.Sequential:
