@@ -9,7 +9,7 @@ Parts (RELEASE.md 1.2), mapped by key prefix onto HF 5.24 classes and our own mo
   `visual.*`  -> ....model.visual (Qwen2.5-VL vision tower + merger)
   `audio.*`   -> ReleaseAudio (HF WhisperEncoder + the window Q-Former + audio_proj)
   `frm_head.*`, `evi_head.*` -> the segment and event grounding heads
-  (LayerNorm -> Linear(d, d/2) -> GELU -> Linear(d/2, d))
+  (pipeline/grounding.py GroundingHead: LayerNorm -> Linear(d, d/2) -> GELU -> Linear(d/2, d))
   ignored on purpose: `score_head.*` (unused by the release with use_score_head false) and
   the Q-Former's `position_ids` buffer; `lm_head.weight` is tied (absent from the file).
 Every other tensor, missing one or wrong shape is an error that names it
@@ -37,6 +37,7 @@ from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGene
 
 from pipeline.backbone import DTYPES, cast_keeping_rope
 from pipeline.config import ReleaseConfig
+from pipeline.grounding import GroundingHead
 from pipeline.family import well_formed
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
@@ -89,11 +90,6 @@ def settings_from(cfg, *, positions: str | None = None) -> ReleaseSettings:
     return ReleaseSettings(**{**r, "positions": positions or r["positions"]}, dtype=cfg.model.dtype)
 
 
-def head(dim: int, out: int) -> nn.Sequential:
-    """The release's grounding head: LayerNorm(d) -> Linear(d, d/2) -> GELU -> Linear(d/2, out)."""
-    return nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim // 2), nn.GELU(), nn.Linear(dim // 2, out))
-
-
 class ReleaseCaptioner(nn.Module):
     """See the module docstring. Build with `from_release` (weights) or `from_config` (random)."""
 
@@ -110,8 +106,8 @@ class ReleaseCaptioner(nn.Module):
         d = text.hidden_size
         audio_cfg = raw.get("audio_config")
         self.audio = ReleaseAudio(audio_cfg, d) if audio_cfg else None
-        self.frm_head = head(d, d)
-        self.evi_head = head(d, d)
+        self.frm_head = GroundingHead(d)  # the project's head; the release's keys map onto its `net`
+        self.evi_head = GroundingHead(d)
         self.tokenizer = tokenizer
         self.ids = check_token_ids(hf_config, tokenizer)
         self.g_id, self.s_id, self.eos_id, self.pad_id = self.ids["g"], self.ids["s"], self.ids["eos"], self.ids["pad"]
@@ -161,7 +157,7 @@ class ReleaseCaptioner(nn.Module):
         return [("model.", "hf.model.language_model."), ("visual.", "hf.model.visual."), ("lm_head.", "hf.lm_head."),
                 ("audio.q_tokens", "audio.q_tokens"), ("audio.qformer.", "audio.qformer."),
                 ("audio.audio_proj.", "audio.audio_proj."), ("audio.", "audio.whisper."),
-                ("frm_head.", "frm_head."), ("evi_head.", "evi_head.")]
+                ("frm_head.", "frm_head.net."), ("evi_head.", "evi_head.net.")]
 
     def load_release_state(self, state: dict[str, torch.Tensor], device: str | torch.device | None = None,
                            towers_only: bool = False) -> None:
