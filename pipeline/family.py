@@ -9,6 +9,7 @@ published checkpoint), the member carries the family's policy: a value (`program
 `counting`) that one shared function takes as a parameter, never a second copy of the function.
 
 Decoding (the engine's side, infer/engine/):
+  adapter              the backbone's position adapter (pipeline/backbone.py: 1D RoPE, or the release's M-RoPE)
   program              the engine's per-video program for this family ("pad" | "release",
                        infer/engine/programs.py `PROGRAMS`)
   capture_layers()     (grounding layer, aggregation layer) the program reads from the step
@@ -35,6 +36,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from pipeline.backbone import PositionAdapter
+
 Counting = Literal["tokens", "loss"]
 
 
@@ -60,6 +63,7 @@ class DecodingFamily(Protocol):
     eos_id: int
     tokenizer: Any
     aggregation_layer: int
+    adapter: PositionAdapter  # layout positions -> the backbone's position ids and its RoPE rotation
 
     @property
     def device(self) -> torch.device: ...

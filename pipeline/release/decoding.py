@@ -22,7 +22,7 @@ import torch
 from pipeline.aggregation import attention_row
 from pipeline.family import DecodeError
 from pipeline.layout import additive_mask
-from pipeline.release.layout import LayoutError, MRope, ReleaseLayout, build_layout, mrope_ids, prompt_visible
+from pipeline.release.layout import LayoutError, ReleaseLayout, build_layout, mrope_ids, prompt_visible
 from pipeline.release.video import ReleaseVideo, as_release_video
 
 
@@ -103,7 +103,7 @@ def aggregation_row(model, lay: ReleaseLayout, pos: torch.Tensor, h_agg: torch.T
     q = lay.query_index
     keys = torch.zeros(lay.length, dtype=torch.bool, device=dev)
     keys[: q + 1] = True
-    return attention_row(model.decoder, model.aggregation_layer, MRope(), h_agg, pos.T.to(dev), q, keys,
+    return attention_row(model.decoder, model.aggregation_layer, model.adapter, h_agg, pos.T.to(dev), q, keys,
                          probs_dtype=model.dtype)
 
 

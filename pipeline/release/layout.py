@@ -208,17 +208,3 @@ def prompt_visible(lay: ReleaseLayout) -> torch.Tensor:
     return release_visible(meta, meta)
 
 
-class MRope:
-    """Position adapter of the Qwen2.5-VL LLM: ids [N, 3] (t, h, w) per row -> its M-RoPE rotation."""
-
-    kind = "mrope"
-
-    def rotate(self, decoder, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """x [..., N, head_dim] rotated at ids [N, 3] (or [N] for text: the same id on all axes)."""
-        import importlib
-
-        rotate_half = importlib.import_module(type(decoder).__module__).rotate_half
-        ids = position_ids if position_ids.ndim == 2 else position_ids[:, None].expand(-1, 3)
-        cos, sin = decoder.rotary_emb(x, ids.T[:, None, :])  # [1, N, head_dim]
-        cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
-        return x * cos + rotate_half(x) * sin

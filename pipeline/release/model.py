@@ -35,7 +35,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-from pipeline.backbone import DTYPES, cast_keeping_rope
+from pipeline.backbone import DTYPES, cast_keeping_rope, position_adapter
 from pipeline.config import ReleaseConfig
 from pipeline.grounding import GroundingHead
 from pipeline.family import well_formed
@@ -99,6 +99,7 @@ class ReleaseCaptioner(nn.Module):
         settings.check()
         self.settings = settings
         self.hf_cfg = hf_config
+        self.adapter = position_adapter(hf_config)  # M-RoPE (pipeline/backbone.py MRope)
         raw = hf_config.to_dict()
         text = hf_config.get_text_config(decoder=True)
         self.hf = Qwen2_5_VLForConditionalGeneration._from_config(hf_config, dtype=torch.float32,
