@@ -259,7 +259,7 @@ class ReleaseFinetune(nn.Module):
         evi = m.evi_head(torch.stack(event_rows))
         d = ex.video.seconds_per_step
         times = torch.tensor([seconds((t, t), d) for t in range(lay.grid.timesteps)])
-        logits = similarity_logits(evi, segs, upcast=False)
+        logits = similarity_logits(evi, segs, precision="product")
         result["grounding_logits"].append(logits)
         with torch.no_grad():  # the read-out intervals, for the held-out numbers (train/evaluate.py loss_counts)
             s = m.settings

@@ -26,7 +26,6 @@ Pure torch + HF; no ray.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGene
 
 from pipeline.backbone import DTYPES, cast_keeping_rope, position_adapter
 from pipeline.config import ReleaseConfig
-from pipeline.grounding import GroundingHead
+from pipeline.grounding import GroundingHead, similarity_logits
 from pipeline.family import well_formed
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
@@ -278,8 +277,7 @@ class ReleaseCaptioner(nn.Module):
 
     def similarity(self, event: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         """evi_head(state) [d] x segment keys [T, d] -> sigmoid similarities [T], in the model dtype."""
-        evi = self.evi_head(event)
-        return torch.sigmoid(segments @ evi / math.sqrt(evi.shape[-1]))
+        return torch.sigmoid(similarity_logits(self.evi_head(event), segments, precision="inputs"))
 
     # ------------------------------------------------------------------ the family interface (pipeline/family.py)
 
