@@ -30,12 +30,11 @@ from pipeline.config import Config
 
 
 def _decode_all(model, cfg: Config, samples: list) -> tuple[dict[str, dict], list[dict[str, float]], str]:
-    from infer.engine.core import CaptionEngine
-    from infer.oracles.ablation import decode_events, decoder_for
+    from infer.oracles.ablation import caption_engine, decode_events, decoder_for
 
     decoder = decoder_for(model, cfg.infer)
     if decoder is None:
-        engine = CaptionEngine(model, cfg.infer)
+        engine = caption_engine(model, cfg.infer)
 
         def one(sample):
             res = engine.caption([sample])[0]

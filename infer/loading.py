@@ -191,9 +191,10 @@ def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
 
 
 def load_engine(cfg: Config, model_dir: str) -> tuple[Callable[[Any], Any], ModelCard, Config]:
-    """(InferConfig -> CaptionEngine factory sharing one loaded model, card, cfg)."""
-    from infer.engine.core import CaptionEngine
+    """(InferConfig -> CaptionEngine factory sharing one loaded model, card, cfg); infer.decoder=monolithic
+    decodes with the model's own single-chain baseline (infer/oracles/ablation.py `caption_engine`)."""
+    from infer.oracles.ablation import caption_engine
 
     model, card, cfg = load_model(cfg, model_dir)
-    return functools.partial(CaptionEngine, model), card, cfg
+    return functools.partial(caption_engine, model), card, cfg
 

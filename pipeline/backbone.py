@@ -13,8 +13,8 @@ checkpoint records to rebuild the same base weights.
 
 Position adapter: the seam between the layout's 1D positions (pipeline/layout.py) and
 the backbone's RoPE. `Rope1D` (Qwen2) passes them through and rotates single q/k rows
-for the aggregation attention row; a Qwen2.5-VL-style 3D mRoPE adapter would build
-[3, B, L] ids from `position`, `segment` and `role` and implement the same two methods.
+for the aggregation attention row; `MRope` (Qwen2.5-VL's LLM, the release model) rotates
+rows at [N, 3] (t, h, w) ids, a text row having one id on all three axes.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def load_backbone(model_cfg, vocab_size: int) -> tuple[PreTrainedModel, dict]:
             # from_config(attn_implementation=...) mutates the config it is given: pass a copy
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype,
                                                      attn_implementation=model_cfg.attn_implementation)
-        scale_attention_init(model, getattr(model_cfg, "attention_init_std", 0.0), config.initializer_range)
+        scale_attention_init(model, model_cfg.attention_init_std, config.initializer_range)
         ref = {"kind": "preset", "name": name, "seed": model_cfg.backbone_seed}
     else:
         path = Path(name)
@@ -150,10 +150,34 @@ class Rope1D:
         return x * cos + rotate_half(x) * sin
 
 
+class MRope:
+    """Qwen2.5-VL's LLM (the release model): M-RoPE, position ids [N, 3] (t, h, w) per row; a text row
+    has the same id on all three axes (then M-RoPE is 1D RoPE)."""
+
+    kind = "mrope"
+
+    def position_ids(self, position: torch.Tensor, segment: torch.Tensor, role: torch.Tensor) -> torch.Tensor:
+        """Text positions [B, L] -> [3, B, L] (the same id on every axis); the release's prompt ids come
+        from pipeline/release/layout.py `mrope_ids`."""
+        return position[None].expand(3, *position.shape)
+
+    def rotate(self, decoder, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """x [..., N, head_dim] rotated at ids [N, 3] (or [N] for text: the same id on all axes)."""
+        rotate_half = importlib.import_module(type(decoder).__module__).rotate_half
+        ids = position_ids if position_ids.ndim == 2 else position_ids[:, None].expand(-1, 3)
+        cos, sin = decoder.rotary_emb(x, ids.T[:, None, :])  # [1, N, head_dim]
+        cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
+        return x * cos + rotate_half(x) * sin
+
+
+ADAPTERS = {"qwen2": Rope1D, "qwen2_5_vl": MRope}  # model_type -> its position adapter
+
+
 def position_adapter(hf_config) -> PositionAdapter:
-    """The adapter for a backbone config; unsupported types raise (no silent fallback)."""
+    """The adapter for a backbone config: 1D RoPE (qwen2) or the release LLM's M-RoPE (qwen2_5_vl);
+    other types raise (no silent fallback)."""
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in SUPPORTED_MODEL_TYPES:
-        return Rope1D()
-    raise BackboneError(f"no position adapter for model_type {model_type!r}: a 3D mRoPE backbone "
-                        "(qwen2_5_vl) needs an adapter implementing PositionAdapter")
+    if model_type in ADAPTERS:
+        return ADAPTERS[model_type]()
+    raise BackboneError(f"no position adapter for model_type {model_type!r} (known: {sorted(ADAPTERS)}): "
+                        "it needs one implementing PositionAdapter")

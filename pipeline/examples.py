@@ -64,6 +64,11 @@ class Batch:
     def __len__(self) -> int:
         return len(self.examples)
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that are not padding (what the loop counts per step)."""
+        return int((self.packed.role != Role.PAD).sum())
+
 
 def make_example(
     sample: Sample,
@@ -99,7 +104,7 @@ def make_example(
     options = LayoutOptions.from_config(model_cfg)
     events = sorted(sample.events, key=lambda e: (e.start, e.end)) if (with_targets and response is None) else []
     cap_tokens = model_cfg.max_caption_tokens
-    if events and getattr(model_cfg, "layout", "parallel") in TEXT_LAYOUTS:  # the events as one text response
+    if events and model_cfg.layout in TEXT_LAYOUTS:  # the events as one text response
         response, cap_tokens = TEXT_LAYOUTS[model_cfg.layout](events), cap_tokens * len(events)
         events = []
     if not with_targets:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+from typing import Literal
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -41,14 +43,24 @@ def segment_hidden(hidden: torch.Tensor, visual_index: torch.Tensor, audio_index
     return seg
 
 
-def similarity_logits(events: torch.Tensor, segments: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-    """events [K, d], segments [T, d] -> [K, T] = <e_i, s_t> / sqrt(d), in float32; or a batch of such
-    pairs: [B, K, d], [B, T, d] -> [B, K, T] (padded rows and columns give 0).
+Precision = Literal["float32", "product", "inputs"]
 
-    upcast False: the product in the inputs' dtype, then float32 (pipeline/release/finetune.py: the
-    release model's similarity is taken in the model dtype, pipeline/release/model.py)."""
-    keys = segments.transpose(-1, -2)
-    prod = events.float() @ keys.float() if upcast else (events @ keys).float()
+
+def similarity_logits(events: torch.Tensor, segments: torch.Tensor, precision: Precision = "float32") -> torch.Tensor:
+    """events [K, d], segments [T, d] -> [K, T] = <e_i, s_t> / sqrt(d); or a batch of such pairs:
+    [B, K, d], [B, T, d] -> [B, K, T] (padded rows and columns give 0); or one event [d] -> [T]
+    (taken as segments @ event).
+
+    precision, the family's policy: "float32" (the project's: both sides upcast, the product in fp32),
+    "product" (the product in the inputs' dtype, then fp32: the release's fine-tuning), "inputs"
+    (everything in the inputs' dtype: the release's decoding similarity, pipeline/release/model.py)."""
+    if events.ndim == 1:
+        prod = segments @ events
+    else:
+        keys = segments.transpose(-1, -2)
+        prod = events.float() @ keys.float() if precision == "float32" else events @ keys
+    if precision == "product":
+        prod = prod.float()
     return prod / math.sqrt(events.shape[-1])
 
 

@@ -115,8 +115,8 @@ class LayoutOptions:
             av_bidirectional=model_cfg.av_bidirectional,
             branch_order=model_cfg.branch_order,
             eos_padding_loss=model_cfg.eos_padding_loss,
-            g_visibility=getattr(model_cfg, "g_visibility", "all"),
-            chain=getattr(model_cfg, "layout", "parallel") == "chain",
+            g_visibility=model_cfg.g_visibility,
+            chain=model_cfg.layout == "chain",
         )
 
 
@@ -177,6 +177,15 @@ class TokenMeta:
     role: torch.Tensor
     event: torch.Tensor
     plan_index: torch.Tensor | None = None
+
+
+def cat_meta(*parts: TokenMeta) -> TokenMeta:
+    """Token sets one after the other (keys of a forward: cache then new tokens); plan_index is kept
+    when every part has one, else None (untracked)."""
+    plans = [p.plan_index for p in parts]
+    return TokenMeta(order=torch.cat([p.order for p in parts]), role=torch.cat([p.role for p in parts]),
+                     event=torch.cat([p.event for p in parts]),
+                     plan_index=None if any(p is None for p in plans) else torch.cat(plans))
 
 
 def mask_between(queries: TokenMeta, keys: TokenMeta, options: LayoutOptions) -> torch.Tensor:

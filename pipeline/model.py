@@ -47,12 +47,15 @@ from transformers.cache_utils import DynamicCache
 
 from pipeline.aggregation import Aggregator, attention_row, interval_mask
 from pipeline.anchor_attention import branch_anchor_pairs, own_anchor_mass
-from pipeline.backbone import DTYPES, load_backbone, position_adapter
-from pipeline.examples import Batch, Example, collate, make_example
+from pipeline.backbone import DTYPES, cast_keeping_rope, load_backbone, position_adapter
+from pipeline.examples import TEXT_LAYOUTS, Batch, Example, collate, make_example
 from pipeline.config import ModelConfig, from_dict
+from pipeline.family import CheckpointFormat, Counting
+from pipeline.fitting import fit_to_model
 from pipeline.grounding import GroundingHead, readout, segment_hidden, similarity_logits, soft_targets
 from pipeline.layout import IGNORE, LayoutOptions, Role
 from pipeline.tokens import add_special_tokens, build_tokenizer, prompt_ids, special_ids
+from pipeline.weights import folded_tables
 
 FORMAT_VERSION = 1
 META_FILE = "padcaptioner.json"
@@ -360,6 +363,68 @@ class PadCaptioner(nn.Module):
         out.update(branch_logits=self.lm_logits(h2[rows2]), branch_labels=lab2[rows2],
                    branch_pad=((ids2 == self.eos_id) & (role2 == Role.BRANCH))[rows2])
         return out
+
+    # ------------------------------------------------------------------ the family interface (pipeline/family.py)
+
+    program = "pad"  # the engine's program for this family (infer/engine/programs.py)
+    checkpoint = CheckpointFormat()  # padcaptioner.json beside the weights; written at every checkpoint
+    counting: Counting = "tokens"  # held-out counts per token and attribute word from the packed batch
+
+    @property
+    def decoding_model(self) -> "PadCaptioner":
+        return self
+
+    def capture_layers(self) -> tuple[int, int]:
+        """(grounding layer, aggregation layer) in HF's hidden-state numbering."""
+        n_layers = self.hf_config.get_text_config(decoder=True).num_hidden_layers
+        return self.cfg.grounding_layer % (n_layers + 1), self.aggregation_layer
+
+    def step_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return folded_tables(self)
+
+    def banned_ids(self) -> list[int]:
+        return [self.g_id, self.s_id]
+
+    def default_caps(self) -> tuple[int, int]:
+        """30 events and what training teaches (max_caption_tokens + 1)."""
+        return 30, int(self.cfg.max_caption_tokens) + 1
+
+    @property
+    def baseline_decoder(self) -> str | None:
+        """The oracle an ablation model decodes with instead of the engine (infer/oracles/ablation.py)."""
+        if self.cfg.layout in TEXT_LAYOUTS:
+            return "text_chain"
+        if self.cfg.layout == "chain":
+            return "monolithic"
+        if self.options.mask != "factorized" or self.options.g_visibility != "all":
+            return "layout_ordered"
+        return None
+
+    def engine_refusal(self, decoder: str) -> str | None:
+        """Why the engine cannot decode this model with infer.decoder=`decoder` (None: it can); its
+        single-chain path (monolithic) runs `baseline_decoder` in the model's own layout."""
+        layout, o = self.cfg.layout, self.options
+        if layout in TEXT_LAYOUTS:
+            return (f"model.layout={layout} writes its events as text: decode it with infer.oracles.ablation.text_chain "
+                    "and score the text with the metrics (pipeline/textual.py parses it)")
+        if decoder == "parallel" and (o.mask != "factorized" or o.g_visibility != "all"):
+            return (f"parallel decoding needs a model trained with the factorized mask and global <G> visibility "
+                    f"(model.mask={o.mask!r}, model.g_visibility={o.g_visibility!r}); use "
+                    "infer.decoder=monolithic (the single-chain path decodes it in its training layout, infer/oracles/ablation.py)")
+        return None
+
+    def final_intervals(self, intervals: list, duration: float) -> list:
+        return intervals  # already clipped to the video by the readout
+
+    def cast_to(self, dtype: torch.dtype) -> None:
+        cast_keeping_rope(self, dtype)
+        self.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
+
+    def collate(self, examples: list[Example]) -> Batch:
+        return collate(examples)
+
+    def fit(self, sample) -> tuple:
+        return fit_to_model(sample, self)
 
     # ------------------------------------------------------------------ parameters and checkpoints
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from infer.engine.core import CaptionEngine
+from infer.oracles.ablation import caption_engine
 from infer.oracles.decoders import branch_sequential, full_recompute, monolithic, parallel_copy
 from infer.engine.sampling import DecodeControl
 from pipeline.config import InferConfig
@@ -40,7 +41,7 @@ def video():
 
 
 def engine(model, **over) -> CaptionEngine:
-    return CaptionEngine(model, dataclasses.replace(CPU, **over))
+    return caption_engine(model, dataclasses.replace(CPU, **over))
 
 
 def assert_same(fast, ref, *, logits=True):

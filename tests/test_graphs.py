@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from infer.engine.core import CaptionEngine
+from infer.oracles.ablation import caption_engine
 from infer.engine.graphs import Buckets, graph_buckets
 from infer.engine.requests import Request
 from tests.test_engine_batch import controls, model, videos  # noqa: F401 - the same module fixtures
@@ -103,7 +104,7 @@ def test_graphs_need_flex_and_say_what_runs(model):
                                                  "the parallel decoder only)"}
     assert CaptionEngine(model, dataclasses.replace(FLEX, cuda_graphs="off")).graphs is None
     # the single-chain baseline takes no steps: nothing to record
-    assert CaptionEngine(model, dataclasses.replace(FLEX, cuda_graphs="static", decoder="monolithic")).graphs is None
+    assert caption_engine(model, dataclasses.replace(FLEX, cuda_graphs="static", decoder="monolithic")).graphs is None
     s = CaptionEngine(model, dataclasses.replace(FLEX, cuda_graphs="static", graph_tokens=32)).describe()["graphs"]
     assert s["token_buckets"] == [8, 16, 32] and s["block_buckets"] == [1, 2, 4, 8] and not s["captured"]
     with pytest.raises(ValueError, match="graph_tokens"):

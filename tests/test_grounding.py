@@ -36,12 +36,15 @@ def test_similarity_scale_and_bce():
     ev, seg = torch.ones(2, 16), torch.ones(3, 16) * 2
     logits = similarity_logits(ev, seg)
     assert logits.shape == (2, 3) and torch.allclose(logits, torch.full((2, 3), 32 / 4.0))
-    # upcast=False (the release fine-tune): the product in the inputs' dtype, the result float32
+    # precision="product" (the release fine-tune): the product in the inputs' dtype, the result float32
     g = torch.Generator().manual_seed(0)
     e16, s16 = torch.randn(2, 16, generator=g).bfloat16(), torch.randn(3, 16, generator=g).bfloat16()
-    low = similarity_logits(e16, s16, upcast=False)
+    low = similarity_logits(e16, s16, precision="product")
     assert low.dtype == torch.float32 and torch.equal(low, (e16 @ s16.T).float() / 4.0)
-    assert torch.equal(similarity_logits(ev, seg, upcast=False), logits)  # float32 inputs: the same
+    assert torch.equal(similarity_logits(ev, seg, precision="product"), logits)  # float32 inputs: the same
+    # precision="inputs", one event (the release's decoding similarity): segments @ event / sqrt(d), all bf16
+    one = similarity_logits(e16[0], s16, precision="inputs")
+    assert one.dtype == torch.bfloat16 and torch.equal(one, s16 @ e16[0] / 4.0)
     assert float(grounding_bce(torch.tensor([[0.0]]), torch.tensor([[1.0]]))) == pytest.approx(math.log(2))
     head = GroundingHead(16)
     assert head(torch.randn(5, 16)).shape == (5, 16)

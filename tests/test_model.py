@@ -310,10 +310,14 @@ def test_presets_have_the_real_qwen_shapes():
 
 def test_unsupported_backbone_is_a_clear_error(tmp_path):
     class Cfg:
+        model_type = "gemma"
+
+    class VL:
         model_type = "qwen2_5_vl"
 
-    with pytest.raises(BackboneError, match="mRoPE"):
+    with pytest.raises(BackboneError, match="no position adapter for model_type 'gemma'"):
         position_adapter(Cfg())
+    assert position_adapter(VL()).kind == "mrope"  # the release LLM's M-RoPE
     with pytest.raises(BackboneError, match="neither a preset"):
         PadCaptioner(tiny_cfg(backbone=str(tmp_path / "missing")))
 

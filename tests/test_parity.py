@@ -106,7 +106,7 @@ def test_the_weights_table_catches_a_wrong_loader_mapping(monkeypatch):
     rules = ReleaseCaptioner.release_rules
 
     def swapped(self):
-        swap = {"frm_head.": "evi_head.", "evi_head.": "frm_head."}
+        swap = {"frm_head.net.": "evi_head.net.", "evi_head.net.": "frm_head.net."}
         return [(src, swap.get(dst, dst)) for src, dst in rules(self)]
 
     monkeypatch.setattr(ReleaseCaptioner, "release_rules", swapped)

@@ -89,10 +89,10 @@ def save_checkpoint(path: str | Path, *, model, state: TrainState, config_json: 
     """Rank 0's part of a checkpoint (see the module doc)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if not getattr(model, "merged_at_end", False):
+    if not model.checkpoint.merged_at_end:
         model.save_pretrained(path / MODEL_DIR)
         # a release-format model dir already has config.json (the HF config): the run config goes beside it
-        (path / MODEL_DIR / getattr(model, "run_config_file", CONFIG_FILE)).write_text(config_json)
+        (path / MODEL_DIR / model.checkpoint.config_file).write_text(config_json)
     (path / CONFIG_FILE).write_text(config_json)
     payload = {
         "step": state.step, "epoch": state.epoch, "records_in_epoch": state.records_in_epoch,

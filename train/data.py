@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import storage
-from pipeline.examples import Batch, ExampleError, collate
+from pipeline.examples import Batch, ExampleError
 from pipeline.fitting import drop_segments, fit_segments, fit_to_model, keep_indices, remap_interval, sequence_length  # noqa: F401
 from pipeline.schema import FIELDS, KEY, Event, Sample, SchemaError, decode
 
@@ -291,7 +291,7 @@ class Batcher:
         self.stats = stats if stats is not None else DataStats()
         self.generator = generator
         self.drop_last = drop_last
-        self.collate = getattr(model, "collate", collate)  # the release model has its own batches
+        self.collate = model.collate  # each family its own batches
         self.current_id = ""  # the video id of the record `example` read last
         self.batch_ids: list[str] = []  # the video ids of the batch yielded last, in its order
 
@@ -303,8 +303,7 @@ class Batcher:
             self.current_id = sample.video_id
             if self.augment is not None:
                 sample = self.augment(sample)
-            fit = getattr(self.model, "fit", None)  # the release model fits its own way
-            sample, cut = fit(sample) if fit is not None else fit_to_model(sample, self.model)
+            sample, cut = self.model.fit(sample)  # each family fits its own way
             ex = self.model.make_example(sample, generator=self.generator)
         except (SchemaError, ExampleError, ValueError) as e:
             self.stats.skip(str(e)[:300])

@@ -141,6 +141,12 @@ def summary(c: EvalCounts, prefix: str = "") -> dict[str, float]:
     return {prefix + k: v for k, v in out.items()}
 
 
+def heldout_counts(model, batch, out: dict, parse: Callable[[str], dict] | None = None) -> EvalCounts:
+    """Teacher-forced counts of one batch as the model's family counts them (`counting`, pipeline/family.py):
+    per token and attribute word from the packed batch (`batch_counts`), or from the loss dict (`loss_counts`)."""
+    return batch_counts(model, batch, out, parse) if model.counting == "tokens" else loss_counts(model, out)
+
+
 def loss_counts(model, out: dict) -> EvalCounts:
     """Teacher-forced counts of one release-model video (pipeline/release/finetune.py outputs):
     planning (every <G> row says <G>, the last says <S>), grounding P/R@0.5 of the read-out

@@ -36,7 +36,7 @@ def export_model(checkpoint: str | Path, out: str | Path) -> Path:
     payload = torch.load(checkpoint / ckpt.STATE_FILE, map_location="cpu", weights_only=False)
     ckpt.load_trainable(checkpoint, payload, tuner)
     tuner.save_pretrained(out)
-    (out / tuner.run_config_file).write_text(config_json)
+    (out / tuner.checkpoint.config_file).write_text(config_json)
     return out
 
 

@@ -30,7 +30,7 @@ import torch
 
 from pipeline.config import Config
 from train.data import Batcher, read_samples
-from train.evaluate import EvalCounts, batch_counts, caption_parser, engine_counts, engine_events, loss_counts, summary
+from train.evaluate import EvalCounts, caption_parser, engine_counts, engine_events, heldout_counts, summary
 
 HEADLINE = ("planning_acc", "grounding_f1@0.5", "token_acc", "colour_acc", "shape_acc", "motion_acc", "sound_acc",
             "attr_acc")
@@ -43,7 +43,7 @@ def teacher_forced(model, samples: list, parse=None) -> dict[str, float]:
     for sample in samples:
         for batch in batcher([sample]):
             out = model.forward_train(batch)
-            counts += batch_counts(model, batch, out, parse) if hasattr(batch, "packed") else loss_counts(model, out)
+            counts += heldout_counts(model, batch, out, parse)
     out = summary(counts)
     out["skipped"] = batcher.stats.skipped
     return out
@@ -53,20 +53,18 @@ def teacher_forced(model, samples: list, parse=None) -> dict[str, float]:
 def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any]:
     """The engine's captions scored against the references, or {"unavailable": reason}."""
     try:
-        from infer.engine.core import CaptionEngine
+        from infer.oracles.ablation import caption_engine, decode_events, decoder_for, output_events
     except ImportError as e:
         return {"unavailable": f"infer.engine.core not importable ({e})"}
-    from infer.oracles.ablation import decode_events, decoder_for, output_events
 
     from infer.engine.requests import model_caps
 
-    if hasattr(model, "model"):  # the release fine-tuning wrapper: its ReleaseCaptioner decodes
-        model = model.model
+    model = model.decoding_model  # the release fine-tuning wrapper: its ReleaseCaptioner decodes
     infer_cfg = model_caps(cfg.infer, model)  # 0 = the model's own caps
     ablation = decoder_for(model, infer_cfg)  # an ablation model decodes in its own training layout
     t0 = time.perf_counter()
     if ablation is None:
-        results = CaptionEngine(model, infer_cfg).caption(samples)
+        results = caption_engine(model, infer_cfg).caption(samples)
         events, errors, name = [engine_events(r) for r in results], sum(1 for r in results if getattr(r, "error", None)), infer_cfg.decoder
         texts: list[str] = []
     else:

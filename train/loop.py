@@ -45,11 +45,10 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.config import Config
-from pipeline.layout import Role
 from pipeline.model import PadCaptioner
 from train import checkpoint as ckpt
 from train.data import Augment, Batcher, DataStats
-from train.evaluate import ATTRIBUTES, EvalCounts, batch_counts, loss_counts, summary
+from train.evaluate import ATTRIBUTES, EvalCounts, heldout_counts, summary
 from train.losses import compute_losses
 from train.optim import build_optimizer, build_scheduler
 
@@ -324,11 +323,11 @@ def validate(model: PadCaptioner, samples: list, ctx, parse=None, autocast: bool
         with amp:
             out = model.forward_train(batch)
         if i < len(mine):
-            counts += batch_counts(model, batch, out, parse) if hasattr(batch, "packed") else loss_counts(model, out)
+            counts += heldout_counts(model, batch, out, parse)
     counts = EvalCounts.from_tensor(all_reduce(counts.tensor(), ctx))
     model.train(was_training)
     out = summary(counts, prefix="val_")
-    if hasattr(model, "run_config_file"):  # the release model: free-text captions, no attribute words
+    if model.counting == "loss":  # counted from the loss (free-text captions): no attribute words
         out = {k: v for k, v in out.items() if not any(k == f"val_{a}_acc" for a in (*ATTRIBUTES, "attr"))}
     return out
 
@@ -345,12 +344,6 @@ def usable_samples(model: PadCaptioner, samples: list) -> list:
 def _threads(cfg: Config) -> None:
     n = cfg.train.torch_threads or max(1, int(cfg.train.cpus_per_worker))
     torch.set_num_threads(n)
-
-
-def _tokens(batch) -> int:
-    if not hasattr(batch, "packed"):  # a release batch
-        return int(batch.num_tokens)
-    return int((batch.packed.role != Role.PAD).sum())
 
 
 def build_model(cfg: Config, visual_dim: int, audio_dim: int):
@@ -435,7 +428,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
             step_ids.extend(batcher.batch_ids)
             comps = backend.micro_step(batch, last=micro == tc.grad_accum - 1)
             sums[:-1] += torch.tensor([comps[k] for k in LOSS_KEYS], dtype=torch.float64) / tc.grad_accum
-            sums[-1] += _tokens(batch)
+            sums[-1] += batch.num_tokens
         lr = backend.lr()
         probed = probe(state.step + 1, model) if probe is not None else {}
         grad_norm = backend.optimizer_step()

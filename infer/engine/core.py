@@ -29,8 +29,9 @@ video alone, whatever shares the step and in whatever order videos arrive
 
 A sample that cannot be decoded (feature dims, bad duration, a prompt over the model's
 length, more KV than the pool holds) gets a VideoResult with `error` set; the others go on.
-`infer.decoder = "monolithic"` runs the single-chain baseline (infer/oracles/decoders.py) one video
-at a time behind the same API.
+`infer.decoder = "monolithic"` runs a single-chain decoder one video at a time behind the same API:
+the caller chooses it and passes it as `single_chain` (infer/oracles/ablation.py `caption_engine`
+passes the model's own baseline; the engine imports no decoder of the oracles).
 """
 
 from __future__ import annotations
@@ -38,24 +39,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 import torch
 
 from infer.engine.decoded import Decoded, to_events
-from infer.oracles.front import DecodeError, well_formed
 from infer.engine.kernels import choose_kernel
 from infer.engine.paged import PagePool, pages_for
 from infer.engine.graphs import describe_graphs, step_graphs
-from infer.engine.programs import PadProgram, ReleaseProgram, capture_layers
+from infer.engine.programs import PROGRAMS
 from infer.engine.requests import Request, VideoResult, check_config, model_caps, resolve_device, resolve_dtype
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
 from infer.engine.scheduler import Branch, Phase, Scheduler, StepPlan, VideoState
 from infer.engine.step import Mode, ModelRunner
 from infer.engine.step_weights import StepWeights
-from pipeline.backbone import DTYPES, cast_keeping_rope
 from pipeline.config import InferConfig
+from pipeline.family import DecodeError
 from pipeline.schema import Sample
 
 log = logging.getLogger("padcap.infer")
@@ -86,30 +86,29 @@ class CaptionEngine:
     Not thread-safe: one caller at a time (an actor or a replica owns its engine).
     """
 
-    def __init__(self, model, cfg: InferConfig):
+    def __init__(self, model, cfg: InferConfig, single_chain: Callable | None = None):
+        """single_chain: (model, sample, options, control) -> Decoded, what `infer.decoder=monolithic` runs
+        (required for it)."""
         check_config(cfg)
         cfg = model_caps(cfg, model)  # 0 = the model's own max_events / max_branch_tokens
         check_config(cfg)
-        from infer.oracles.ablation import engine_refusal
-
-        refusal = engine_refusal(model, cfg.decoder)  # ablation models the engine would decode wrongly
+        refusal = model.engine_refusal(cfg.decoder)  # the release off parallel; ablation models it would decode wrongly
         if refusal:
             raise ValueError(refusal)
+        if cfg.decoder == "monolithic" and single_chain is None:
+            raise ValueError("infer.decoder=monolithic needs the single-chain decoder: build the engine with "
+                             "infer.oracles.ablation.caption_engine(model, cfg)")
+        self.single_chain = single_chain
         self.model = model
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         if self.device.type == "cpu" and cfg.cpu_threads > 0:
             torch.set_num_threads(cfg.cpu_threads)  # process-wide: an engine owns its process (actor, replica)
-        self.release = is_release_model(model)
-        if self.release and cfg.decoder != "parallel":
-            raise ValueError("the release model decodes in parallel only (infer.decoder=parallel)")
         dtype = resolve_dtype(cfg.dtype, self.device, model.dtype)
         if model.device.type != self.device.type:
             model.to(self.device)
         if model.dtype != dtype:  # both models read it from their weights
-            cast_keeping_rope(model, dtype)
-            if not self.release:
-                model.cfg.dtype = {v: k for k, v in DTYPES.items()}[dtype]
+            model.cast_to(dtype)
         model.eval()
         self.weights = w = StepWeights.of(model)
         self.kernel = choose_kernel(cfg.kernel, dtype, self.device, max_calls=cfg.attention_calls)
@@ -124,10 +123,9 @@ class CaptionEngine:
                                    q_block=self.q_block, prefill_block=4 * self.q_block)
         self.graphs = step_graphs(cfg, self.runner, self.device, tokens=self.step_tokens, q_block=self.q_block,
                                   attn_q_block=self.scheduler.attn_q_block,
-                                  capture_layers=capture_layers(model, release=self.release))
+                                  capture_layers=model.capture_layers())
         self.bias = torch.zeros(w.head.shape[0], device=self.device)
-        banned = [model.g_id, model.s_id] + ([model.shift_id] if self.release else [])
-        self.bias[banned] = float("-inf")  # structural tokens are never caption text
+        self.bias[model.banned_ids()] = float("-inf")  # structural tokens are never caption text
         self._in_flight: list[VideoState] = []
         self._running = False
         # steps, branch rows summed over steps, tokens, ms in steps (metadata + forward + decisions), of that
@@ -177,8 +175,7 @@ class CaptionEngine:
             log.warning("cannot caption %s: %s", sample.video_id, res)
             return VideoResult(sample.video_id, float(sample.duration), [], {}, error=str(res),
                                segments_total=int(sample.num_segments))
-        if self.release:  # the release's seconds are not clipped to the video: results are
-            res = replace(res, intervals=[well_formed(s, e, res.duration, 1e-3) for s, e in res.intervals])
+        res = replace(res, intervals=self.model.final_intervals(res.intervals, res.duration))
         order = sorted(range(res.num_events), key=lambda i: (*res.intervals[i], i))
         events = to_events(res, self.model.tokenizer, self.model.eos_id)
         capped = [self.model.eos_id not in res.tokens[i] for i in order]
@@ -273,8 +270,7 @@ class CaptionEngine:
     def _program(self, req: Request, emit) -> VideoState | None:
         try:
             opts = req.options.resolve(self.cfg)
-            program = ReleaseProgram if self.release else PadProgram
-            prog = program(self.model, req.sample, opts, req.control)
+            prog = PROGRAMS[self.model.program](self.model, req.sample, opts, req.control)
         except ValueError as e:  # DecodeError, or per-video options out of range
             emit(req, e)
             return None
@@ -455,10 +451,7 @@ class CaptionEngine:
                        grounding_logits=a.grounding_logits if trace else None)
 
     def _run_monolithic(self, feed, emit) -> None:
-        from infer.oracles.ablation import decoder_for
-        from infer.oracles.decoders import monolithic
-
-        monolithic = decoder_for(self.model, self.cfg) or monolithic  # an ablation model: its own layout
+        monolithic = self.single_chain
         poll = _poller(feed)
         while (req := poll()) is not None:
             if req.cancelled():
@@ -482,11 +475,6 @@ class StepRecord(NamedTuple):
     ms: float
     layer_tokens: int = 0  # tokens of layered bidirectional blocks that moved one layer
     cpu_ms: float = 0.0  # the process's CPU time in the step (on a shared CPU box: the step's own work)
-
-
-def is_release_model(model) -> bool:
-    """The published release's model (pipeline/release), decoded by its own front half."""
-    return hasattr(model, "step_tables")
 
 
 def _poller(feed: Iterable[Request] | Callable[[], Request | None]) -> Callable[[], Request | None]:

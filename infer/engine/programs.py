@@ -39,11 +39,15 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from infer.oracles.front import DecodeError, decode_reserve, ground_intervals, prepare_example, token_position_ids
 from infer.engine.sampling import DecodeControl, plan_decision, planning_capped
 from pipeline.examples import collate
+from pipeline.decoding import decode_reserve, ground_intervals, prepare_example, token_position_ids
+from pipeline.family import DecodeError
 from pipeline.grounding import segment_hidden, similarity_logits
 from pipeline.layout import Role, anchor_position, shared_position
+from pipeline.release.decoding import aggregation_row, anchor_inputs, decodable_video, prefill_inputs, seconds
+from pipeline.release.grounding import aggregate, find_and_merge
+from pipeline.release.layout import prompt_visible
 
 
 def row_limits(visible: torch.Tensor) -> torch.Tensor:
@@ -69,14 +73,6 @@ def _plan_position(value: int) -> torch.Tensor:
     return torch.full((3,), int(value), dtype=torch.long)
 
 
-def capture_layers(model, release: bool) -> tuple[int, int]:
-    """The hidden states a video's program reads from the step: (grounding layer, aggregation layer) in HF's
-    numbering (i < layers: the input of layer i). The release grounds on hidden_states[-2]."""
-    n_layers = model.hf_config.get_text_config(decoder=True).num_hidden_layers
-    ground = n_layers - 1 if release else model.cfg.grounding_layer % (n_layers + 1)
-    return ground, model.aggregation_layer
-
-
 @dataclass
 class Anchors:
     """The end of planning: intervals (seconds, planning order), anchors [K, d] at position A."""
@@ -91,8 +87,6 @@ class Anchors:
 
 class PadProgram:
     """A sample for the project's PadCaptioner (module doc)."""
-
-    release = False
 
     def __init__(self, model, sample, opts, control: DecodeControl):
         if opts.max_events < 1:
@@ -110,7 +104,7 @@ class PadProgram:
         except ValueError as e:
             raise DecodeError(f"{sample.video_id}: {e}") from e
         self.cuts = legal_cuts(self.limits)
-        self.capture = capture_layers(model, release=False)
+        self.capture = model.capture_layers()
         self.ground_layer, self.agg_layer = self.capture
         self.k = 0
         self.queries: list[torch.Tensor] = []
@@ -174,12 +168,7 @@ class PadProgram:
 class ReleaseProgram:
     """A video for the published release model (module doc)."""
 
-    release = True
-
     def __init__(self, model, video, opts, control: DecodeControl):
-        from infer.oracles.release_front import decodable_video, prefill_inputs
-        from pipeline.release.layout import prompt_visible
-
         self.model, self.opts, self.control = model, opts, control
         self.video = video = decodable_video(model, video)  # the checkpoint's media geometry
         self.lay, self.embeds, pos, self.delta = prefill_inputs(model, video)
@@ -188,7 +177,7 @@ class ReleaseProgram:
         self.length = self.lay.length
         self.limits = row_limits(prompt_visible(self.lay))
         self.cuts = legal_cuts(self.limits)
-        self.capture = capture_layers(model, release=True)
+        self.capture = model.capture_layers()
         self.ground_layer, self.agg_layer = self.capture
         self.k = 0
         self.steps: list[tuple[int, int]] = []
@@ -198,21 +187,15 @@ class ReleaseProgram:
         self._next: tuple[int, int] | None = None
 
     def prefilled(self, states: dict[int, torch.Tensor]) -> None:
-        from infer.oracles.release_front import aggregation_row
-
         self.h_ground, self.h_agg = states[self.ground_layer], states[self.agg_layer]
         self.attn_row = aggregation_row(self.model, self.lay, self._pos, self.h_agg)
         self.segments = self.model.segment_vectors(self.h_ground, self.lay)
 
     def _agg(self, step: tuple[int, int]) -> torch.Tensor:
-        from pipeline.release.grounding import aggregate
-
         s = self.model.settings
         return aggregate(self.attn_row, self.h_agg, self.lay, step, s.aggregation, self.model.audio_mean_weight)
 
     def decide(self, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
-        from infer.oracles.release_front import plan_row
-
         step = plan_row(self.model, restricted, ground, self.segments, self.k, self.opts.max_events, self.control,
                         self.sims, self.plan_logits)
         if step is None:
@@ -233,13 +216,35 @@ class ReleaseProgram:
         return [p.finish() for p in progs]
 
     def finish(self) -> Anchors:
-        from infer.oracles.release_front import anchor_inputs, seconds
-
         anchors = anchor_inputs(self.g_emb, self._agg, self.steps)
         d = float(self.video.seconds_per_step)
         return Anchors([seconds(st, d) for st in self.steps], anchors, anchor_position(self.length, self.k, self.delta),
                        _stack(self.plan_logits), torch.stack(self.sims).float(), self.lay.grid.timesteps)
 
 
+def plan_row(model, restricted: torch.Tensor, ground: torch.Tensor, segments: torch.Tensor, k: int, max_events: int,
+             control: DecodeControl, sims: list, plan_logits: list) -> tuple[int, int] | None:
+    """One planning decision row (module doc, step 4), for the engine's program and the reference front
+    (infer/oracles/release_front.py).
+
+    restricted [2]: the row's (<G>, <S>) logits in fp32 (model.plan_logits of its final-norm state),
+    ground: its hidden_states[-2]; k: <G>s fed so far. Appends
+    the row's similarities to `sims` and, unless planning is capped, its {<G>, <S>} logits to
+    `plan_logits`. Returns the interval grounded at this row when it picks <G>, None to stop."""
+    s = model.settings
+    sim = model.similarity(ground, segments)
+    sims.append(sim)
+    step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
+    if planning_capped(k, max_events, control):
+        return None
+    plan_logits.append(restricted)
+    if not plan_decision(restricted, k, max_events, control, min_events=0):
+        return None
+    return step
+
+
 def _stack(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 2)
+
+
+PROGRAMS = {"pad": PadProgram, "release": ReleaseProgram}  # a family's `program` -> its per-video program

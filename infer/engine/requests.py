@@ -107,10 +107,7 @@ def model_caps(cfg: InferConfig, model) -> InferConfig:
     anchor step), else 30 events and what training teaches (model.max_caption_tokens + 1)."""
     import dataclasses
 
-    if hasattr(model, "step_tables"):  # the release model
-        events, tokens = model.max_events, model.max_branch_tokens + 1
-    else:
-        events, tokens = 30, int(model.cfg.max_caption_tokens) + 1
+    events, tokens = model.default_caps()
     return dataclasses.replace(cfg, max_events=cfg.max_events or events, max_branch_tokens=cfg.max_branch_tokens or tokens)
 
 

@@ -202,12 +202,12 @@ class CaptionVideos:
     """Engine actor: decoded samples -> caption rows; the model is loaded once per actor."""
 
     def __init__(self, cfg_json: str, model_dir: str):
-        from infer.engine.core import CaptionEngine
         from infer.loading import load_model
+        from infer.oracles.ablation import caption_engine
 
         cfg = Config.from_json(cfg_json)
         model, card, cfg = load_model(cfg, model_dir)
-        self.engine = CaptionEngine(model, cfg.infer)
+        self.engine = caption_engine(model, cfg.infer)
         # what decoded the rows: the step's attention kernel, or HF's forward for the single chain
         self.kernel = self.engine.kernel.name if cfg.infer.decoder == "parallel" else "hf-forward (monolithic)"
         self.model_id = card.model_id

@@ -32,12 +32,10 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded, caption_text
-from infer.oracles.front import StageTimer, cat_meta, decode_reserve, prepare_example, run_front
+from infer.oracles.front import StageTimer, decode_reserve, prepare_example, run_front
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
 from pipeline.config import InferConfig
-from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, event_order, mask_between
-
-TEXT_LAYOUTS = ("sequential", "textual_planning")
+from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, event_order, mask_between
 
 
 def _positions(model, position: torch.Tensor, role: Role) -> torch.Tensor:
@@ -82,7 +80,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     chooser = video_chooser(model.ids, cfg, sample.video_id, dev)
 
     anchors = _meta(event_order(torch.arange(k), 0, base, k, opts.branch_order), Role.ANCHOR, torch.arange(k))
-    keys = cat_meta_plan(keys, anchors)
+    keys = cat_meta(keys, anchors)
     mask = additive_mask(mask_between(anchors, keys, opts))[None, None]
     pos = _positions(model, torch.full((k,), branch_position(front.anchor_pos, 0)), Role.ANCHOR)
     out = model.run_decoder(front.anchors[None], mask, pos, cache=cache)
@@ -99,7 +97,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     while live:
         for e, step in _schedule(k, opts.branch_order, live):
             q = _meta(event_order(e, step, base, k, opts.branch_order), Role.BRANCH, e)
-            keys = cat_meta_plan(keys, q)
+            keys = cat_meta(keys, q)
             emb = model.embed_tokens(torch.tensor([[tokens[e][-1]]], device=dev))
             out = model.run_decoder(emb, additive_mask(mask_between(q, keys, opts))[None, None],
                                     _positions(model, torch.tensor([branch_position(front.anchor_pos, step)]), Role.BRANCH),
@@ -121,13 +119,6 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
                    steps=steps, timings=timings, planning_logits=front.planning_logits if control.trace else None,
                    branch_logits=[torch.stack(x) for x in logits_of] if control.trace else None,
                    grounding_logits=front.grounding_logits if control.trace else None)
-
-
-def cat_meta_plan(a: TokenMeta, b: TokenMeta) -> TokenMeta:
-    """`infer.oracles.front.cat_meta` that keeps the plan index."""
-    out = cat_meta(a, b)
-    out.plan_index = torch.cat([a.plan_index, b.plan_index])
-    return out
 
 
 # --------------------------------------------------------------------------- the text chain
@@ -199,43 +190,38 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
 
 
 def engine_refusal(model, decoder: str) -> str | None:
-    """Why infer/engine/core.py cannot decode this model with `infer.decoder=decoder` (None: it can).
-
-    Its single-chain path (`infer.decoder=monolithic`) runs `decoder_for(model)` when that is
-    a Decoded-returning decoder, so a causal / own-<G> model decodes there in its own layout."""
-    if not hasattr(model, "cfg"):  # the release model (pipeline/release): the engine
-        return None
-    layout = getattr(model.cfg, "layout", "parallel")
-    if layout in TEXT_LAYOUTS:
-        return (f"model.layout={layout} writes its events as text: decode it with infer.oracles.ablation.text_chain "
-                "and score the text with the metrics (pipeline/textual.py parses it)")
-    if decoder == "parallel" and (model.options.mask != "factorized" or model.options.g_visibility != "all"):
-        return (f"parallel decoding needs a model trained with the factorized mask and global <G> visibility "
-                f"(model.mask={model.options.mask!r}, model.g_visibility={model.options.g_visibility!r}); use "
-                "infer.decoder=monolithic (the single-chain path decodes it in its training layout, infer/oracles/ablation.py)")
-    return None
+    """Why infer/engine/core.py cannot decode this model with `infer.decoder=decoder` (None: it can):
+    the family's own rule (`engine_refusal` of pipeline/family.py). Its single-chain path
+    (`infer.decoder=monolithic`) runs `decoder_for(model)` when that is a Decoded-returning decoder,
+    so a causal / own-<G> model decodes there in its own layout."""
+    return model.engine_refusal(decoder)
 
 
 def decoder_for(model, cfg: InferConfig):
     """The reference-style decoder a model must use instead of the engine, or None (the engine).
 
     parallel layout + factorized + global <G>: None (the engine); chain: monolithic;
-    causal mask or own-<G> visibility: layout_ordered; text layouts: text_chain.
+    causal mask or own-<G> visibility: layout_ordered; text layouts: text_chain (the model's
+    `baseline_decoder` names it).
     """
-    if not hasattr(model, "cfg"):  # the release model (pipeline/release): the engine
+    name = model.baseline_decoder
+    if name is None:
         return None
-    if not hasattr(model, "cfg"):  # the release model (pipeline/release): the engine
-        return None
-    layout = getattr(model.cfg, "layout", "parallel")
-    if layout in TEXT_LAYOUTS:
-        return text_chain
-    if layout == "chain":
+    if name == "monolithic":
         from infer.oracles.decoders import monolithic
 
         return monolithic
-    if model.options.mask != "factorized" or model.options.g_visibility != "all":
-        return layout_ordered
-    return None
+    return {"text_chain": text_chain, "layout_ordered": layout_ordered}[name]
+
+
+def caption_engine(model, cfg: InferConfig):
+    """The engine for `model` under `cfg`, with the single-chain decoder `infer.decoder=monolithic` runs:
+    the model's own baseline (`decoder_for`: an ablation model decodes in its own layout), else
+    infer/oracles/decoders.py `monolithic`."""
+    from infer.engine.core import CaptionEngine
+    from infer.oracles.decoders import monolithic
+
+    return CaptionEngine(model, cfg, single_chain=decoder_for(model, cfg) or monolithic)
 
 
 def decode_events(model, decoder, sample, cfg: InferConfig) -> tuple[dict, dict[str, float]]:

@@ -31,13 +31,10 @@ import torch
 
 from infer.engine.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_capped
 from pipeline.examples import Example, collate
-from pipeline.fitting import fit_for_decoding
+from pipeline.decoding import decode_reserve, ground_intervals, prepare_example, token_position_ids  # noqa: F401
+from pipeline.family import DecodeError, well_formed  # noqa: F401
 from pipeline.grounding import similarity_logits
-from pipeline.layout import Layout, Role, TokenMeta, additive_mask, anchor_position, mask_between, shared_position
-
-
-class DecodeError(ValueError):
-    """A video cannot be decoded as given (bad duration, too long, wrong features); says why."""
+from pipeline.layout import Layout, Role, TokenMeta, additive_mask, anchor_position, cat_meta, mask_between, shared_position
 
 
 @dataclass
@@ -90,70 +87,15 @@ class StageTimer:
         self._t = now
 
 
-def decode_reserve(cfg) -> int:
-    """Tokens a decode adds after the prefix at most: the planning <G>s and one branch."""
-    return int(cfg.max_events) + int(cfg.max_branch_tokens)
-
-
-def prepare_example(model, sample, reserve: int = 0) -> Example:
-    """Sample -> prefix-only Example (raises DecodeError with the reason for bad input).
-
-    A video too long for the model (over model.max_segments, or prefix + `reserve` tokens
-    over model.max_seq_len) is shortened as training shortens it (pipeline/fitting.py:
-    whole segments dropped evenly); `example.layout.num_segments` is what was kept.
-    """
-    if not (sample.duration > 0 and float(sample.duration) < float("inf")):
-        raise DecodeError(f"{sample.video_id}: duration must be a positive finite number of seconds, got {sample.duration}")
-    try:
-        sample, _ = fit_for_decoding(sample, model, reserve)
-        return model.make_example(sample, with_targets=False)
-    except ValueError as e:  # ExampleError, LayoutError: the sample does not fit the model
-        raise DecodeError(str(e)) from e
-
-
-def well_formed(start: float, end: float, duration: float, min_len: float) -> tuple[float, float]:
-    """Clip an interval to [0, duration] with start < end (widened by up to min_len when degenerate)."""
-    duration = float(duration)
-    s = min(max(float(start), 0.0), duration)
-    e = min(max(float(end), 0.0), duration)
-    if e <= s:
-        e = min(duration, s + min_len)
-        if e <= s:
-            s = max(0.0, e - min_len)
-    return s, e
-
-
-def ground_intervals(model, logits: torch.Tensor, example: Example) -> list[tuple[float, float]]:
-    """Grounding logits [K, T] -> K well-formed intervals (readout, then clipped)."""
-    times = example.segment_times
-    lengths = (times[:, 1] - times[:, 0]).float()
-    positive = lengths[lengths > 0]
-    min_len = float(positive.min()) if positive.numel() else 1e-3
-    min_len = min(max(min_len, 1e-3), example.duration)
-    return [well_formed(s, e, example.duration, min_len) for s, e in model.ground(logits, times)]
-
-
 def serial_g_meta(prefix_len: int, k: int) -> TokenMeta:
     """Meta of the k-th serial <G> (0-based), as the training layout places it."""
     idx = torch.tensor([prefix_len + k])
     return TokenMeta(order=shared_position(idx), role=torch.tensor([int(Role.SERIAL_G)]), event=torch.tensor([-1]))
 
 
-def cat_meta(a: TokenMeta, b: TokenMeta) -> TokenMeta:
-    return TokenMeta(order=torch.cat([a.order, b.order]), role=torch.cat([a.role, b.role]),
-                     event=torch.cat([a.event, b.event]))
-
-
 def row_mask(model, query: TokenMeta, keys: TokenMeta) -> torch.Tensor:
     """Additive float mask [1, 1, Lq, Lk] from the layout's visibility rule."""
     return additive_mask(mask_between(query, keys, model.options))[None, None]
-
-
-def token_position_ids(model, position: int, rows: int, role: Role, device) -> torch.Tensor:
-    """Backbone position ids [rows, 1] for `rows` tokens of one role at one layout position."""
-    pos = torch.full((rows, 1), int(position), dtype=torch.long)
-    seg = torch.full((rows, 1), -1, dtype=torch.long)
-    return model.adapter.position_ids(pos, seg, torch.full((rows, 1), int(role), dtype=torch.long)).to(device)
 
 
 @torch.no_grad()

@@ -18,13 +18,14 @@ from typing import Any
 
 from infer.engine.core import CaptionEngine
 from infer.engine.sampling import DecodeControl
+from infer.oracles.ablation import caption_engine
 from pipeline.config import InferConfig
 
 
 def measure_speedup(model, samples: list, cfg: InferConfig) -> dict[str, Any]:
     """Side-by-side wall times (ms) and the speed-up (monolithic / parallel) over `samples`."""
     parallel = CaptionEngine(model, dataclasses.replace(cfg, decoder="parallel", temperature=0.0))
-    mono = CaptionEngine(model, dataclasses.replace(cfg, decoder="monolithic", temperature=0.0))
+    mono = caption_engine(model, dataclasses.replace(cfg, decoder="monolithic", temperature=0.0))
     parallel.decode(samples[0])  # warm-up (kernels, allocator)
     totals = {"parallel_ms": 0.0, "monolithic_ms": 0.0, "parallel_steps": 0, "monolithic_steps": 0, "tokens": 0}
     for sample in samples:

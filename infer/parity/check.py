@@ -117,8 +117,10 @@ def case_settings(root: Path, inputs: dict, dtype: str):
     sample = json.loads((Path(root) / "sample.json").read_text())
     sample = sample[0] if isinstance(sample, list) else sample
     instruction = sample["conversations"][0]["value"].split("<video>\n", 1)[-1]
-    return sample, ReleaseSettings(grounding_threshold=float(ttc.get("grounding_threshold", 0.7)),
-                                   grounding_merge_gap=int(ttc.get("grounding_merge_gap", 2)), dtype=dtype,
+    default = ReleaseSettings()  # the release's own test-time defaults (0.7, 2)
+    return sample, ReleaseSettings(grounding_threshold=float(ttc.get("grounding_threshold", default.grounding_threshold)),
+                                   grounding_merge_gap=int(ttc.get("grounding_merge_gap", default.grounding_merge_gap)),
+                                   dtype=dtype,
                                    instruction=instruction)
 
 

@@ -53,8 +53,8 @@ TABLE: list[tuple[str, str]] = [
     (r"audio\.qformer\.bert\.encoder\.layer\.(\d+)\.(" + QFORMER_LAYER + ")" + WB,
      r"audio.qformer.bert.encoder.layer.\1.\2.\3"),
     (r"audio\.audio_proj" + WB, r"audio.audio_proj.\1"),
-    (r"frm_head\.(0|1|3)" + WB, r"frm_head.\1.\2"),
-    (r"evi_head\.(0|1|3)" + WB, r"evi_head.\1.\2"),
+    (r"frm_head\.(0|1|3)" + WB, r"frm_head.net.\1.\2"),
+    (r"evi_head\.(0|1|3)" + WB, r"evi_head.net.\1.\2"),
 ]
 # read and dropped on purpose: the unused score head, the Q-Former's position-id buffer
 IGNORED = [r"score_head\.(0|1|3)" + WB, r"audio\.qformer\.bert\.embeddings\.position_ids"]

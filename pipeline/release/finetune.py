@@ -42,16 +42,16 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from infer.engine.step_weights import effective_linear
+from pipeline.family import CheckpointFormat, Counting
 from pipeline.grounding import similarity_logits, soft_targets
-from pipeline.layout import Role, TokenMeta, additive_mask, anchor_position, branch_position, shared_position
+from pipeline.layout import Role, TokenMeta, additive_mask, anchor_position, branch_position, cat_meta, shared_position
 from pipeline.release.grounding import aggregate, find_and_merge
-from pipeline.release.layout import cat_meta, event_meta, prompt_meta, release_visible, shared_meta
+from pipeline.release.layout import event_meta, prompt_meta, release_visible, shared_meta
 from pipeline.release.model import ReleaseCaptioner, settings_from
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event
+from pipeline.weights import effective_linear
 
-IGNORE = -100
 LLM_QKV = r".*language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)"
 RUN_CONFIG = "run_config.json"
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -155,8 +155,14 @@ class ReleaseFinetune(nn.Module):
     def activation_checkpointing(self) -> bool:
         return any(getattr(layer, "gradient_checkpointing", False) for layer in self.model.decoder.layers)
 
-    run_config_file = RUN_CONFIG  # the run's config beside the release's own config.json (train/checkpoint.py)
-    merged_at_end = True  # checkpoints keep the trained tensors only; the merged dir is train/export.py's
+    # the run's config beside the release's own config.json; checkpoints keep the trained tensors only, the
+    # merged dir is train/export.py's (train/checkpoint.py)
+    checkpoint = CheckpointFormat(config_file=RUN_CONFIG, merged_at_end=True)
+    counting: Counting = "loss"  # free-text captions: held-out counts from the loss dict, no attribute words
+
+    @property
+    def decoding_model(self) -> ReleaseCaptioner:
+        return self.model
 
     def collate(self, examples: list[ReleaseExample]) -> ReleaseBatch:
         return collate_release(examples)
@@ -187,7 +193,7 @@ class ReleaseFinetune(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward_one(self, ex: ReleaseExample) -> dict:
-        from infer.oracles.release_front import prefill, seconds  # decoding's prefill; the one timestep -> seconds rule
+        from pipeline.release.decoding import prefill, seconds  # decoding's prefill; the one timestep -> seconds rule
 
         m = self.model
         dev, dtype = m.device, m.dtype
@@ -253,7 +259,7 @@ class ReleaseFinetune(nn.Module):
         evi = m.evi_head(torch.stack(event_rows))
         d = ex.video.seconds_per_step
         times = torch.tensor([seconds((t, t), d) for t in range(lay.grid.timesteps)])
-        logits = similarity_logits(evi, segs, upcast=False)
+        logits = similarity_logits(evi, segs, precision="product")
         result["grounding_logits"].append(logits)
         with torch.no_grad():  # the read-out intervals, for the held-out numbers (train/evaluate.py loss_counts)
             s = m.settings

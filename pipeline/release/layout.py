@@ -197,12 +197,6 @@ def event_meta(base: int, num_events: int, event: list[int], step: list[int], br
     return TokenMeta(order=event_order(ev, st, base, num_events, branch_order).reshape(-1), role=role, event=ev)
 
 
-def cat_meta(*parts: TokenMeta) -> TokenMeta:
-    """Token sets one after the other (keys of a forward: cache then new tokens)."""
-    return TokenMeta(order=torch.cat([p.order for p in parts]), role=torch.cat([p.role for p in parts]),
-                     event=torch.cat([p.event for p in parts]))
-
-
 def release_visible(queries: TokenMeta, keys: TokenMeta) -> torch.Tensor:
     """bool [Lq, Lk]: the project's visibility rule with the release's mask options (`MASK`)."""
     return mask_between(queries, keys, MASK)
@@ -214,17 +208,3 @@ def prompt_visible(lay: ReleaseLayout) -> torch.Tensor:
     return release_visible(meta, meta)
 
 
-class MRope:
-    """Position adapter of the Qwen2.5-VL LLM: ids [N, 3] (t, h, w) per row -> its M-RoPE rotation."""
-
-    kind = "mrope"
-
-    def rotate(self, decoder, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """x [..., N, head_dim] rotated at ids [N, 3] (or [N] for text: the same id on all axes)."""
-        import importlib
-
-        rotate_half = importlib.import_module(type(decoder).__module__).rotate_half
-        ids = position_ids if position_ids.ndim == 2 else position_ids[:, None].expand(-1, 3)
-        cos, sin = decoder.rotary_emb(x, ids.T[:, None, :])  # [1, N, head_dim]
-        cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
-        return x * cos + rotate_half(x) * sin

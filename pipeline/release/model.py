@@ -9,7 +9,7 @@ Parts (docs/design/release.md 1.2), mapped by key prefix onto HF 5.24 classes an
   `visual.*`  -> ....model.visual (Qwen2.5-VL vision tower + merger)
   `audio.*`   -> ReleaseAudio (HF WhisperEncoder + the window Q-Former + audio_proj)
   `frm_head.*`, `evi_head.*` -> the segment and event grounding heads
-  (LayerNorm -> Linear(d, d/2) -> GELU -> Linear(d/2, d))
+  (pipeline/grounding.py GroundingHead: LayerNorm -> Linear(d, d/2) -> GELU -> Linear(d/2, d))
   ignored on purpose: `score_head.*` (unused by the release with use_score_head false) and
   the Q-Former's `position_ids` buffer; `lm_head.weight` is tied (absent from the file).
 Every other tensor, missing one or wrong shape is an error that names it
@@ -26,7 +26,6 @@ Pure torch + HF; no ray.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,13 +34,15 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-from pipeline.backbone import cast_keeping_rope
+from pipeline.backbone import DTYPES, cast_keeping_rope, position_adapter
+from pipeline.config import ReleaseConfig
+from pipeline.grounding import GroundingHead, similarity_logits
+from pipeline.family import well_formed
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
 from pipeline.release.geometry import Geometry
 from pipeline.release.layout import POSITION_MODES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AGGREGATIONS = ("release", "renormalised")
 TOKENS = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "video": "<|video_pad|>",
           "audio": "<|audio_pad|>", "im_start": "<|im_start|>", "im_end": "<|im_end|>", "g": "<G>", "s": "<S>",
@@ -52,31 +53,24 @@ CONFIG_IDS = {"video": "video_token_id", "vision_start": "vision_start_token_id"
 IGNORED_SUFFIXES = ("audio.qformer.bert.embeddings.position_ids",)
 TOWERS = ("hf.model.visual.", "audio.")  # the model keys of the two media towers
 RELEASE_TOWERS = ("visual.", "audio.")  # theirs in the release's file
-DEFAULT_INSTRUCTION = "Could you outline the incidents that happened during different time periods in the video?"
 
 
 @dataclass
-class ReleaseSettings:
-    """Test-time settings of the release (they are not in its config.json; docs/design/release.md 4.4).
+class ReleaseSettings(ReleaseConfig):
+    """Test-time settings of the release (they are not in its config.json): the run's `release` section
+    (pipeline/config.py ReleaseConfig: positions, aggregation, grounding threshold 0.7 and merge gap 2,
+    the instruction, max_seq_len 32768, where the release's prefill applies a sliding window that HF 5.24
+    does not: longer prompts are refused) plus what a load decides.
 
-    grounding_threshold 0.7 is the release's ChronusAV setting (0.5 for LongVALE);
-    positions: "release" = the ids the release computes at test time (parity), "training"
-    = the ids the model was trained on; aggregation: "release" = softmax over the
-    attention probabilities (what the release does; docs/design/method.md section 1 calls it a defect: nearly
+    aggregation "release" = softmax over the attention probabilities (what the release does: nearly
     uniform), "renormalised" = the probabilities renormalised inside the interval (ours).
     max_events / max_branch_tokens: None = the checkpoint's fields, else the release's
     code defaults (30 / 320); a branch holds at most 1 + max_branch_tokens tokens.
     """
 
-    grounding_threshold: float = 0.7
-    grounding_merge_gap: int = 2
-    positions: str = "release"
-    aggregation: str = "release"
     max_events: int | None = None
     max_branch_tokens: int | None = None
-    instruction: str = DEFAULT_INSTRUCTION
     dtype: str = "float32"
-    max_seq_len: int = 32768  # the release's prefill applies a 32768 sliding window that HF 5.24 does not: refuse longer
 
     def check(self) -> None:
         if self.positions not in POSITION_MODES:
@@ -91,22 +85,8 @@ class ReleaseSettings:
 
 def settings_from(cfg, *, positions: str | None = None) -> ReleaseSettings:
     """ReleaseSettings from a project Config (its `release` section, `model.dtype`)."""
-    r = cfg.release
-    return ReleaseSettings(grounding_threshold=r.grounding_threshold, grounding_merge_gap=r.grounding_merge_gap,
-                           positions=positions or r.positions, aggregation=r.aggregation, instruction=r.instruction,
-                           max_seq_len=r.max_seq_len, dtype=cfg.model.dtype)
-
-
-def head(dim: int, out: int) -> nn.Sequential:
-    """The release's grounding head: LayerNorm(d) -> Linear(d, d/2) -> GELU -> Linear(d/2, out)."""
-    return nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim // 2), nn.GELU(), nn.Linear(dim // 2, out))
-
-
-@dataclass
-class ReleaseOptions:
-    """What the layout of the release model is, for code that asks a model (`model.options.mask`)."""
-
-    mask: str = "factorized"
+    r = asdict(cfg.release)
+    return ReleaseSettings(**{**r, "positions": positions or r["positions"]}, dtype=cfg.model.dtype)
 
 
 class ReleaseCaptioner(nn.Module):
@@ -118,7 +98,7 @@ class ReleaseCaptioner(nn.Module):
         settings.check()
         self.settings = settings
         self.hf_cfg = hf_config
-        self.options = ReleaseOptions()
+        self.adapter = position_adapter(hf_config)  # M-RoPE (pipeline/backbone.py MRope)
         raw = hf_config.to_dict()
         text = hf_config.get_text_config(decoder=True)
         self.hf = Qwen2_5_VLForConditionalGeneration._from_config(hf_config, dtype=torch.float32,
@@ -126,8 +106,8 @@ class ReleaseCaptioner(nn.Module):
         d = text.hidden_size
         audio_cfg = raw.get("audio_config")
         self.audio = ReleaseAudio(audio_cfg, d) if audio_cfg else None
-        self.frm_head = head(d, d)
-        self.evi_head = head(d, d)
+        self.frm_head = GroundingHead(d)  # the project's head; the release's keys map onto its `net`
+        self.evi_head = GroundingHead(d)
         self.tokenizer = tokenizer
         self.ids = check_token_ids(hf_config, tokenizer)
         self.g_id, self.s_id, self.eos_id, self.pad_id = self.ids["g"], self.ids["s"], self.ids["eos"], self.ids["pad"]
@@ -177,7 +157,7 @@ class ReleaseCaptioner(nn.Module):
         return [("model.", "hf.model.language_model."), ("visual.", "hf.model.visual."), ("lm_head.", "hf.lm_head."),
                 ("audio.q_tokens", "audio.q_tokens"), ("audio.qformer.", "audio.qformer."),
                 ("audio.audio_proj.", "audio.audio_proj."), ("audio.", "audio.whisper."),
-                ("frm_head.", "frm_head."), ("evi_head.", "evi_head.")]
+                ("frm_head.", "frm_head.net."), ("evi_head.", "evi_head.net.")]
 
     def load_release_state(self, state: dict[str, torch.Tensor], device: str | torch.device | None = None,
                            towers_only: bool = False) -> None:
@@ -297,8 +277,33 @@ class ReleaseCaptioner(nn.Module):
 
     def similarity(self, event: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         """evi_head(state) [d] x segment keys [T, d] -> sigmoid similarities [T], in the model dtype."""
-        evi = self.evi_head(event)
-        return torch.sigmoid(segments @ evi / math.sqrt(evi.shape[-1]))
+        return torch.sigmoid(similarity_logits(self.evi_head(event), segments, precision="inputs"))
+
+    # ------------------------------------------------------------------ the family interface (pipeline/family.py)
+
+    program = "release"  # the engine's program for this family (infer/engine/programs.py)
+    baseline_decoder = None  # decoded by the engine alone
+
+    def capture_layers(self) -> tuple[int, int]:
+        """(grounding layer, aggregation layer) in HF's numbering: the release grounds on hidden_states[-2]."""
+        return self.hf_cfg.get_text_config(decoder=True).num_hidden_layers - 1, self.aggregation_layer
+
+    def banned_ids(self) -> list[int]:
+        return [self.g_id, self.s_id, self.shift_id]
+
+    def default_caps(self) -> tuple[int, int]:
+        """The checkpoint's max_planning_events; 1 + max_branch_tokens (the first token comes from the anchor step)."""
+        return self.max_events, self.max_branch_tokens + 1
+
+    def engine_refusal(self, decoder: str) -> str | None:
+        return None if decoder == "parallel" else "the release model decodes in parallel only (infer.decoder=parallel)"
+
+    def final_intervals(self, intervals: list, duration: float) -> list:
+        """The release's seconds are not clipped to the video: results are."""
+        return [well_formed(s, e, duration, 1e-3) for s, e in intervals]
+
+    def cast_to(self, dtype: torch.dtype) -> None:
+        cast_keeping_rope(self, dtype)
 
     # ------------------------------------------------------------------ encoders
 
