@@ -10,7 +10,7 @@ from pipeline.family import CheckpointFormat, DecodingFamily, TrainingFamily, we
 from pipeline.model import PadCaptioner
 from pipeline.release.finetune import ReleaseFinetune
 from tests.support.padcap import tiny_cfg
-from tests.support.release import load
+from bench.release_models import load
 
 
 @pytest.fixture(scope="module")
