@@ -55,7 +55,7 @@ from pipeline.fitting import fit_to_model
 from pipeline.grounding import GroundingHead, readout, segment_hidden, similarity_logits, soft_targets
 from pipeline.layout import IGNORE, LayoutOptions, Role
 from pipeline.tokens import add_special_tokens, build_tokenizer, prompt_ids, special_ids
-from pipeline.weights import folded_tables
+from pipeline.weights import folded_tables, with_row_logits, with_rows
 
 FORMAT_VERSION = 1
 META_FILE = "padcaptioner.json"
@@ -178,17 +178,12 @@ class PadCaptioner(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., d]; <G>/<S> from `new_embed`; negative ids (feature slots) give zeros' row 0."""
-        emb = self.decoder.embed_tokens(ids.clamp(min=0))
-        out = emb
-        for k in range(2):
-            hit = (ids == self.new_ids[k])[..., None]
-            out = torch.where(hit, self.new_embed[k].to(emb.dtype), out)
-        return out
+        return with_rows(self.decoder.embed_tokens(ids.clamp(min=0)), ids, self.new_ids, self.new_embed)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> [N, V]: frozen LM head, with the <G>/<S> columns from the new rows."""
-        base = self.backbone.get_base_model().lm_head(hidden)
-        return base.index_copy(-1, self.new_ids, self.plan_logits(hidden))
+        return with_row_logits(self.backbone.get_base_model().lm_head(hidden), hidden, self.new_ids,
+                               self.new_embed if self.new_out is None else self.new_out)
 
     def plan_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> [N, 2]: the (<G>, <S>) logits alone, the columns of `lm_logits` a planning

@@ -1,7 +1,13 @@
 """Weights as a model applies them, LoRA and the new token rows folded in (pure torch + peft's layer API).
 
     w, b = effective_linear(module)                # [out, in], [out] | None
+    emb = with_rows(table_emb, ids, row_ids, rows)       # [..., d]: the trained <G>/<S> rows where ids hit
+    logits = with_row_logits(base, hidden, row_ids, rows)  # [N, V]: those rows' logit columns replaced
+    table = fold_rows(table, row_ids, rows)        # a copy of a [V, d] table with the rows in place
     embed, head, bias = folded_tables(model)       # a PadCaptioner's tables with its <G>/<S> rows in place
+
+Both families train the two new rows (<G>, <S>) as a separate [2, d] parameter beside the frozen
+vocab-size table; these are the one way they are substituted (training) and folded (decoding, export).
 
 Used by the decode step's snapshot (infer/engine/step_weights.py) and by the release's merged
 export (pipeline/release/finetune.py).
@@ -30,6 +36,26 @@ def effective_linear(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tenso
     return weight, base.bias
 
 
+def with_rows(emb: torch.Tensor, ids: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """emb [..., d] (the frozen table's rows of ids [...]) -> the same with rows [2, d] where ids == row_ids[k]."""
+    ids = ids.to(emb.device)
+    for k in range(rows.shape[0]):
+        emb = torch.where((ids == row_ids[k])[..., None], rows[k].to(emb.dtype), emb)
+    return emb
+
+
+def with_row_logits(base: torch.Tensor, hidden: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """base logits [N, V] of hidden [N, d] -> the same with the row_ids columns from rows [2, d]."""
+    return base.index_copy(-1, row_ids.to(hidden.device), hidden @ rows.to(hidden.dtype).T)
+
+
+def fold_rows(table: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A copy of table [V, d] with rows [2, d] at row_ids (in the table's dtype)."""
+    out = table.detach().clone()
+    out[row_ids] = rows.detach().to(out.dtype)
+    return out
+
+
 def folded_tables(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A PadCaptioner's (embed [V, d], head [V, d], head bias): copies of the backbone's tables
     with the <G>/<S> rows of `new_embed` / `new_out` folded in (one tensor when tied)."""
@@ -37,12 +63,9 @@ def folded_tables(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | Non
     in_w = base.get_input_embeddings().weight
     out_w = base.get_output_embeddings().weight
     ids = model.new_ids
-    embed = in_w.detach().clone()
-    embed[ids] = model.new_embed.detach().to(embed.dtype)
+    embed = fold_rows(in_w, ids, model.new_embed)
     if in_w.data_ptr() == out_w.data_ptr() and model.new_out is None:
         head = embed
     else:
-        head = out_w.detach().clone()
-        rows = model.new_embed if model.new_out is None else model.new_out
-        head[ids] = rows.detach().to(head.dtype)
+        head = fold_rows(out_w, ids, model.new_embed if model.new_out is None else model.new_out)
     return embed, head, getattr(base.get_output_embeddings(), "bias", None)

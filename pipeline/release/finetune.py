@@ -50,7 +50,7 @@ from pipeline.release.layout import event_meta, prompt_meta, release_visible, sh
 from pipeline.release.model import ReleaseCaptioner, settings_from
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event
-from pipeline.weights import effective_linear
+from pipeline.weights import effective_linear, fold_rows, with_row_logits, with_rows
 
 LLM_QKV = r".*language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)"
 RUN_CONFIG = "run_config.json"
@@ -133,14 +133,10 @@ class ReleaseFinetune(nn.Module):
         return self.model.device
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        emb = self.model.embed_tokens(ids)
-        for k in range(2):
-            emb = torch.where((ids.to(emb.device) == self.row_ids[k])[..., None], self.rows[k].to(emb.dtype), emb)
-        return emb
+        return with_rows(self.model.embed_tokens(ids), ids, self.row_ids, self.rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        base = self.model.lm_logits(hidden)
-        return base.index_copy(-1, self.row_ids.to(hidden.device), hidden @ self.rows.to(hidden.dtype).T)
+        return with_row_logits(self.model.lm_logits(hidden), hidden, self.row_ids, self.rows)
 
     def enable_activation_checkpointing(self) -> None:
         """Checkpoint every layer of the LLM, the vision tower and Whisper (non-reentrant). The towers
@@ -299,9 +295,8 @@ class ReleaseFinetune(nn.Module):
                 state[f"{name}.weight"] = w.detach()
                 if b is not None:
                     state[f"{name}.bias"] = b.detach()
-        table = state["hf.model.language_model.embed_tokens.weight"].clone()
-        table[self.row_ids] = self.rows.detach().to(table.dtype)
-        state["hf.model.language_model.embed_tokens.weight"] = table
+        key = "hf.model.language_model.embed_tokens.weight"
+        state[key] = fold_rows(state[key], self.row_ids, self.rows)
         state.pop("hf.lm_head.weight", None)
         rules = [(dst, src) for src, dst in m.release_rules()]
         return {next(s + k[len(d):] for d, s in rules if k.startswith(d)): v.contiguous().cpu() for k, v in state.items()}
