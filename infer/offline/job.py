@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
 
 from pipeline import faults, storage  # noqa: E402
 from pipeline.cluster import init_ray, node_id, placement  # noqa: E402
-from pipeline.config import Config, load_config, section_hash  # noqa: E402
+from pipeline.config import Config, ConfigError, load_config, section_hash  # noqa: E402
 from pipeline.schema import FIELDS, KEY, decode, encode  # noqa: E402
 
 RESULT_COLUMNS: dict[str, pa.DataType] = {
@@ -467,20 +467,30 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--videos", required=True, help="dir | glob | s3://prefix | manifest.parquet")
-    ap.add_argument("--model", default="", help="a saved PadCaptioner dir or a release checkpoint dir ('' = random tiny smoke model)")
+    model = ap.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", default=None, help="a trained model dir or a release checkpoint dir")
+    model.add_argument("--random-model", action="store_true",
+                       help="caption with a random tiny model (smoke test: captions are noise, rows say tiny-random)")
     ap.add_argument("--out", required=True, help="output dir or s3:// prefix")
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--chunk-videos", type=int, default=64)
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    from infer.loading import RANDOM_MODEL, resolve_model
+
+    try:  # the model and the videos are checked before Ray starts
+        resolve_model(cfg, RANDOM_MODEL if args.random_model else args.model)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:  # list first: a wrong --videos is reported before Ray starts
         videos = list_videos(args.videos, cfg.data.video_extensions)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     init_ray(cfg)  # the cluster section (address, num_cpus), as `pipeline/run.py` starts Ray
-    summary = run_caption(cfg, videos, args.model, args.out, args.chunk_videos)
+    summary = run_caption(cfg, videos, RANDOM_MODEL if args.random_model else args.model, args.out, args.chunk_videos)
     print(json.dumps(summary, indent=2))
     if "failure" in summary:
         print(f"error: {summary['failure']}", file=sys.stderr)
