@@ -168,7 +168,7 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
     from infer.engine.core import CaptionEngine
     from infer.loading import load_model
     from preprocess.featurize import Featurizer
-    from infer.offline.job import _Annotation
+    from preprocess.featurize import Unannotated as _Annotation
 
     model, _, resolved = load_model(cfg, RANDOM_MODEL)
     vid = sorted(info.videos)[0]
