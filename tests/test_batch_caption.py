@@ -4,6 +4,7 @@ kill, results that match CaptionEngine called directly."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -121,6 +122,14 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
     first_chunks = {r["chunk"] for r in read_results(out)}
     summary = run_caption(cfg, str(vids), RANDOM_MODEL, out, chunk_videos=3)
     rows = read_results(out)
+    # the written files have exactly the documented columns (docs/guide/output.md lists RESULT_COLUMNS)
+    import pyarrow.parquet as pq
+
+    from infer.results import RESULT_COLUMNS, CaptionResult
+
+    assert pq.read_schema(os.path.join(out, "captions.parquet")).names == list(RESULT_COLUMNS)
+    results = [CaptionResult.from_row(r) for r in rows]  # every row reads back as the API's result type
+    assert {r.status for r in results} == {"ok", "error"} and all(r.error_kind in ("", "input") for r in results)
     # the second run redoes every video without an ok row: which 3 rows came back first (the bad files fail
     # fastest) is up to the scheduler, so the count comes from what the first run committed. They are
     # committed in chunks of 3, by one featurize actor and one caption actor (the model and encoders loaded
