@@ -49,7 +49,7 @@ def _comments(cls: type) -> dict[str, str]:
             out[name] = comments[number]
             continue
         above, k = [], number - 1
-        while k >= 1 and lines[k - 1].strip().startswith("#"):
+        while k >= 1 and k in comments and lines[k - 1].strip().startswith("#"):
             above.insert(0, comments[k])
             k -= 1
         if above:
