@@ -341,11 +341,12 @@ def deploy(cfg, app: str = "padcap") -> tuple[str, str]:
     """Start Serve on 127.0.0.1 (a free port) and run the endpoint for `cfg` -> (url, deployment name)."""
     from ray import serve
 
+    from infer.loading import RANDOM_MODEL
     from infer.serving.deployment import build_application
 
     port = sim_cluster.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_application(cfg), name=app, route_prefix="/")
+    serve.run(build_application(cfg, RANDOM_MODEL), name=app, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 180)
     return url, "PadCaptioner"

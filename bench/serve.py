@@ -1,9 +1,9 @@
 """Closed-loop load test of the Ray Serve captioning endpoint on 127.0.0.1.
 
     flock /tmp/padcap-ray.lock .venv/bin/python -m bench.serve [--seconds 20] [--concurrency 1 4 16]
-        [--config cluster/configs/default.yaml] [--model-dir D] [--set k=v ...] [--upload] [--out runs/bench/serve.json]
+        [--config cluster/configs/default.yaml] [--model D] [--set k=v ...] [--upload] [--out runs/bench/serve.json]
 
-Starts a local Ray + Serve app (infer.serving.deployment:app_builder; no --model-dir = the tiny
+Starts a local Ray + Serve app (infer.serving.deployment:app_builder; the default model is the tiny
 random-init model), generates a synthetic video, then for each concurrency level
 runs that many clients in a closed loop (each sends its next request when the
 last one answers) for --seconds. Per level it reports requests/s, p50/p99
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--config", default=str(ROOT / "cluster/configs/default.yaml"))
-    ap.add_argument("--model-dir", default="")
+    ap.add_argument("--model", "--model-dir", dest="model_dir", default="random:tiny",
+                    help="a trained model dir or a release checkpoint dir (default: a random tiny model)")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--upload", action="store_true", help="upload the video instead of naming it by URI")
     ap.add_argument("--timeout", type=float, default=300.0)

@@ -8,10 +8,12 @@ checkpoint (the published PadCaptioner-3B's directory), or the tiny smoke model.
 model_dir = a directory written by `PadCaptioner.save_pretrained` (the training
 stage's <run_dir>/train/model). When it also holds the run's `config.json`, its
 `features` section replaces the serving config's: the encoders must produce what
-the model was trained on. model_dir = "" is the smoke mode: a fresh `tiny`
-random-init model (seeded by model.backbone_seed, so every replica and every
-test builds the same weights) sized to the configured feature encoders; the
-endpoint then works end to end but its captions are noise.
+the model was trained on. model_dir = RANDOM_MODEL ("random:tiny", the command lines'
+`--random-model`) is the smoke mode: a fresh `tiny` random-init model (seeded by
+model.backbone_seed, so every replica and every test builds the same weights) sized to
+the configured feature encoders, whose model id says `tiny-random`; the endpoint then
+works end to end but its captions are noise. No model at all (model_dir "") is an error,
+never a silent random model.
 
 The device is infer.device (auto = CUDA when available); LoRA is merged into the
 backbone weights at load (nothing trains here), and the engine decodes in
@@ -34,6 +36,24 @@ from pipeline.config import Config, ConfigError, section_hash
 
 log = logging.getLogger("padcap.serve")
 CONFIG_FILE = "config.json"
+RANDOM_MODEL = "random:tiny"  # the model argument for a fresh random tiny model (smoke tests: captions are noise)
+NO_MODEL = ("no model given: pass --model DIR (a trained model dir or a release checkpoint dir), "
+            "or --random-model for a random tiny model whose captions are noise")
+
+
+def require_model(model_dir: str) -> str:
+    """`model_dir` when it names a model (a directory or RANDOM_MODEL); a ConfigError when it is empty.
+
+    >>> require_model(RANDOM_MODEL)
+    'random:tiny'
+    >>> require_model("")
+    Traceback (most recent call last):
+    ...
+    pipeline.config.ConfigError: no model given: pass --model DIR (a trained model dir or a release checkpoint dir), or --random-model for a random tiny model whose captions are noise
+    """
+    if not str(model_dir or "").strip():
+        raise ConfigError(NO_MODEL)
+    return str(model_dir)
 
 
 @dataclasses.dataclass
@@ -127,18 +147,20 @@ def release_config(cfg: Config, path: Path) -> Config:
 def release_dir(model_dir: str) -> Path | None:
     from pipeline.release.checkpoint import is_release_dir
 
-    path = Path(model_dir).expanduser() if model_dir else None
+    path = Path(model_dir).expanduser() if model_dir and model_dir != RANDOM_MODEL else None
     return path.resolve() if path is not None and is_release_dir(path) else None
 
 
 def resolve_model(cfg: Config, model_dir: str) -> tuple[str, Config]:
     """(model id, cfg with the features the model captions with): what `load_model` gives as its card's
     id and its config, without loading any weight (what a driver needs to resume a captioning job)."""
-    release = release_dir(model_dir)
+    release = release_dir(require_model(model_dir))
     if release is not None:
         return f"{release.name}-{weights_fingerprint(release)}", release_config(cfg, release)
-    if model_dir:
+    if model_dir != RANDOM_MODEL:
         path = Path(model_dir).expanduser().resolve()
+        if not path.is_dir():
+            raise ConfigError(f"model {model_dir}: no such directory (a trained model dir or a release checkpoint dir)")
         return f"{path.name}-{weights_fingerprint(path)}", _trained_features(path, cfg)
     return f"tiny-random-seed{cfg.model.backbone_seed}", cfg
 
@@ -168,7 +190,7 @@ def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
         return load_release(cfg, release, device, model_id)
     cfg = resolved
     dv, da = feature_dims(cfg)
-    if model_dir:
+    if model_dir != RANDOM_MODEL:
         path = Path(model_dir).expanduser().resolve()
         model = PadCaptioner.from_pretrained(path)
         if (model.cfg.visual_dim, model.cfg.audio_dim) != (dv, da):

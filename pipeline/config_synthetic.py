@@ -35,36 +35,36 @@ class HardOptions:
     annotations give no such numbers here), not fitted to any model's result.
     """
 
-    min_events: int = 8
-    max_events: int = 16
-    min_duration: float = 48.0
-    max_duration: float = 96.0
-    overlap_prob: float = 0.3
-    back_to_back_prob: float = 0.25
+    min_events: int = 8  # events per video, at least
+    max_events: int = 16  # events per video, at most
+    min_duration: float = 48.0  # video length in seconds, at least
+    max_duration: float = 96.0  # video length in seconds, at most
+    overlap_prob: float = 0.3  # chance that an event overlaps the previous one
+    back_to_back_prob: float = 0.25  # chance that an event starts where the previous one ends
     min_overlap: float = 0.2  # overlap length / shorter event's length
-    max_overlap: float = 0.5
+    max_overlap: float = 0.5  # overlap length / shorter event's length, at most
     min_distractors: int = 2  # audio-only sounds per video that belong to no event
-    max_distractors: int = 4
-    min_distractor_seconds: float = 2.0
-    max_distractor_seconds: float = 6.0
+    max_distractors: int = 4  # audio-only distractor sounds per video, at most
+    min_distractor_seconds: float = 2.0  # a distractor sound lasts at least this long
+    max_distractor_seconds: float = 6.0  # a distractor sound lasts at most this long
 
 
 @dataclass
 class SyntheticConfig:
     """The generated omni-modal corpus used by the embedded default."""
 
-    num_videos: int = 48
-    test_fraction: float = 0.25
-    seed: int = 0
-    min_duration: float = 20.0
-    max_duration: float = 40.0
-    min_events: int = 2
-    max_events: int = 5
-    width: int = 96
-    height: int = 96
-    fps: int = 8
+    num_videos: int = 48  # videos in the corpus
+    test_fraction: float = 0.25  # share of the videos in the held-out test split
+    seed: int = 0  # seed of the corpus (the same seed gives the same files)
+    min_duration: float = 20.0  # video length in seconds, at least
+    max_duration: float = 40.0  # video length in seconds, at most
+    min_events: int = 2  # events per video, at least
+    max_events: int = 5  # events per video, at most
+    width: int = 96  # frame width in pixels
+    height: int = 96  # frame height in pixels
+    fps: int = 8  # frames per second of the mp4
     sample_rate: int = 16000  # AAC audio track (16000, 22050, 44100 or 48000)
-    min_event_seconds: float = 2.0
+    min_event_seconds: float = 2.0  # an event lasts at least this long
     min_gap_seconds: float = 1.0  # background between (and before/after) events
     num_workers: int = 0  # processes for rendering; 0 = one per core (max 8)
     regime: Literal["default", "hard"] = "default"  # hard: see the module doc and HardOptions

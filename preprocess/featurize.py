@@ -28,6 +28,7 @@ With the `release` encoders the release's own media preparation and towers run i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import Config, section_hash
@@ -106,3 +107,14 @@ class Featurizer:
 def featurize(uri: str, annotation: Any, cfg: Config, storage_options: dict[str, Any] | None = None) -> Sample:
     """Decode + encode + align one video (builds the encoders; use Featurizer for many videos)."""
     return Featurizer(cfg, storage_options)(uri, annotation)
+
+
+@dataclass
+class Unannotated:
+    """What the featurizer gets for a video to caption: an id, no events (`source` names who asked)."""
+
+    video_id: str
+    source: str = "archive"
+    events: tuple = ()
+    duration: float | None = None
+    split: str = ""

@@ -4,11 +4,13 @@ kill, results that match CaptionEngine called directly."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+from infer.loading import RANDOM_MODEL
 from infer.offline.job import list_videos, read_results, run_caption
 from pipeline.config import load_config
 from preprocess.synthetic import generate_corpus
@@ -77,8 +79,20 @@ def test_videos_path_that_does_not_exist_is_an_error(tmp_path, capsys):
             list_videos(spec, [".mp4"])
     (tmp_path / "empty").mkdir()
     assert list_videos(str(tmp_path / "empty"), [".mp4"]) == []  # an existing, empty folder is not an error
-    assert main(["--videos", str(missing), "--out", str(tmp_path / "out")]) == 2
+    assert main(["--videos", str(missing), "--out", str(tmp_path / "out"), "--random-model"]) == 2
     assert "archvie" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_no_model_is_refused_before_any_work(tmp_path, capsys):
+    """Without --model (or an explicit --random-model) the job refuses: never a silent random model."""
+    from infer.offline.job import main
+
+    (tmp_path / "v").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        main(["--videos", str(tmp_path / "v"), "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and "--model" in capsys.readouterr().err
+    assert main(["--videos", str(tmp_path / "v"), "--out", str(tmp_path / "out"), "--model", ""]) == 2
+    assert "no model given" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_cli_starts_ray_as_the_cluster_section_says(tmp_path, monkeypatch):
@@ -94,7 +108,8 @@ def test_cli_starts_ray_as_the_cluster_section_says(tmp_path, monkeypatch):
     monkeypatch.setattr(batch, "run_caption", lambda cfg, videos, *a, **kw: captioned.append(videos) or {"failed": 0})
     (tmp_path / "v").mkdir()
     (tmp_path / "v" / "a.mp4").write_bytes(b"x")
-    assert batch.main(["--videos", str(tmp_path / "v"), "--out", str(tmp_path / "out"), "--set", "cluster.num_cpus=1"]) == 0
+    assert batch.main(["--videos", str(tmp_path / "v"), "--out", str(tmp_path / "out"), "--set", "cluster.num_cpus=1",
+                       "--random-model"]) == 0
     assert len(calls) == 1 and calls[0].get("num_cpus") == 1 and calls[0].get("_node_ip_address") == "127.0.0.1"
     assert [v["video_id"] for v in captioned[0]] == ["a"]
 
@@ -102,11 +117,19 @@ def test_cli_starts_ray_as_the_cluster_section_says(tmp_path, monkeypatch):
 def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_path, capsys):
     cfg, info, vids = archive
     out = str(tmp_path / "captions")
-    first = run_caption(cfg, str(vids), "", out, chunk_videos=3, max_chunks=1)  # "killed" after one chunk
+    first = run_caption(cfg, str(vids), RANDOM_MODEL, out, chunk_videos=3, max_chunks=1)  # "killed" after one chunk
     assert first["this_run_ok"] + first["this_run_failed"] == 3
     first_chunks = {r["chunk"] for r in read_results(out)}
-    summary = run_caption(cfg, str(vids), "", out, chunk_videos=3)
+    summary = run_caption(cfg, str(vids), RANDOM_MODEL, out, chunk_videos=3)
     rows = read_results(out)
+    # the written files have exactly the documented columns (docs/guide/output.md lists RESULT_COLUMNS)
+    import pyarrow.parquet as pq
+
+    from infer.results import RESULT_COLUMNS, CaptionResult
+
+    assert pq.read_schema(os.path.join(out, "captions.parquet")).names == list(RESULT_COLUMNS)
+    results = [CaptionResult.from_row(r) for r in rows]  # every row reads back as the API's result type
+    assert {r.status for r in results} == {"ok", "error"} and all(r.error_kind in ("", "input") for r in results)
     # the second run redoes every video without an ok row: which 3 rows came back first (the bad files fail
     # fastest) is up to the scheduler, so the count comes from what the first run committed. They are
     # committed in chunks of 3, by one featurize actor and one caption actor (the model and encoders loaded
@@ -135,14 +158,14 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
     assert [j["video_id"] for j in jsonl] == ids
 
     # Re-running does nothing new.
-    again = run_caption(cfg, str(vids), "", out, chunk_videos=3)
+    again = run_caption(cfg, str(vids), RANDOM_MODEL, out, chunk_videos=3)
     assert again["this_run_ok"] == 0 and again["captioned"] == summary["captioned"]
 
     # The CLI's exit status: 0 when the recorded per-video errors are within infer.max_failed_fraction
     # (the bad files are retried, fail again, and are judged with the rows already there), else 1.
     from infer.offline.job import main
 
-    args = ["--videos", str(vids), "--out", out, "--config", str(PRESET), "--chunk-videos", "3"]
+    args = ["--videos", str(vids), "--out", out, "--config", str(PRESET), "--chunk-videos", "3", "--random-model"]
     for item in SMALL:
         args += ["--set", item]
     assert main([*args, "--set", "infer.max_failed_fraction=0.5"]) == 0
@@ -154,9 +177,9 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
     from infer.engine.core import CaptionEngine
     from infer.loading import load_model
     from preprocess.featurize import Featurizer
-    from infer.offline.job import _Annotation
+    from preprocess.featurize import Unannotated as _Annotation
 
-    model, _, resolved = load_model(cfg, "")
+    model, _, resolved = load_model(cfg, RANDOM_MODEL)
     vid = sorted(info.videos)[0]
     sample = Featurizer(resolved)(str(vids / f"{vid}.mp4"), _Annotation(video_id=vid))
     direct = CaptionEngine(model, resolved.infer).caption([sample])[0]

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "cluster"
 LAUNCHER = CLUSTER / "ray-cluster.yaml"
 SERVE_YAML = CLUSTER / "serve.yaml"
+SERVE_FILES = [SERVE_YAML, CLUSTER / "serve-gpu.yaml"]
 RAYJOB = CLUSTER / "kuberay" / "rayjob.yaml"
 RAYSERVICE = CLUSTER / "kuberay" / "rayservice.yaml"
 DOCKERFILE = CLUSTER / "Dockerfile"
@@ -347,9 +348,10 @@ def _rayservice_serve_config() -> dict:
     return yaml.safe_load(_manifest(RAYSERVICE, "RayService")["spec"]["serveConfigV2"])
 
 
-def test_serve_yaml_validates_against_serve_schema(own_ray_cluster):
+@pytest.mark.parametrize("path", SERVE_FILES, ids=lambda p: p.name)
+def test_serve_yaml_validates_against_serve_schema(own_ray_cluster, path):
     """(own_ray_cluster: no Ray instance is up, so the last line checks validating starts none.)"""
-    data = _yaml(SERVE_YAML)
+    data = _yaml(path)
     schema = _serve_schema(data)
     assert len(schema.applications) == 1
     app = schema.applications[0]
@@ -365,9 +367,9 @@ def test_serve_yaml_validates_against_serve_schema(own_ray_cluster):
     assert not ray.is_initialized()
 
 
-@pytest.mark.parametrize("source", ["serve.yaml", "rayservice.yaml"])
+@pytest.mark.parametrize("source", ["serve.yaml", "serve-gpu.yaml", "rayservice.yaml"])
 def test_serve_options_equal_the_presets_serve_section(source):
-    data = _yaml(SERVE_YAML) if source == "serve.yaml" else _rayservice_serve_config()
+    data = _yaml(CLUSTER / source) if source.startswith("serve") else _rayservice_serve_config()
     schema = _serve_schema(data)
     (app_data,) = data["applications"]
     repo_dir = _docker_image_repo_dir()
@@ -402,8 +404,6 @@ def test_rayservice_gpu_group_holds_the_replicas():
 
 def test_serve_yaml_deployment_name_exists_in_the_app():
     """The deployment named in serve.yaml must be one infer/serving/deployment.py defines (else `serve deploy` fails)."""
-    if not (ROOT / "infer" / "serve.py").is_file():
-        pytest.skip("infer/serving/deployment.py is not in this tree yet")
     import importlib
 
     from ray.serve.deployment import Deployment
@@ -415,3 +415,28 @@ def test_serve_yaml_deployment_name_exists_in_the_app():
         names = {module.app_builder(dict(app["args"]))._bound_deployment.name}
     wanted = {d["name"] for d in _yaml(SERVE_YAML)["applications"][0]["deployments"]}
     assert wanted <= names, f"serve.yaml names deployments {wanted}; infer/serving/deployment.py defines {names}"
+
+
+@pytest.mark.parametrize("path", SERVE_FILES, ids=lambda p: p.name)
+def test_serve_files_say_what_hardware_they_are_for(path):
+    (app,) = _yaml(path)["applications"]
+    gpus = app["deployments"][0]["ray_actor_options"]["num_gpus"]
+    assert (gpus > 0) == (path.name == "serve-gpu.yaml")
+    assert ("GPU" in path.read_text().split("proxy_location")[0]) and ("CPU" in path.read_text().split("proxy_location")[0])
+
+
+def test_a_model_override_is_applied_or_refused_never_ignored():
+    """A serve file's model, and a `serve.model_dir` override: the same model is applied, another is refused."""
+    from infer.serving.deployment import app_builder
+    from pipeline.config import ConfigError
+
+    (app,) = _yaml(SERVE_YAML)["applications"]
+    args = dict(app["args"])
+    bound = app_builder(dict(args, overrides=[f"serve.model_dir={args['model_dir']}"]))
+    assert bound._bound_deployment.init_args[1] == args["model_dir"]
+    with pytest.raises(ConfigError, match="named twice"):
+        app_builder(dict(args, overrides=["serve.model_dir=/models/PadCaptioner-3B"]))
+    only_override = app_builder(dict(args, model_dir="", overrides=["serve.model_dir=/models/PadCaptioner-3B"]))
+    assert only_override._bound_deployment.init_args[1] == "/models/PadCaptioner-3B"
+    with pytest.raises(ConfigError, match="no model given"):
+        app_builder(dict(args, model_dir=""))

@@ -34,6 +34,7 @@ import pytest
 from bench import sim_cluster as sc  # before ray: the 127.0.0.1 variables
 
 from bench import autoscale  # noqa: E402
+from infer.loading import RANDOM_MODEL  # noqa: E402
 from pipeline import storage  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.schema import decode  # noqa: E402
@@ -210,7 +211,7 @@ def baseline_captions(sim, corpus, tmp_path_factory):
     from infer.offline.job import run_caption
 
     out = str(tmp_path_factory.mktemp("captions-baseline"))
-    summary = run_caption(sim_cfg(), corpus.video_dir, "", out)
+    summary = run_caption(sim_cfg(), corpus.video_dir, RANDOM_MODEL, out)
     assert summary["captioned"] == 6 and summary["failed"] == 0
     return out
 
@@ -230,7 +231,7 @@ def test_offline_captioning_survives_losing_a_cpu_node_with_a_video_in_flight(si
     killer = NodeKiller(sim, "FeaturizeForCaption", "cpu", target=held_node(root, "caption-featurize"),
                         probe=lambda: sorted(parts.glob("*.parquet")))
     killer.start()
-    summary = run_caption(sim_cfg(), corpus.video_dir, "", out, wrap_stage=watch)
+    summary = run_caption(sim_cfg(), corpus.video_dir, RANDOM_MODEL, out, wrap_stage=watch)
     removed = killer.finish()
     assert killer.probed == [], "the node was removed after the run had committed its captions"
     assert sim.kind_by_id[check_lost_in_flight(root, "caption-featurize", removed)["node_id"]] == "cpu"
@@ -253,7 +254,7 @@ def test_offline_captioning_survives_losing_the_gpu_node_with_videos_in_flight(s
                         probe=lambda: sorted(parts.glob("*.parquet")))
     killer.start()
     try:
-        summary = run_caption(sim_cfg(), corpus.video_dir, "", out, wrap_stage=watch)
+        summary = run_caption(sim_cfg(), corpus.video_dir, RANDOM_MODEL, out, wrap_stage=watch)
         removed = killer.finish()
     finally:
         for node in sim.nodes["gpu"][1:]:  # back to one "GPU" node, whatever happened

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from infer.loading import load_model, resolve_model
+from infer.loading import RANDOM_MODEL, load_model, resolve_model
 from pipeline.config import Config
 from bench.release_models import CHECKPOINT
 
@@ -23,7 +23,7 @@ def saved(tmp_path_factory):
     """A saved PadCaptioner whose run config has other features than the serving default."""
     cfg = _cfg()
     trained = dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, n_mels=16))
-    model, _, _ = load_model(trained, "")
+    model, _, _ = load_model(trained, RANDOM_MODEL)
     path = tmp_path_factory.mktemp("saved") / "model"
     model.save_pretrained(path)
     (path / "config.json").write_text(trained.to_json())
@@ -35,7 +35,7 @@ def test_resolve_model_gives_load_models_id_and_features_without_loading(kind, s
     from pipeline.model import PadCaptioner
     from pipeline.release.model import ReleaseCaptioner
 
-    model_dir = {"tiny": "", "saved": saved, "release": str(CHECKPOINT)}[kind]
+    model_dir = {"tiny": RANDOM_MODEL, "saved": saved, "release": str(CHECKPOINT)}[kind]
     cfg = _cfg()
     _, card, loaded = load_model(cfg, model_dir)
 
@@ -98,3 +98,25 @@ def test_weights_fingerprint_is_cached_per_machine_and_changes_with_the_files(tm
     ro.write_text("a file where the cache directory would be")
     monkeypatch.setenv("PADCAP_CACHE_DIR", str(ro))
     assert weights_fingerprint(model) == second
+
+
+@pytest.mark.parametrize("model_dir", ["", "   "])
+def test_no_model_is_an_error_not_a_random_model(model_dir):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no model given.*--random-model"):
+        resolve_model(_cfg(), model_dir)
+    with pytest.raises(ConfigError, match="no model given"):
+        load_model(_cfg(), model_dir)
+
+
+def test_a_missing_model_dir_is_named(tmp_path):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no such directory"):
+        resolve_model(_cfg(), str(tmp_path / "nope"))
+
+
+def test_the_random_model_says_so_in_its_id():
+    model_id, _ = resolve_model(_cfg(), RANDOM_MODEL)
+    assert "random" in model_id

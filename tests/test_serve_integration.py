@@ -42,6 +42,7 @@ def tree(tmp_path_factory):
 def app_url(ray_local, tree, tmp_path_factory):
     from ray import serve
 
+    from infer.loading import RANDOM_MODEL
     from infer.serving.deployment import app_builder
 
     cfg = serve_test_config(tree, min_replicas=1, max_replicas=1, max_ongoing_requests=MAX_ONGOING,
@@ -53,7 +54,7 @@ def app_url(ray_local, tree, tmp_path_factory):
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = app_builder({"config": str(preset), "model_dir": "", "overrides": ["infer.max_events=8"]})
+        app = app_builder({"config": str(preset), "model_dir": RANDOM_MODEL, "overrides": ["infer.max_events=8"]})
         serve.run(app, name="padcap", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, 120)

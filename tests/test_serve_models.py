@@ -31,10 +31,10 @@ def run(coro):
 def test_saved_checkpoint_serves_like_the_model_that_saved_it(parts, tree, tmp_path):
     import dataclasses
 
-    from infer.loading import load_engine, load_model
+    from infer.loading import RANDOM_MODEL, load_engine, load_model
 
     _, _, cfg = parts
-    model, _, _ = load_model(cfg, "")
+    model, _, _ = load_model(cfg, RANDOM_MODEL)
     model.save_pretrained(tmp_path / "ckpt")
     (tmp_path / "ckpt" / "config.json").write_text(cfg.to_json())
     factory, card, cfg2 = load_engine(cfg, str(tmp_path / "ckpt"))
@@ -56,10 +56,10 @@ def test_model_id_names_the_weights_not_the_directory(parts, tmp_path):
     """A model retrained into the same directory must not inherit the old id (caption resume keys on it)."""
     import torch
 
-    from infer.loading import load_model
+    from infer.loading import RANDOM_MODEL, load_model
 
     _, _, cfg = parts
-    model, _, _ = load_model(cfg, "")
+    model, _, _ = load_model(cfg, RANDOM_MODEL)
     model.save_pretrained(tmp_path / "ckpt")
     first = load_model(cfg, str(tmp_path / "ckpt"))[1].model_id
     assert load_model(cfg, str(tmp_path / "ckpt"))[1].model_id == first  # same bytes, same id
@@ -75,11 +75,11 @@ def test_a_long_video_is_fitted_and_a_video_that_cannot_fit_is_a_422(parts, tree
     A context too small for even one segment after the decode's reserve: 422."""
     import dataclasses
 
-    from infer.loading import load_engine
+    from infer.loading import RANDOM_MODEL, load_engine
 
     _, _, cfg = parts
     small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=4))
-    factory, card, small = load_engine(small, "")
+    factory, card, small = load_engine(small, RANDOM_MODEL)
     svc = CaptionService(small, factory, card)
     try:
         body = run(svc.caption_uri(str(tree.good)))
@@ -88,7 +88,7 @@ def test_a_long_video_is_fitted_and_a_video_that_cannot_fit_is_a_422(parts, tree
     finally:
         svc.close()
     tight = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_seq_len=cfg.infer.max_events + 20))
-    factory, card, tight = load_engine(tight, "")
+    factory, card, tight = load_engine(tight, RANDOM_MODEL)
     svc = CaptionService(tight, factory, card)
     try:
         with pytest.raises(RequestError) as info:

@@ -51,51 +51,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from infer.results import ERROR_KINDS, RESULT_COLUMNS, CaptionResult, caption_config_hash, caption_each  # noqa: F401
 from pipeline import storage
 from pipeline.cluster import init_ray, placement
-from pipeline.config import Config, load_config, section_hash
+from pipeline.config import Config, ConfigError, load_config
 from pipeline.schema import FIELDS, KEY, decode, encode
 
 ROOT = Path(__file__).resolve().parents[2]
 
-RESULT_COLUMNS: dict[str, pa.DataType] = {
-    "video_id": pa.string(),
-    "uri": pa.string(),
-    "status": pa.string(),  # ok | error
-    "error": pa.string(),
-    "duration": pa.float64(),
-    "events": pa.string(),  # JSON list of {start, end, caption}
-    "timings": pa.string(),  # JSON object
-    "model_id": pa.string(),
-    "config_hash": pa.string(),
-    "chunk": pa.string(),
-    "capped": pa.string(),  # JSON list of bool, per event: caption cut at infer.max_branch_tokens
-    "segments_kept": pa.int64(),  # segments the model saw (fewer than segments_total: shortened to fit)
-    "segments_total": pa.int64(),
-    "error_kind": pa.string(),  # "" | input (bad media / annotation) | refused (by the engine) | engine (raised on it)
-}
-ERROR_KINDS = ("input", "refused", "engine")
 SAMPLE_COLUMNS = [KEY, *FIELDS]
 RELEASE_INPUTS = "release_inputs"  # online release encoders: the media preparation's output (ReleaseInputs.to_bytes)
-
-
-@dataclass
-class _Annotation:
-    """What the featurizer needs to know about a video when captioning it: no events."""
-
-    video_id: str
-    duration: float | None = None
-    events: tuple = ()
-    split: str = ""
-    source: str = "archive"
-
-
-def caption_config_hash(cfg: Config) -> str:
-    """What makes a caption row reusable: the feature, model and decoding settings (not the
-    failure threshold, which only judges the rows)."""
-    infer = {k: v for k, v in dataclasses.asdict(cfg.infer).items() if k != "max_failed_fraction"}
-    return section_hash({"features": dataclasses.asdict(cfg.features), "model": dataclasses.asdict(cfg.model),
-                         "infer": infer})
 
 
 # ----------------------------------------------------------------------------- listing
@@ -158,6 +123,8 @@ class FeaturizeForCaption:
         self.front_end = release.inputs if release is not None and release.online else None
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+        from preprocess.featurize import Unannotated
+
         out: dict[str, list[Any]] = {c: [] for c in ["video_id", "uri", "chunk", "status", "error", "seconds",
                                                       "featurize_pid", *SAMPLE_COLUMNS, RELEASE_INPUTS]}
         for i in range(len(batch["video_id"])):
@@ -171,7 +138,7 @@ class FeaturizeForCaption:
                 if self.front_end is not None:  # encoded by the caption actor's model (engine_input)
                     fields[RELEASE_INPUTS] = self.front_end(uri).to_bytes()
                 else:
-                    fields.update(encode(self.featurizer(uri, _Annotation(video_id=vid))))
+                    fields.update(encode(self.featurizer(uri, Unannotated(video_id=vid))))
             except Exception as e:  # explained, never fatal
                 status, error = "error", f"{type(e).__name__}: {e}"
             for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS):
@@ -215,52 +182,35 @@ class CaptionVideos:
         self.pid = os.getpid()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
-        n = len(batch["video_id"])
-        rows = [{"video_id": str(batch["video_id"][i]), "uri": str(batch["uri"][i]), "chunk": str(batch["chunk"][i]),
-                 "status": str(batch["status"][i]), "error": str(batch["error"][i]), "duration": None,
-                 "events": "[]", "timings": "{}", "model_id": self.model_id, "config_hash": self.config_hash,
-                 "capped": "[]", "segments_kept": 0, "segments_total": 0,
-                 "error_kind": "input" if str(batch["status"][i]) != "ok" else ""}
-                for i in range(n)]
-        self._caption(batch, rows)
+        results = self._caption(batch)
+        for result, chunk in zip(results, batch["chunk"]):
+            result.chunk = str(chunk)
+        rows = [r.to_row() for r in results]
         return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
 
-    def _caption(self, batch: dict[str, np.ndarray], rows: list[dict[str, Any]]) -> None:
-        """Fills `rows` (one per video of `batch`) with the engine's captions or the reason it gave none."""
-        todo = []
-        for i, row in enumerate(rows):
-            if row["status"] != "ok":
+    def _caption(self, batch: dict[str, np.ndarray]) -> list[CaptionResult]:
+        """One CaptionResult per video of `batch`: the engine's captions, or the reason it gave none."""
+        fields = {"model_id": self.model_id, "config_hash": self.config_hash}
+        results: list[CaptionResult | None] = [None] * len(batch["video_id"])
+        todo, where = [], []
+        for i in range(len(results)):
+            video_id, uri = str(batch["video_id"][i]), str(batch["uri"][i])
+            if str(batch["status"][i]) != "ok":  # the featurize actor's verdict
+                results[i] = CaptionResult.failed(video_id, uri, "input", str(batch["error"][i]), **fields)
                 continue
             try:
-                todo.append((i, engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch},
-                                             row["video_id"])))
+                sample = engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch}, video_id)
             except Exception as e:
-                row.update(status="error", error=f"{type(e).__name__}: {e}", error_kind="input")
-        if todo:
-            try:
-                results = self.engine.caption([s for _, s in todo])
-            except Exception:  # one bad video must not sink its batch: retry one by one
-                results = []
-                for i, s in todo:
-                    try:
-                        results.extend(self.engine.caption([s]))
-                    except Exception as e:
-                        results.append(e)
-            for (i, sample), res in zip(todo, results):
-                if isinstance(res, Exception):
-                    rows[i].update(status="error", error=f"{type(res).__name__}: {res}", error_kind="engine")
-                    continue
-                if getattr(res, "error", None):  # the engine refused this video (does not fit the model)
-                    rows[i].update(status="error", error=f"engine: {res.error}", error_kind="refused")
-                    continue
-                rows[i].update(duration=float(res.duration),
-                               events=json.dumps([{"start": e.start, "end": e.end, "caption": e.caption}
-                                                  for e in res.events], ensure_ascii=False),
-                               timings=json.dumps({**res.timings, "featurize_s": float(batch["seconds"][i]),
-                                                   "kernel": self.kernel, "caption_pid": self.pid,
-                                                   "featurize_pid": int(batch.get("featurize_pid", [0] * len(rows))[i])}),
-                               capped=json.dumps(res.capped), segments_kept=res.segments_kept,
-                               segments_total=res.segments_total)
+                results[i] = CaptionResult.failed(video_id, uri, "input", f"{type(e).__name__}: {e}", **fields)
+                continue
+            todo.append((video_id, uri, sample))
+            where.append(i)
+        for i, result in zip(where, caption_each(self.engine, todo, **fields)):
+            if result.ok:
+                result.timings.update(featurize_s=float(batch["seconds"][i]), kernel=self.kernel, caption_pid=self.pid,
+                                      featurize_pid=int(batch.get("featurize_pid", [0] * len(results))[i]))
+            results[i] = result
+        return results
 
 
 # ----------------------------------------------------------------------------- results
@@ -477,20 +427,30 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--videos", required=True, help="dir | glob | s3://prefix | manifest.parquet")
-    ap.add_argument("--model", default="", help="a saved PadCaptioner dir or a release checkpoint dir ('' = random tiny smoke model)")
+    model = ap.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", default=None, help="a trained model dir or a release checkpoint dir")
+    model.add_argument("--random-model", action="store_true",
+                       help="caption with a random tiny model (smoke test: captions are noise, rows say tiny-random)")
     ap.add_argument("--out", required=True, help="output dir or s3:// prefix")
     ap.add_argument("--config", default=None)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--chunk-videos", type=int, default=64)
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    from infer.loading import RANDOM_MODEL, resolve_model
+
+    try:  # the model and the videos are checked before Ray starts
+        resolve_model(cfg, RANDOM_MODEL if args.random_model else args.model)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:  # list first: a wrong --videos is reported before Ray starts
         videos = list_videos(args.videos, cfg.data.video_extensions)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     init_ray(cfg)  # the cluster section (address, num_cpus), as `pipeline/run.py` starts Ray
-    summary = run_caption(cfg, videos, args.model, args.out, args.chunk_videos)
+    summary = run_caption(cfg, videos, RANDOM_MODEL if args.random_model else args.model, args.out, args.chunk_videos)
     print(json.dumps(summary, indent=2))
     if "failure" in summary:
         print(f"error: {summary['failure']}", file=sys.stderr)

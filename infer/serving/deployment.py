@@ -1,12 +1,14 @@
 """The Ray Serve deployment of the captioning service: a thin shell around CaptionService.
 
     serve run cluster/serve.yaml                 # import_path: infer.serving.deployment:app_builder
-    python -m infer.serving.deployment --config cluster/configs/default.yaml [--model-dir D] [--set serve.port=8001]
+    python -m infer.serving.deployment --config cluster/configs/default.yaml --model DIR [--set serve.port=8001]
 
 `app_builder(args)` takes `config` (a YAML preset path), `model_dir` (a saved
-PadCaptioner; empty = a fresh `tiny` random-init model, the smoke mode: the
-endpoint works end to end but its captions are noise) and `overrides` (a list of
-"key=value" strings, like `--set`). Autoscaling, concurrency and back-pressure
+PadCaptioner or a release checkpoint dir; "random:tiny" = a fresh `tiny` random-init
+model, the smoke mode: the endpoint works end to end but its captions are noise) and
+`overrides` (a list of "key=value" strings, like `--set`). The model may be named by
+`model_dir` or by the override `serve.model_dir`; naming it both ways differently, or
+not at all, is an error before any replica starts. Autoscaling, concurrency and back-pressure
 come from the `serve` section: min/max replicas, target_ongoing_requests,
 max_ongoing_requests, and max_queued_requests (beyond it Ray Serve answers 503
 at once instead of queueing). Each replica loads the model once (on the GPU when
@@ -24,11 +26,11 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from infer.loading import RANDOM_MODEL, load_engine, require_model
 from infer.serving.api import build_app
-from infer.loading import load_engine
 from infer.serving.service import CaptionService
 from pipeline.cluster import init_ray, placement
-from pipeline.config import ClusterConfig, Config, ServeConfig, load_config
+from pipeline.config import ClusterConfig, Config, ConfigError, ServeConfig, load_config
 
 log = logging.getLogger("padcap.serve")
 
@@ -45,7 +47,7 @@ fastapi_app = build_app(_replica_service)
 class CaptionDeployment(CaptionService):
     """One replica: the model, the encoders and the thread pools, loaded once (the decode workers: media only)."""
 
-    def __init__(self, cfg_json: str, model_dir: str = ""):
+    def __init__(self, cfg_json: str, model_dir: str):
         cfg = Config.from_json(cfg_json)
         engine_factory, card, cfg = load_engine(cfg, model_dir)
         super().__init__(cfg, engine_factory, card, warm=True)  # the decode workers boot while the encoders load
@@ -72,9 +74,27 @@ def deployment_options(sc: ServeConfig, cc: ClusterConfig | None = None) -> dict
     }
 
 
+def serving_model(cfg: Config, model_dir: str = "") -> str:
+    """The one model the endpoint serves: `model_dir` or `serve.model_dir`, never both differently, never none.
+
+    >>> from pipeline.config import load_config
+    >>> serving_model(load_config(None, ["serve.model_dir=/models/a"]))
+    '/models/a'
+    >>> serving_model(load_config(None, ["serve.model_dir=/models/a"]), "/models/b")
+    Traceback (most recent call last):
+    ...
+    pipeline.config.ConfigError: the model is named twice: model_dir='/models/b' and serve.model_dir='/models/a'; name it once
+    """
+    if model_dir and cfg.serve.model_dir and model_dir != cfg.serve.model_dir:
+        raise ConfigError(f"the model is named twice: model_dir={model_dir!r} and serve.model_dir={cfg.serve.model_dir!r}; "
+                          "name it once")
+    return require_model(model_dir or cfg.serve.model_dir)
+
+
 def build_application(cfg: Config, model_dir: str = "") -> Application:
-    """The bound Serve application for this config (model_dir "" = tiny random-init smoke mode)."""
-    return CaptionDeployment.options(**deployment_options(cfg.serve, cfg.cluster)).bind(cfg.to_json(), model_dir or cfg.serve.model_dir)
+    """The bound Serve application for this config and model (`serving_model`)."""
+    model = serving_model(cfg, model_dir)
+    return CaptionDeployment.options(**deployment_options(cfg.serve, cfg.cluster)).bind(cfg.to_json(), model)
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -91,15 +111,22 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m infer.serving.deployment", description="Run the captioning endpoint on a local or existing Ray cluster.")
+    ap = argparse.ArgumentParser(prog="python -m infer.serving.deployment",
+                                 description="Run the captioning endpoint on a local or existing Ray cluster.")
     ap.add_argument("--config", default="", help="YAML preset (default: built-in defaults)")
-    ap.add_argument("--model-dir", default="", help="saved model dir; empty = tiny random-init smoke mode")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    model = ap.add_mutually_exclusive_group()
+    model.add_argument("--model", "--model-dir", dest="model", default="",
+                       help="a trained model dir or a release checkpoint dir (or serve.model_dir in --set)")
+    model.add_argument("--random-model", action="store_true",
+                       help="serve a random tiny model (smoke test: its captions are noise)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one config key (repeatable)")
     args = ap.parse_args(argv)
     cfg = load_config(args.config or None, args.overrides)
+    app = build_application(cfg, RANDOM_MODEL if args.random_model else args.model)  # refuses before Ray starts
     init_ray(cfg)  # the cluster section (address, num_cpus), as `pipeline/run.py` starts Ray
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-    serve.run(build_application(cfg, args.model_dir), route_prefix=cfg.serve.route_prefix, blocking=True)
+    serve.run(app, route_prefix=cfg.serve.route_prefix, blocking=True)
     return 0
 
 

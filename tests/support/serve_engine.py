@@ -67,9 +67,9 @@ def synthetic_videos(out_dir: Path) -> list[Path]:
 
 def tiny_engine(cfg: Config):
     """(engine_factory, ModelCard, cfg) for the tiny random-init model, as a replica builds it."""
-    from infer.loading import load_engine
+    from infer.loading import RANDOM_MODEL, load_engine
 
-    return load_engine(cfg, "")
+    return load_engine(cfg, RANDOM_MODEL)
 
 
 def direct_caption(engine_factory, cfg: Config, path: Path, video_id: str, **infer_overrides):

@@ -1,0 +1,161 @@
+"""The generated reference pages: every config field and every `padcap` verb's flags, from the code.
+
+    python -m pipeline.reference_docs docs/reference     # writes config.md and cli.md there
+
+The config reference reads each field's description from the comment that documents it in the source
+(the comment on the field's line, else the comment lines just above it), so the one place a knob is
+explained is next to its definition; a field without one is an error here, and tests/test_docs.py
+fails on it. The CLI reference is each verb's own `--help`. The pages are committed; the test checks
+they equal what this module generates now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+import sys
+import tokenize
+import typing
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldDoc:
+    key: str  # dotted, e.g. "train.max_steps"
+    type: str
+    default: str
+    description: str
+
+
+def _comments(cls: type) -> dict[str, str]:
+    """field name -> its documenting comment in `cls`'s source (same line, else the block just above)."""
+    lines, _ = inspect.getsourcelines(cls)
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO("".join(lines)).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    out: dict[str, str] = {}
+    for number, line in enumerate(lines, start=1):
+        stripped = line.strip()
+        name = stripped.split(":", 1)[0]
+        if not (line.startswith("    ") and not line.startswith("     ") and name.isidentifier() and ":" in stripped):
+            continue
+        if number in comments and not stripped.startswith("#"):
+            out[name] = comments[number]
+            continue
+        above, k = [], number - 1
+        while k >= 1 and k in comments and lines[k - 1].strip().startswith("#"):
+            above.insert(0, comments[k])
+            k -= 1
+        if above:
+            out[name] = " ".join(above)
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    text = str(tp).replace("typing.", "")
+    return text
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        return "(section)" if dataclasses.is_dataclass(value) else repr(value)
+    return "(required)"
+
+
+def config_fields(cls: type = Config, prefix: str = "") -> list[FieldDoc]:
+    """Every leaf field of the config, with its description ("" when the source has none)."""
+    hints = typing.get_type_hints(cls)
+    comments = _comments(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out += config_fields(tp, f"{prefix}{f.name}.")
+            continue
+        out.append(FieldDoc(f"{prefix}{f.name}", _type_name(tp), _default(f), comments.get(f.name, "")))
+    return out
+
+
+def _sections(cls: type = Config, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted section, its docstring's first line), depth first."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out.append((f"{prefix}{f.name}", (inspect.getdoc(tp) or "").split("\n")[0]))
+            out += _sections(tp, f"{prefix}{f.name}.")
+    return out
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def config_reference() -> str:
+    fields = config_fields()
+    missing = [f.key for f in fields if not f.description]
+    if missing:
+        raise ValueError(f"config fields without a description (a comment on or above the field): {missing}")
+    parts = ["# Config reference", "",
+             "Every key of the one configuration (`pipeline/config.py`), generated from the code by",
+             "`python -m pipeline.reference_docs docs/reference`. Set a key in a YAML preset (`--config FILE`)",
+             "or on the command line with `--set KEY=VALUE` (repeatable); `padcap config` prints the result.",
+             "Unknown keys and values of the wrong type are errors that name the key.", ""]
+    top = [f for f in fields if "." not in f.key]
+    if top:
+        parts += ["## (root)", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        parts += [f"| `{f.key}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.description)} |" for f in top]
+        parts.append("")
+    for section, doc in _sections():
+        rows = [f for f in fields if f.key.rsplit(".", 1)[0] == section]
+        if not rows:
+            continue
+        parts += [f"## `{section}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        parts += [f"| `{f.key}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.description)} |" for f in rows]
+        parts.append("")
+    return "\n".join(parts)
+
+
+def cli_reference() -> str:
+    from pipeline.cli import VERBS, main
+
+    parts = ["# CLI reference", "",
+             "`padcap VERB [flags]`, generated from the parsers by `python -m pipeline.reference_docs docs/reference`.",
+             "A usage or config error prints one line naming the flag or key and exits with status 2.", ""]
+    for name, verb in VERBS.items():
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            code = main([name, "--help"])
+        if code != 0:
+            raise RuntimeError(f"padcap {name} --help exited {code}")
+        parts += [f"## `padcap {name}`", "", verb.summary, "", "```text", buf.getvalue().rstrip(), "```", ""]
+    return "\n".join(parts)
+
+
+PAGES = {"config.md": config_reference, "cli.md": cli_reference}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    out = Path(argv[0] if argv else "docs/reference")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in PAGES.items():
+        (out / name).write_text(make() + "\n")
+        print(out / name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
