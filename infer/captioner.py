@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from infer.engine.core import CaptionEngine
+from infer.oracles.ablation import caption_engine
 from infer.loading import load_model
 from infer.results import CaptionResult, caption_config_hash, caption_each
 from pipeline.config import Config, load_config
@@ -32,7 +32,7 @@ class Captioner:
         self.model = model
         self.model_id = model_id
         self.config_hash = caption_config_hash(cfg)
-        self.engine = CaptionEngine(model, cfg.infer)
+        self.engine = caption_engine(model, cfg.infer)  # the engine, or the single chain infer.decoder=monolithic asks for
         self.featurizer = Featurizer(cfg)
 
     @classmethod

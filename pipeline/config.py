@@ -112,7 +112,7 @@ class ModelConfig:
     # attention mass each caption-branch row puts on its own anchor at the first layer,
     # zero once the head-averaged mass reaches `anchor_guide_target`; 0 = off
     anchor_guide_weight: float = 0.0
-    anchor_guide_target: float = 0.25
+    anchor_guide_target: float = 0.25  # the guide stops pulling once a row's head-averaged mass on its anchor reaches this
     grounding_loss_weight: float = 5.0  # weight of the grounding loss in the total
     branch_loss_weight: float = 1.0  # weight of the caption-branch cross-entropy in the total
     grounding_threshold: float = 0.5  # relative to the max (0.7 ChronusAV, 0.5 LongVALE)
@@ -318,7 +318,7 @@ class ReleaseConfig:
     # release: softmax over attention probabilities (as released); renormalised: inside the interval
     aggregation: Literal["release", "renormalised"] = "release"
     grounding_threshold: float = 0.7  # 0.7 ChronusAV (the release's default), 0.5 LongVALE
-    grounding_merge_gap: int = 2
+    grounding_merge_gap: int = 2  # runs of grounded timesteps at most this many apart are merged into one interval
     instruction: str = "Could you outline the incidents that happened during different time periods in the video?"  # the release's prompt instruction
     max_seq_len: int = 32768  # longer prompts are refused (the release's prefill applies a 32768 sliding window)
 
