@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make run    the main job (python -m pipeline.run, embedded default) in a local .venv
-#   make test   the test suite (what CI runs)
+#   make test   lint (ruff, the import contracts) and the test suite (what CI runs)
 # The venv is (re)built only when requirements.lock changes; the project itself is installed into it
 # in editable mode (pip install -e .), so `python -m ...` works from any directory.
 
@@ -18,7 +18,7 @@ XDIST   ?=
 
 venv: $(STAMP)
 
-$(STAMP): requirements.lock
+$(STAMP): requirements.lock pyproject.toml
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r requirements.lock
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps -e .
@@ -28,6 +28,8 @@ run: $(STAMP)
 	$(PYTHON) -m pipeline.run $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(PYTHON) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
