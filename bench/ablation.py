@@ -1,6 +1,6 @@
 """The paper's ablation, reproduced on data this repo generates: every variant, same budget, one table.
 
-    .venv/bin/python -m bench.ablation                 # the full table (64 min, two runs at a time on a loaded 2-core box: README)
+    .venv/bin/python -m bench.ablation                 # the full table (64 min, two runs at a time on a loaded 2-core box: docs/benchmarks.md)
     .venv/bin/python -m bench.ablation --smoke         # a tiny budget, every variant (CI: tests/test_ablation.py)
     .venv/bin/python -m bench.ablation --budget hard   # the hard synthetic regime (preprocess/synthetic_hard.py), 3 seeds
 

@@ -1,4 +1,4 @@
-"""Held-out colour accuracy by the form of the reference caption, and the colour confusions (issue #27).
+"""Held-out colour accuracy by the form of the reference caption, and the colour confusions.
 
     .venv/bin/python -m bench.colour_forms runs/default/synth/longvale_test.json runs/default_seeds/seed*/run.json
 
@@ -7,7 +7,7 @@ tIoU (at least `--min-iou`, 0.5) and its colour read with preprocess.synthetic.p
 both captions. The form of a reference says on which row the colour is decided: `a` (`a <colour>
 <shape>`), `an` (`an orange ...`: decided by the article, one row earlier), `set of` (`a set of
 <colour> stripes`: the row of `of`), both former templates, and `the` (`the <colour> <shape>`,
-generator 2: one row for every colour). The README's "Why colour stayed a coin flip" is this table
+generator 2: one row for every colour). docs/benchmarks.md's "Why colour stayed a coin flip" is this table
 over the runs of bench/default_seeds.py. Reads run.json files as bench/ablation_run.py writes them
 (`outputs`: {video id: {"events": [{start, end, caption}]}}).
 """

@@ -48,7 +48,7 @@ def visual_caption(colour: str, shape: str, motion: str) -> str:
     Every colour word follows the same word ('the') and comes before the shape, so the model decides the
     colour on the same row in every caption. (With 'a' / 'an' and 'a set of red stripes', orange's article
     and the stripes' colour were decided on rows that see 1/8 and 1/4 of the colour examples, and were the
-    colour errors of the default run: README, "Why the attribute words come late".)"""
+    colour errors of the default run: docs/benchmarks.md, "Learning the attribute words".)"""
     noun = "striped square" if shape == "stripes" else shape
     return f"the {colour} {noun} {motion}."
 
