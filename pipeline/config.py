@@ -198,7 +198,7 @@ class InferConfig:
     # (infer/engine/packing.py): at most this many per layer, the query blocks packed and padded into them (host
     # ops bounded whatever the videos in flight); 0 = one call per query block, its own rows and pages
     # (no padding: on a 2-core CPU box, 16 videos in flight, decode steps 150 ms against 196, at 2-3 host
-    # ops per video per layer; infer/DECODING.md, bench/packing.py). flex reads each block's own pages and
+    # ops per video per layer; docs/design/decoding.md, bench/packing.py). flex reads each block's own pages and
     # ignores it.
     attention_calls: int = 3
     # parallel = the engine (event-factorized parallel decoding); monolithic = the single-chain baseline
@@ -212,7 +212,7 @@ class InferConfig:
     # videos handed to the engine per call (offline: the Ray Data batch of a captioning actor)
     videos_per_call: int = 16
     # continuous batching: at most this many branch rows / videos in one decode step;
-    # finished videos make room for new ones (infer/DECODING.md)
+    # finished videos make room for new ones (docs/design/decoding.md)
     max_batch_rows: int = 128
     max_batch_videos: int = 16  # at most this many videos in one decode step
     # tokens per decode step (the token budget, infer/engine/scheduler.py): every branch row, then every
