@@ -46,10 +46,11 @@ def require_model(model_dir: str) -> str:
 
     >>> require_model(RANDOM_MODEL)
     'random:tiny'
-    >>> require_model("")
-    Traceback (most recent call last):
-    ...
-    pipeline.config.ConfigError: no model given: pass --model DIR (a trained model dir or a release checkpoint dir), or --random-model for a random tiny model whose captions are noise
+    >>> try:
+    ...     require_model("")
+    ... except ConfigError as e:
+    ...     print(e)
+    no model given: pass --model DIR (a trained model dir or a release checkpoint dir), or --random-model for a random tiny model whose captions are noise
     """
     if not str(model_dir or "").strip():
         raise ConfigError(NO_MODEL)
@@ -78,6 +79,24 @@ def feature_dims(cfg: Config) -> tuple[int, int]:
     from preprocess.encoders import encoder_dims
 
     return encoder_dims(cfg.features)
+
+
+def serving_model(cfg: Config, model_dir: str = "") -> str:
+    """The one model an endpoint serves: `model_dir` or `serve.model_dir`, never both differently, never none.
+
+    >>> from pipeline.config import load_config
+    >>> serving_model(load_config(None, ["serve.model_dir=/models/a"]))
+    '/models/a'
+    >>> try:
+    ...     serving_model(load_config(None, ["serve.model_dir=/models/a"]), "/models/b")
+    ... except ConfigError as e:
+    ...     print(e)
+    the model is named twice: model_dir='/models/b' and serve.model_dir='/models/a'; name it once
+    """
+    if model_dir and cfg.serve.model_dir and model_dir != cfg.serve.model_dir:
+        raise ConfigError(f"the model is named twice: model_dir={model_dir!r} and serve.model_dir={cfg.serve.model_dir!r}; "
+                          "name it once")
+    return require_model(model_dir or cfg.serve.model_dir)
 
 
 def _trained_features(model_dir: Path, cfg: Config) -> Config:

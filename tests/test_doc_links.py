@@ -2,7 +2,7 @@
 
 Scans the project's own text (Python, Markdown, YAML, shell, TOML, the Makefile; not test data) for
 names ending in `.md` and resolves each against the naming file's folder, then the repository root; a
-bare name (`DECODING.md`) may also be any tracked file of that name. Markdown links count the same.
+bare name (`CHANGELOG.md`) may also be any tracked file of that name. Markdown links count the same.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def resolves(name: str, where: Path, basenames: set[str]) -> bool:
 
 
 def test_the_scanner_finds_names_and_links():
-    assert md_names("see docs/design/release.md §2, [m](../docs/design/method.md) and DECODING.md.") == {
-        "docs/design/release.md", "../docs/design/method.md", "DECODING.md"}
+    assert md_names("see docs/design/release.md §2, [m](../docs/design/method.md) and CHANGELOG.md.") == {
+        "docs/design/release.md", "../docs/design/method.md", "CHANGELOG.md"}
     assert md_names("x.mdx or md.py") == set()
 
 

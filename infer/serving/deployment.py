@@ -26,11 +26,11 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from infer.loading import RANDOM_MODEL, load_engine, require_model
+from infer.loading import RANDOM_MODEL, load_engine, serving_model
 from infer.serving.api import build_app
 from infer.serving.service import CaptionService
 from pipeline.cluster import init_ray, placement
-from pipeline.config import ClusterConfig, Config, ConfigError, ServeConfig, load_config
+from pipeline.config import ClusterConfig, Config, ServeConfig, load_config
 
 log = logging.getLogger("padcap.serve")
 
@@ -72,23 +72,6 @@ def deployment_options(sc: ServeConfig, cc: ClusterConfig | None = None) -> dict
         "max_queued_requests": sc.max_queued_requests,
         "ray_actor_options": actor,
     }
-
-
-def serving_model(cfg: Config, model_dir: str = "") -> str:
-    """The one model the endpoint serves: `model_dir` or `serve.model_dir`, never both differently, never none.
-
-    >>> from pipeline.config import load_config
-    >>> serving_model(load_config(None, ["serve.model_dir=/models/a"]))
-    '/models/a'
-    >>> serving_model(load_config(None, ["serve.model_dir=/models/a"]), "/models/b")
-    Traceback (most recent call last):
-    ...
-    pipeline.config.ConfigError: the model is named twice: model_dir='/models/b' and serve.model_dir='/models/a'; name it once
-    """
-    if model_dir and cfg.serve.model_dir and model_dir != cfg.serve.model_dir:
-        raise ConfigError(f"the model is named twice: model_dir={model_dir!r} and serve.model_dir={cfg.serve.model_dir!r}; "
-                          "name it once")
-    return require_model(model_dir or cfg.serve.model_dir)
 
 
 def build_application(cfg: Config, model_dir: str = "") -> Application:
