@@ -235,25 +235,19 @@ def test_engine_on_cuda_matches_cpu_reference(model, video):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
 
 
-def load_decode_bench(monkeypatch):
-    """bench/decode.py as a module (it is a script, not a package member)."""
-    import importlib.util
-    from pathlib import Path
+def load_decode_bench():
+    """bench/decode.py (the benchmarks are the `bench` package)."""
+    import importlib
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_decode", bench)  # dataclasses look their module up
-    spec.loader.exec_module(bench)
-    return bench
+    return importlib.import_module("bench.decode")
 
 
-def test_decode_benchmark_smoke(capsys, monkeypatch):
+def test_decode_benchmark_smoke(capsys):
     """bench/decode.py end to end on a short prefix: every mode generates the same tokens,
     the step counts are sum(len) / max(len), and the JSON has what the GPU run reports."""
     import json
 
-    bench = load_decode_bench(monkeypatch)
+    bench = load_decode_bench()
     out = bench.main(["--prefix", "96", "--lengths", "3,1,2", "--repeats", "1"])
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
     modes = out["modes"]
@@ -266,10 +260,10 @@ def test_decode_benchmark_smoke(capsys, monkeypatch):
     assert 0 < roof["speedup_bound"] <= out["targets"]["ideal_step_ratio"] + 1e-9
 
 
-def test_roofline_bound_follows_machine_balance(model, monkeypatch):
+def test_roofline_bound_follows_machine_balance(model):
     """The roofline speedup bound is the ideal step ratio where FLOPs are cheap against bytes,
     and falls below it where the K rows' arithmetic costs more than reading the weights."""
-    bench = load_decode_bench(monkeypatch)
+    bench = load_decode_bench()
     lengths, shared = [32] * 8, 2048
     gpu_like = bench.roofline(model, lengths, shared, bandwidth_gbs=4000.0, peak_gflops=1e6)
     cpu_like = bench.roofline(model, lengths, shared, bandwidth_gbs=10.0, peak_gflops=10.0)

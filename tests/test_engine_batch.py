@@ -378,25 +378,18 @@ def test_bf16_is_the_cuda_default_and_batched_equals_alone(model, videos, contro
 # ------------------------------------------------------------------------ the benchmark
 
 
-def load_bench(name: str, monkeypatch):
-    """bench/<name>.py as a module (bench/ on the path for its own imports, for this test only)."""
-    import importlib.util
-    from pathlib import Path
+def load_bench(name: str):
+    """bench/<name>.py (the benchmarks are the `bench` package)."""
+    import importlib
 
-    bench_dir = Path(__file__).resolve().parents[1] / "bench"
-    monkeypatch.syspath_prepend(str(bench_dir))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench_dir / f"{name}.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, f"bench_{name}", bench)
-    spec.loader.exec_module(bench)
-    return bench
+    return importlib.import_module(f"bench.{name}")
 
 
-def test_throughput_benchmark_smoke(capsys, monkeypatch):
+def test_throughput_benchmark_smoke(capsys):
     """bench/throughput.py end to end on short prefixes: every engine mode writes the same tokens,
     the JSON has the keys and ratios the issue asks for, and the single chain on the engine's
     step writes exactly what the reference single chain writes."""
-    bench = load_bench("throughput", monkeypatch)
+    bench = load_bench("throughput")
     out = bench.main(["--videos", "18", "--in-flight", "4,16", "--chain-videos", "1", "--prefix", "100,200",
                       "--events", "2,4", "--lengths", "2,7", "--step-tokens", "64"])
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
@@ -422,18 +415,18 @@ def test_throughput_benchmark_smoke(capsys, monkeypatch):
     assert chain["single_chain"]["tokens"] == chain["single_chain_fast"]["tokens"] == chain["single_chain"]["steps"]
 
 
-def test_packing_benchmark_smoke(capsys, monkeypatch):
+def test_packing_benchmark_smoke(capsys):
     """bench/packing.py end to end on short prefixes: the engine's decode steps recorded with their blocks
     (at least one block per decoding video), each plan timed; exact shapes do no padded work, every other
     plan at least the work needed; with infer.attention_calls=0 the engine's plan is the exact one."""
-    out = load_bench("packing", monkeypatch).main(["--videos", "6", "--in-flight", "4", "--prefix", "100,300", "--events", "2,6",
+    out = load_bench("packing").main(["--videos", "6", "--in-flight", "4", "--prefix", "100,300", "--events", "2,6",
                       "--lengths", "2,9", "--repeats", "1"])
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(out))
     assert out["steps"] > 0 and out["padded_over_needed_work"]["exact"] == 1.0
     assert all(w >= 1.0 for w in out["padded_over_needed_work"].values())
     assert out["calls_per_layer"]["max_calls_1"] == 1.0 and out["calls_per_layer"]["exact"] >= 4 - 1e-9
     assert out["attention_calls"] == 3 and out["step_ms_packed_over_exact"] > 0
-    exact = load_bench("packing", monkeypatch).main(["--videos", "5", "--in-flight", "4", "--prefix", "100,300",
+    exact = load_bench("packing").main(["--videos", "5", "--in-flight", "4", "--prefix", "100,300",
                                                       "--events", "2,6", "--lengths", "2,9", "--repeats", "1",
                                                       "--attention-calls", "0"])
     assert exact["attention_calls"] == 0 and exact["steps"] > 0
