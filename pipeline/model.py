@@ -369,8 +369,7 @@ class PadCaptioner(nn.Module):
     def decoding_model(self) -> "PadCaptioner":
         return self
 
-    def capture_layers(self) -> tuple[int, int]:
-        """(grounding layer, aggregation layer) in HF's hidden-state numbering."""
+    def capture_layers(self) -> tuple[int, int]:  # (grounding, aggregation) in HF's hidden-state numbering
         n_layers = self.hf_config.get_text_config(decoder=True).num_hidden_layers
         return self.cfg.grounding_layer % (n_layers + 1), self.aggregation_layer
 
@@ -381,8 +380,7 @@ class PadCaptioner(nn.Module):
         return [self.g_id, self.s_id]
 
     def default_caps(self) -> tuple[int, int]:
-        """30 events and what training teaches (max_caption_tokens + 1)."""
-        return 30, int(self.cfg.max_caption_tokens) + 1
+        return 30, int(self.cfg.max_caption_tokens) + 1  # 30 events, and what training teaches
 
     @property
     def baseline_decoder(self) -> str | None:
