@@ -258,6 +258,20 @@ def test_model_info_and_health(service):
     assert service.health()["status"] == "ok"
 
 
+def test_health_reports_what_the_replica_holds_and_idle_holds_none(service, tree):
+    """/healthz's resources (what the soak, bench/soak.py, watches): after requests, and one refused
+    mid-way, nothing is in flight and no KV page is allocated or promised; the decode workers live."""
+    import os
+
+    run(service.caption_uri(str(tree.good)))
+    with pytest.raises(RequestError):
+        run(service.caption_uri(str(tree.files["truncated"])))
+    res = service.health()["resources"]
+    assert res["pid"] == os.getpid()
+    assert res["in_flight"] == 0 and res["kv_pages_in_use"] == 0
+    assert res["decode_workers"] == len(service.decoders.pids()) >= 1
+
+
 # ------------------------------------------------------------------------ the FastAPI app over HTTP
 
 
