@@ -250,6 +250,21 @@ def test_stuck_decodes_are_killed_and_the_replica_keeps_serving(parts, tree, tmp
         svc.close()
 
 
+def test_a_warm_service_is_ready_when_built(parts):
+    """warm=True (a Serve replica, which takes requests once its constructor returns): the decode
+    workers have booted and the engine is built before the constructor returns. The soak's
+    replacement replica (bench/soak.py --kill-replica-at) made its first request wait 15 s for
+    its workers' boot (p99 0.7 s before the kill) when the constructor returned at once."""
+    factory, card, cfg = parts
+    svc = CaptionService(cfg, factory, card, warm=True)
+    try:
+        assert svc._engine is not None
+        assert svc.decoders.count() == svc.decoders.size == len(svc.decoders.pids())
+        assert all(w.ready for w in svc.decoders._idle)
+    finally:
+        svc.close()
+
+
 def test_model_info_and_health(service):
     info = service.model_info()
     assert info["model"] and len(info["config_hash"]) == 12

@@ -163,8 +163,11 @@ class CaptionService:
         """featurizer: an in-process featurizer (decodes and encodes in the decode thread, cannot be
         stopped); without one, `reader_factory(cfg)` (module-level, picklable) builds the decoder inside
         each decode worker process and `featurizer_factory(cfg)` the replica's encoders, once: its
-        `encode(media, annotation)` runs on what the workers send back. warm: start the decode workers
-        first, so that they boot while the encoders load (a Serve replica does)."""
+        `encode(media, annotation)` runs on what the workers send back. warm (a Serve replica): start the
+        decode workers first, so that they boot while the encoders load, and return only once they are
+        ready and the engine is built: Serve sends requests to a replica as soon as its constructor
+        returns, and a replica started in place of a lost one would otherwise make its first requests
+        wait for its workers' boot (tens of seconds on a busy machine)."""
         self.cfg = cfg
         self.serve_cfg = cfg.serve
         self.card = card
@@ -188,6 +191,10 @@ class CaptionService:
         self.counters = collections.Counter()
         self.in_flight = 0  # requests inside _caption now (decoding or in the engine)
         self.config_hash = section_hash({"model": dataclasses.asdict(cfg.model), "features": dataclasses.asdict(cfg.features)})
+        if warm:
+            if self.decoders is not None:
+                self.decoders.warm(wait=True)
+            self.engine()
 
     # ------------------------------------------------------------------ options
 
