@@ -250,12 +250,41 @@ def test_stuck_decodes_are_killed_and_the_replica_keeps_serving(parts, tree, tmp
         svc.close()
 
 
+def test_a_warm_service_is_ready_when_built(parts):
+    """warm=True (a Serve replica, which takes requests once its constructor returns): the decode
+    workers have booted and the engine is built before the constructor returns. The soak's
+    replacement replica (bench/soak.py --kill-replica-at) made its first request wait 15 s for
+    its workers' boot (p99 0.7 s before the kill) when the constructor returned at once."""
+    factory, card, cfg = parts
+    svc = CaptionService(cfg, factory, card, warm=True)
+    try:
+        assert svc._engine is not None
+        assert svc.decoders.count() == svc.decoders.size == len(svc.decoders.pids())
+        assert all(w.ready for w in svc.decoders._idle)
+    finally:
+        svc.close()
+
+
 def test_model_info_and_health(service):
     info = service.model_info()
     assert info["model"] and len(info["config_hash"]) == 12
     assert info["decoding"]["max_events"] == 8
     assert set(info["options"]) == {"max_events", "max_branch_tokens", "temperature", "top_p", "seed"}
     assert service.health()["status"] == "ok"
+
+
+def test_health_reports_what_the_replica_holds_and_idle_holds_none(service, tree):
+    """/healthz's resources (what the soak, bench/soak.py, watches): after requests, and one refused
+    mid-way, nothing is in flight and no KV page is allocated or promised; the decode workers live."""
+    import os
+
+    run(service.caption_uri(str(tree.good)))
+    with pytest.raises(RequestError):
+        run(service.caption_uri(str(tree.files["truncated"])))
+    res = service.health()["resources"]
+    assert res["pid"] == os.getpid()
+    assert res["in_flight"] == 0 and res["kv_pages_in_use"] == 0
+    assert res["decode_workers"] == len(service.decoders.pids()) >= 1
 
 
 # ------------------------------------------------------------------------ the FastAPI app over HTTP

@@ -211,6 +211,11 @@ class DecodePool:
             for w in idle:
                 w.wait_ready()
 
+    def count(self) -> int:
+        """Workers started and not killed yet (idle, busy or booting)."""
+        with self._cond:
+            return self._count
+
     def pids(self) -> list[int]:
         """The live workers' process ids (idle ones)."""
         with self._cond:

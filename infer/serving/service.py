@@ -159,8 +159,11 @@ class CaptionService:
         """featurizer: an in-process featurizer (decodes and encodes in the decode thread, cannot be
         stopped); without one, `reader_factory(cfg)` (module-level, picklable) builds the decoder inside
         each decode worker process and `featurizer_factory(cfg)` the replica's encoders, once: its
-        `encode(media, annotation)` runs on what the workers send back. warm: start the decode workers
-        first, so that they boot while the encoders load (a Serve replica does)."""
+        `encode(media, annotation)` runs on what the workers send back. warm (a Serve replica): start the
+        decode workers first, so that they boot while the encoders load, and return only once they are
+        ready and the engine is built: Serve sends requests to a replica as soon as its constructor
+        returns, and a replica started in place of a lost one would otherwise make its first requests
+        wait for its workers' boot (tens of seconds on a busy machine)."""
         self.cfg = cfg
         self.serve_cfg = cfg.serve
         self.card = card
@@ -182,7 +185,12 @@ class CaptionService:
         self._batcher = EngineBatcher(cfg.serve.batch_videos or max(1, cfg.infer.max_batch_videos))
         self._engine: Engine | None = None
         self.counters = collections.Counter()
+        self.in_flight = 0  # requests inside _caption now (decoding or in the engine)
         self.config_hash = section_hash({"model": dataclasses.asdict(cfg.model), "features": dataclasses.asdict(cfg.features)})
+        if warm:
+            if self.decoders is not None:
+                self.decoders.warm(wait=True)
+            self.engine()
 
     # ------------------------------------------------------------------ options
 
@@ -226,6 +234,13 @@ class CaptionService:
         return await self._caption(lambda: self._prepare_local(path, name, {}), opts)
 
     async def _caption(self, prepare: Callable[[], tuple[Sample, dict[str, float]]], opts: CaptionOptions) -> dict[str, Any]:
+        self.in_flight += 1
+        try:
+            return await self._caption_counted(prepare, opts)
+        finally:
+            self.in_flight -= 1
+
+    async def _caption_counted(self, prepare: Callable[[], tuple[Sample, dict[str, float]]], opts: CaptionOptions) -> dict[str, Any]:
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
@@ -342,8 +357,19 @@ class CaptionService:
             **self.card.extra,
         }
 
+    def resources(self) -> dict[str, Any]:
+        """What this replica holds now (a long soak watches these return to zero when idle): its
+        process id, requests in flight, KV pages allocated or promised to admitted videos, live
+        decode worker processes."""
+        import os
+
+        pool = getattr(self._engine, "pool", None)
+        return {"pid": os.getpid(), "in_flight": self.in_flight,
+                "kv_pages_in_use": (pool.usable - pool.free_pages) if pool is not None else 0,
+                "decode_workers": self.decoders.count() if self.decoders is not None else 0}
+
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.card.model_id, "requests": dict(self.counters)}
+        return {"status": "ok", "model": self.card.model_id, "requests": dict(self.counters), "resources": self.resources()}
 
     def close(self) -> None:
         if self.decoders is not None:
