@@ -125,7 +125,7 @@ def s3_server(tmp_path_factory):
     The AWS_* variables are set in this process (s3fs/boto3 read them) and
     passed on to Ray workers through the environment they inherit.
     """
-    from tests.support.s3server import SeaweedS3
+    from bench.s3server import SeaweedS3
 
     server = SeaweedS3(tmp_path_factory.mktemp("s3"), buckets=["test"]).start()
     old = {k: os.environ.get(k) for k in server.env}

@@ -1,5 +1,6 @@
-"""Where a video is in flight, for the node-loss tests (tests/test_cluster_sim.py): a wrapper of the
-Ray Data jobs' stages, passed through their one hook `wrap_stage`.
+"""Where a video is in flight, for the node-loss tests (tests/test_cluster_sim.py) and the archive-scale
+bench (bench/archive_scale.py): a wrapper of the Ray Data jobs' stages, passed through their one hook
+`wrap_stage`. It lives with the benchmarks because both use it and no bench module imports test code.
 
     watch = InFlight(root, hold="caption", hold_s=150.0)
     run_caption(cfg, videos, model, out, wrap_stage=watch)       # or run_preprocess(..., wrap_stage=watch)
