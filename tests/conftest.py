@@ -55,7 +55,7 @@ def pytest_configure(config):
 # error, and under xdist one that starts Ray anyway fails naming why.
 RAY_GROUP = "ray"
 RAY_MODULES = frozenset({
-    "test_annotations.py", "test_batch_caption.py", "test_cluster_files.py", "test_cluster_sim.py",
+    "test_annotations.py", "test_archive_scale.py", "test_batch_caption.py", "test_cluster_files.py", "test_cluster_sim.py",
     "test_job_submit.py", "test_preprocess_job.py", "test_release_encoders.py", "test_release_pipeline.py",
     "test_serve_integration.py", "test_serve_service.py", "test_serve_uris.py", "test_storage.py", "test_train_order.py",
     "test_train_ray.py",
