@@ -210,6 +210,7 @@ def caption_stage(sim, corpus: ArchiveCorpus, source: str, work: Path, chunk: in
     done = {**am.done_times(str(work / "markers-2"), "caption"), **am.done_times(spec["markers"], "caption")}
     return {"rows": once["rows"], "ok": sum(r["status"] == "ok" for r in rows), "lost": once["lost"],
             "duplicated": once["duplicated"] + ok_writes["duplicated"], "committed_rows": len(committed),
+            "partial_files_left": sorted(str(p.relative_to(out)) for p in out.rglob("*.tmp*")),
             "driver_killed": first["killed"], "rows_committed_at_kill": len(before), **redo,
             "wall_s": round(first["wall_s"] + second["wall_s"], 1), "wall_s_runs": [first["wall_s"], second["wall_s"]],
             "driver_peak_rss_mb": max(first["driver_peak_rss_mb"], second["driver_peak_rss_mb"]),
