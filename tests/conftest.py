@@ -55,7 +55,7 @@ def pytest_configure(config):
 # error, and under xdist one that starts Ray anyway fails naming why.
 RAY_GROUP = "ray"
 RAY_MODULES = frozenset({
-    "test_annotations.py", "test_batch_caption.py", "test_cluster_files.py", "test_cluster_sim.py",
+    "test_annotations.py", "test_archive_scale.py", "test_batch_caption.py", "test_cluster_files.py", "test_cluster_sim.py",
     "test_job_submit.py", "test_preprocess_job.py", "test_release_encoders.py", "test_release_pipeline.py",
     "test_serve_integration.py", "test_serve_service.py", "test_serve_uris.py", "test_storage.py", "test_train_order.py",
     "test_train_ray.py", "test_docs.py",
@@ -125,7 +125,7 @@ def s3_server(tmp_path_factory):
     The AWS_* variables are set in this process (s3fs/boto3 read them) and
     passed on to Ray workers through the environment they inherit.
     """
-    from tests.support.s3server import SeaweedS3
+    from bench.s3server import SeaweedS3
 
     server = SeaweedS3(tmp_path_factory.mktemp("s3"), buckets=["test"]).start()
     old = {k: os.environ.get(k) for k in server.env}

@@ -12,7 +12,7 @@ graceful shutdown) in the middle of the work; each test then adds a fresh node o
 kind, as an autoscaler would, so the next test sees the full cluster (the GPU caption test
 adds a second "GPU" node first and keeps the survivor). Preprocess and captioning (its CPU
 featurizers and its GPU caption actor) lose their node while it holds a video: the jobs' stages
-are wrapped through their `wrap_stage` hook (tests/support/inflight.py), which marks every video a
+are wrapped through their `wrap_stage` hook (bench/inflight.py), which marks every video a
 process starts and ends and holds the first one of the stage, whose node is then removed; the markers prove it was in
 flight there (never ended) and say who redid it. Training loses a node in the middle of an epoch
 and the steps' logged video ids show each video once per epoch. Inputs are tiny (a few 8-9 s
@@ -40,7 +40,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.schema import decode  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
 from preprocess.synthetic import generate_corpus  # noqa: E402
-from tests.support import inflight  # noqa: E402
+from bench import inflight  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""tests/support/inflight.py: the in-flight markers and the hold the node-loss tests rely on, and the
+"""bench/inflight.py: the in-flight markers and the hold the node-loss tests rely on, and the
 stage wrapper that puts them around a job's stage through the jobs' `wrap_stage` hook."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import cloudpickle
 import pytest
 
-from tests.support import inflight
+from bench import inflight
 
 
 def test_markers_say_who_started_and_finished_and_only_the_first_call_holds(tmp_path, monkeypatch):

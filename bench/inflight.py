@@ -1,5 +1,6 @@
-"""Where a video is in flight, for the node-loss tests (tests/test_cluster_sim.py): a wrapper of the
-Ray Data jobs' stages, passed through their one hook `wrap_stage`.
+"""Where a video is in flight, for the node-loss tests (tests/test_cluster_sim.py) and the archive-scale
+bench (bench/archive_scale.py): a wrapper of the Ray Data jobs' stages, passed through their one hook
+`wrap_stage`. It lives with the benchmarks because both use it and no bench module imports test code.
 
     watch = InFlight(root, hold="caption", hold_s=150.0)
     run_caption(cfg, videos, model, out, wrap_stage=watch)       # or run_preprocess(..., wrap_stage=watch)
@@ -107,14 +108,17 @@ class InFlight:
 
 
 def markers(root: str | Path, stage: str) -> list[dict]:
-    """Every start a stage's processes made under `root`: [{video_id, pid, node_id, held, done}], `done`
-    whether that process finished the video."""
+    """Every start a stage's processes made under `root`: [{video_id, pid, node_id, held, done,
+    started_at, done_at}], `done` whether that process finished the video, the times (epoch seconds)
+    the markers' files were written (`done_at` None when not done)."""
     where = Path(root) / stage
     found = []
     for p in sorted(where.glob("*.start")) if where.is_dir() else []:
         vid, pid = p.name[: -len(".start")].rsplit("~", 1)
+        done = p.with_suffix(".done")
+        done_at = done.stat().st_mtime if done.exists() else None
         found.append({**json.loads(p.read_text()), "video_id": unquote(vid), "pid": int(pid),
-                      "done": p.with_suffix(".done").exists()})
+                      "done": done_at is not None, "started_at": p.stat().st_mtime, "done_at": done_at})
     return found
 
 

