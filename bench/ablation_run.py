@@ -65,9 +65,9 @@ def run_variant(cfg: Config, shards: dict[str, str] | None, out_dir: str | Path,
     loop's probe hook (train/loop.py), whose history then goes into the record."""
     from infer.oracles.ablation import output_events
     from pipeline.model import PadCaptioner
+    from train import checkpoint as ckpt
     from train.data import InMemoryEpochs, read_samples, read_shard_records
     from train.evaluate import caption_parser, engine_counts, summary
-    from train import checkpoint as ckpt
     from train.loop import LocalContext, train_loop
 
     torch.set_num_threads(1)

@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import sim_cluster as sc  # before ray: the 127.0.0.1 variables
-
 from bench import archive_measure as am  # noqa: E402
+from bench import sim_cluster as sc  # before ray: the 127.0.0.1 variables
 from bench.archive_corpus import ArchiveCorpus, build_corpus, subset, upload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

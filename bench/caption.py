@@ -37,8 +37,8 @@ def random_model(cfg, out: str) -> str:
 
     import torch
     from transformers import AutoModelForCausalLM
-    from bench.decode import BENCH_SHAPE
 
+    from bench.decode import BENCH_SHAPE
     from infer.loading import feature_dims
     from pipeline import backbone as backbone_mod
     from pipeline.model import PadCaptioner

@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from infer.engine.core import CaptionEngine
-from infer.oracles.decoders import branch_sequential, monolithic, parallel_copy
 from infer.engine.sampling import DecodeControl
+from infer.oracles.decoders import branch_sequential, monolithic, parallel_copy
 from pipeline import backbone as backbone_mod
 from pipeline.config import InferConfig, ModelConfig
 from pipeline.schema import Sample

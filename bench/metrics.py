@@ -19,7 +19,6 @@ import random
 import resource
 import time
 
-
 from pipeline.metrics import evaluate
 
 SUBJECTS = ["a young man", "an elderly woman", "the host", "a little girl", "two musicians", "a chef in a white apron",

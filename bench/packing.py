@@ -38,13 +38,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import infer.engine.attn_meta as attn_meta
 from bench.decode import A_TOKENS, PRESETS, V_TOKENS, build_model
 from bench.output import command, emit
 from bench.throughput import make_videos
-
-import infer.engine.attn_meta as attn_meta
 from infer.engine.core import CaptionEngine
-from infer.engine.packing import QueryBlock, Call, kernel_calls, padded_work
+from infer.engine.packing import Call, QueryBlock, kernel_calls, padded_work
 from infer.engine.step import ForwardBatch
 from pipeline.config import InferConfig
 

@@ -23,11 +23,10 @@ from pathlib import Path
 
 import torch
 
-
 from bench.output import command, emit
+from bench.release_models import fixture_video, perturbed, random_video
 from infer.engine.core import CaptionEngine
 from pipeline.config import InferConfig
-from bench.release_models import fixture_video, perturbed, random_video
 
 
 def decode(model, videos, dtype: str):

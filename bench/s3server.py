@@ -73,7 +73,7 @@ class SeaweedS3:
             "AWS_DEFAULT_REGION": "us-east-1",
         }
 
-    def start(self) -> "SeaweedS3":
+    def start(self) -> SeaweedS3:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS))))
         self.port = ports["s3.port"]
@@ -122,7 +122,7 @@ class SeaweedS3:
                 pass
         self.proc = None
 
-    def __enter__(self) -> "SeaweedS3":
+    def __enter__(self) -> SeaweedS3:
         return self.start()
 
     def __exit__(self, *exc) -> None:

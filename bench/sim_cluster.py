@@ -51,7 +51,7 @@ class SimCluster:
     kind_by_id: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, cpu_nodes: int = 2, gpu_nodes: int = 1) -> "SimCluster":
+    def start(cls, cpu_nodes: int = 2, gpu_nodes: int = 1) -> SimCluster:
         import ray
         from ray.cluster_utils import Cluster
 

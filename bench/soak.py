@@ -4,7 +4,7 @@
         [--kill-replica-at S] [--out bench/results/soak.json]        # + soak.png beside it
 
 Starts a local Ray + Serve app exactly as the serving integration tests do
-(`infer.serving.deployment:app_builder` on a preset from tests/support/serve_cases.py
+(`infer.serving.deployment:app_builder` on a preset from bench/serve_cases.py
 `serve_test_config`, no model dir; uploads spooled to a directory of the run's own), then runs
 the mixed traffic of bench/soak_traffic.py (Locust as a library, in its own process) for
 `--duration-s`: good requests by URI and by upload, the serving tests' hostile requests, client
@@ -46,8 +46,8 @@ if str(ROOT) not in sys.path:
 for _k, _v in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
     os.environ.setdefault(_k, _v)  # a local instance on 127.0.0.1, as tests/conftest.py starts one
 
+from bench.serve_cases import free_port, make_video_tree, send, serve_test_config, wait_healthy  # noqa: E402
 from bench.soak_report import plot, summarize  # noqa: E402
-from tests.support.serve_cases import free_port, make_video_tree, send, serve_test_config, wait_healthy  # noqa: E402
 
 APP = "soak"
 MAX_ONGOING, MAX_QUEUED = 2, 2  # small limits: the bursts cross them
@@ -129,8 +129,8 @@ def start_endpoint(work: Path, replicas: int, num_cpus: int) -> tuple[str, Path,
     import yaml
     from ray import serve
 
+    from bench.serve_engine import synthetic_videos
     from infer.serving.deployment import app_builder
-    from tests.support.serve_engine import synthetic_videos
 
     tree = make_video_tree(work, synthetic_videos(work / "corpus")[0])
     spool = work / "spool"

@@ -7,7 +7,7 @@ Users (each a Locust `User`, fixed counts):
 - GoodUser (`--good-users`): good requests, by URI (JSON) and by upload (multipart), through
   Locust's HttpSession; a 503 is back-pressure, not a failure.
 - HostileUser: the hostile and malformed requests of the serving tests
-  (tests/support/serve_cases.py `bad_requests`), round robin, each with the 4xx it must get.
+  (bench/serve_cases.py `bad_requests`), round robin, each with the 4xx it must get.
 - AbuseUser: clients that leave: a disconnect mid-upload (half the body sent, then the socket
   closed), a disconnect mid-decode (the whole request sent, the socket closed before the
   answer), a request cancelled by the client's own timeout; and oversized bodies (an honest
@@ -38,11 +38,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import gevent  # noqa: E402  (locust's own dependency)
-from locust import HttpUser, User, constant, between, task  # noqa: E402
+from locust import HttpUser, User, between, constant, task  # noqa: E402
 from locust.env import Environment  # noqa: E402
 
-from tests.support.serve_cases import (BOUNDARY, MAX_UPLOAD, VideoTree, bad_requests, multipart,  # noqa: E402
-                                       post_json, send)
+from bench.serve_cases import BOUNDARY, MAX_UPLOAD, VideoTree, bad_requests, multipart, post_json, send  # noqa: E402
 
 GOOD_TIMEOUT_S = 300.0  # a good request without an answer in this long is `unanswered`
 
@@ -180,7 +179,7 @@ class AbuseUser(User):
         t0 = time.time()
         try:
             status, body, _ = post_json(Shared.url, {"video": str(Shared.tree.good)}, timeout=timeout)
-        except (socket.timeout, TimeoutError, OSError) as e:
+        except (TimeoutError, OSError) as e:
             Shared.rec.add(t0, "client_timeout", "cancelled by the client's timeout", None, intended_abort=True, error=repr(e))
             _fire(self, "client_timeout", t0, None)
             return

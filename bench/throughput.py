@@ -60,18 +60,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.decode import (A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token,
-                    measure_bandwidth, weight_bytes)
-
+from bench.decode import A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token, measure_bandwidth, weight_bytes
 from infer.engine.attn_meta import AttnMeta
 from infer.engine.core import CaptionEngine
 from infer.engine.packing import QueryBlock
 from infer.engine.paged import FREE_SEQ
 from infer.engine.programs import PadProgram
-from infer.oracles.decoders import monolithic
 from infer.engine.requests import Request
 from infer.engine.sampling import DecodeControl
 from infer.engine.step import ForwardBatch
+from infer.oracles.decoders import monolithic
 from pipeline.config import InferConfig
 from pipeline.layout import shared_position
 from pipeline.schema import Sample

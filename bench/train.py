@@ -32,7 +32,6 @@ import torch
 from pipeline.config import Config, FeaturesConfig, ModelConfig, TrainConfig
 from pipeline.layout import Role
 from pipeline.schema import Event, Sample, encode
-
 from preprocess.encoders import get_audio_encoder, get_visual_encoder
 
 ROOT = Path(__file__).resolve().parents[1]

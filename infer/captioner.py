@@ -14,11 +14,11 @@ status "error" and the reason, never an exception that loses the others. For an 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from infer.oracles.ablation import caption_engine
 from infer.loading import load_model
+from infer.oracles.ablation import caption_engine
 from infer.results import CaptionResult, caption_config_hash, caption_each
 from pipeline.config import Config, load_config
 from preprocess.featurize import Featurizer, Unannotated

@@ -14,11 +14,11 @@ raises, its videos are captioned one by one. Pure python + the engine's output; 
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Literal
-
 import dataclasses
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 import pyarrow as pa
 

@@ -22,14 +22,13 @@ import json
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
 from pipeline.config_build import ConfigError, from_dict  # noqa: F401  (re-exported)
 from pipeline.config_retired import RetiredKeyError, is_retired, upgrade_override
 from pipeline.config_synthetic import HardOptions, SyntheticConfig  # noqa: F401  (re-exported)
-
 
 # --------------------------------------------------------------------------- sections
 
@@ -345,11 +344,11 @@ class Config:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Config":
+    def from_dict(cls, data: dict[str, Any]) -> Config:
         return from_dict(cls, data)
 
     @classmethod
-    def from_json(cls, text: str) -> "Config":
+    def from_json(cls, text: str) -> Config:
         return from_dict(cls, json.loads(text))
 
 

@@ -20,9 +20,8 @@ import torch
 
 from pipeline.aggregation import jitter_intervals
 from pipeline.layout import IGNORE, Layout, LayoutError, LayoutOptions, Role, dense_layout, plain_layout, prefix_layout
-from pipeline.textual import format_sequential, format_textual_planning
 from pipeline.schema import Sample
-
+from pipeline.textual import format_sequential, format_textual_planning
 
 TEXT_LAYOUTS = {"sequential": format_sequential, "textual_planning": format_textual_planning}
 """model.layout values whose targets are plain text (pipeline/textual.py): no <G>, no branches."""

@@ -13,7 +13,6 @@ Pure torch; used by pipeline/model.py in training and by the decoding engine.
 from __future__ import annotations
 
 import math
-
 from typing import Literal
 
 import torch

@@ -109,7 +109,7 @@ class LayoutOptions:
         return self.mask == "factorized" and not self.chain
 
     @classmethod
-    def from_config(cls, model_cfg) -> "LayoutOptions":
+    def from_config(cls, model_cfg) -> LayoutOptions:
         return cls(
             mask=model_cfg.mask,
             av_bidirectional=model_cfg.av_bidirectional,

@@ -48,8 +48,8 @@ from transformers.cache_utils import DynamicCache
 from pipeline.aggregation import Aggregator, attention_row, interval_mask
 from pipeline.anchor_attention import branch_anchor_pairs, own_anchor_mass
 from pipeline.backbone import DTYPES, cast_keeping_rope, load_backbone, position_adapter
-from pipeline.examples import TEXT_LAYOUTS, Batch, Example, collate, make_example
 from pipeline.config import ModelConfig, from_dict
+from pipeline.examples import TEXT_LAYOUTS, Batch, Example, collate, make_example
 from pipeline.family import CheckpointFormat, Counting
 from pipeline.fitting import fit_to_model
 from pipeline.grounding import GroundingHead, readout, segment_hidden, similarity_logits, soft_targets
@@ -366,7 +366,7 @@ class PadCaptioner(nn.Module):
     counting: Counting = "tokens"  # held-out counts per token and attribute word from the packed batch
 
     @property
-    def decoding_model(self) -> "PadCaptioner":
+    def decoding_model(self) -> PadCaptioner:
         return self
 
     def capture_layers(self) -> tuple[int, int]:  # (grounding, aggregation) in HF's hidden-state numbering
@@ -456,7 +456,7 @@ class PadCaptioner(nn.Module):
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **overrides) -> "PadCaptioner":
+    def from_pretrained(cls, path: str | Path, **overrides) -> PadCaptioner:
         """Rebuild the base (preset + seed, or local path), then load tokenizer, LoRA and extras.
 
         overrides: ModelConfig fields to change at load time (e.g. attn_implementation).

@@ -26,9 +26,10 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pipeline import storage
 from pipeline.cluster import init_ray
@@ -123,9 +124,8 @@ def stage_preprocess(cfg: Config, paths: RunPaths) -> dict[str, Any]:
 
 
 def stage_train(cfg: Config, paths: RunPaths) -> dict[str, Any]:
-    from train.trainer import run_train
-
     from pipeline.release.checkpoint import is_release_dir
+    from train.trainer import run_train
 
     summary = run_train(cfg, paths.shards, paths.train)
     # The features the model was trained on travel with it (infer/ and serving read them); a fine-tuned
@@ -153,8 +153,8 @@ def _test_samples(paths: RunPaths, limit: int) -> list:
 
 
 def stage_caption(cfg: Config, paths: RunPaths) -> dict[str, Any]:
-    from infer.offline.job import run_caption
     from infer.loading import load_model, release_dir
+    from infer.offline.job import run_caption
     from infer.oracles.speedup import measure_speedup
 
     summary = run_caption(cfg, _test_videos(paths), paths.model, paths.captions)

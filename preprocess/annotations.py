@@ -34,8 +34,9 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from pipeline import storage
 from pipeline.schema import Event

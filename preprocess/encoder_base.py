@@ -10,7 +10,8 @@ See `preprocess/encoders.py` for what an encoder produces and the audio-token ru
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -18,8 +19,8 @@ import torch
 from pipeline.config import FeaturesConfig
 from preprocess.media import DecodedVideo
 
-VISUAL_ENCODERS: dict[str, type["VisualEncoder"]] = {}
-AUDIO_ENCODERS: dict[str, type["AudioEncoder"]] = {}
+VISUAL_ENCODERS: dict[str, type[VisualEncoder]] = {}
+AUDIO_ENCODERS: dict[str, type[AudioEncoder]] = {}
 _T = TypeVar("_T")
 
 
@@ -40,11 +41,11 @@ def register_audio(name: str) -> Callable[[_T], _T]:
     return _registrar(AUDIO_ENCODERS, name)
 
 
-def get_visual_encoder(cfg: FeaturesConfig) -> "VisualEncoder":
+def get_visual_encoder(cfg: FeaturesConfig) -> VisualEncoder:
     return _encoder_class(VISUAL_ENCODERS, cfg.visual_encoder, "visual")(cfg)
 
 
-def get_audio_encoder(cfg: FeaturesConfig) -> "AudioEncoder":
+def get_audio_encoder(cfg: FeaturesConfig) -> AudioEncoder:
     return _encoder_class(AUDIO_ENCODERS, cfg.audio_encoder, "audio")(cfg)
 
 

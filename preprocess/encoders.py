@@ -39,10 +39,20 @@ import torch.nn.functional as F
 
 from pipeline.config import FeaturesConfig
 from preprocess.encoder_base import (  # noqa: F401  (re-exported: the registry's home is encoder_base)
-    VISUAL_ENCODERS, AUDIO_ENCODERS, register_visual, register_audio, get_visual_encoder, get_audio_encoder,
-    encoder_dims, encoder_versions, resolve_device, audio_tokens_per_segment, pool_frames_to_segments, VisualEncoder, AudioEncoder,
+    AUDIO_ENCODERS,
+    VISUAL_ENCODERS,
+    AudioEncoder,
+    VisualEncoder,
+    audio_tokens_per_segment,
+    encoder_dims,
+    encoder_versions,
+    get_audio_encoder,
+    get_visual_encoder,
+    pool_frames_to_segments,
+    register_audio,
+    register_visual,
+    resolve_device,
 )
-
 
 # --------------------------------------------------------------------------- pixels
 

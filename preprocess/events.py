@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from pipeline.schema import Event
 from preprocess.media_errors import MediaError

@@ -27,8 +27,9 @@ import argparse
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import ray
@@ -39,6 +40,7 @@ from pipeline.config import Config, load_config, section_hash
 from pipeline.schema import KEY, encode
 from preprocess import manifest as mf
 from preprocess.annotations import read_annotations
+
 
 class FeaturizeVideos:
     """Ray Data actor: one chunk of videos in, its shards written, its manifest rows out.
@@ -61,8 +63,8 @@ class FeaturizeVideos:
 
     def featurize(self, video: dict[str, Any], chunk: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """One plan row -> (its manifest row, its encoded sample or None when it failed)."""
-        from preprocess.annotations import VideoAnnotation
         from pipeline.schema import Event
+        from preprocess.annotations import VideoAnnotation
 
         t0 = time.perf_counter()
         ann = VideoAnnotation(video_id=str(video["video_id"]), duration=float(video["duration"]),

@@ -90,7 +90,7 @@ class MediaConfig:
     geometry: Geometry = RELEASE  # the checkpoint's patch / merge / temporal sizes, token rates
 
     @classmethod
-    def from_features(cls, features: Any) -> "MediaConfig":
+    def from_features(cls, features: Any) -> MediaConfig:
         """From pipeline.config.FeaturesConfig (its frame-count fields and the release pixel budgets); the
         geometry from the config.json of `features.release_path` when that is a release directory."""
         from pipeline.release.checkpoint import is_release_dir
@@ -312,7 +312,7 @@ class ReleaseInputs:
         return buf.getvalue()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "ReleaseInputs":
+    def from_bytes(cls, data: bytes) -> ReleaseInputs:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             n = json.loads(z["numbers"].tobytes().decode("utf-8"))
             return cls(frames=torch.from_numpy(z["frames"]), frame_indices=z["frame_indices"], length_s=n["length_s"],

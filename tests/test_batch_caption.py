@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.mp4 import solid_frames, write_mp4
 from infer.loading import RANDOM_MODEL
 from infer.offline.job import list_videos, read_results, run_caption
 from pipeline.config import load_config
 from preprocess.synthetic import generate_corpus
-from tests.support.mp4 import solid_frames, tone, write_mp4
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]

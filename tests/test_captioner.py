@@ -7,10 +7,9 @@ import json
 
 import pytest
 
+from bench.serve_engine import synthetic_videos
 from infer.loading import RANDOM_MODEL
 from infer.results import RESULT_COLUMNS, CaptionResult
-
-from tests.support.serve_engine import synthetic_videos
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def test_overview_lists_every_verb(capsys):
 def test_every_verb_has_help_with_an_example(verb, capsys):
     assert main([verb, "--help"]) == 0
     out = capsys.readouterr().out
-    assert f"usage: padcap {verb}" in out or f"usage: python -m" in out
+    assert f"usage: padcap {verb}" in out or "usage: python -m" in out
     assert out.rstrip().endswith(VERBS[verb].example) and VERBS[verb].example.startswith(f"padcap {verb}")
 
 

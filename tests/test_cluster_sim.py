@@ -31,16 +31,17 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from bench import (
+    autoscale,  # noqa: E402
+    inflight,  # noqa: E402
+)
 from bench import sim_cluster as sc  # before ray: the 127.0.0.1 variables
-
-from bench import autoscale  # noqa: E402
 from infer.loading import RANDOM_MODEL  # noqa: E402
 from pipeline import storage  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.schema import decode  # noqa: E402
 from preprocess import manifest as mf  # noqa: E402
 from preprocess.synthetic import generate_corpus  # noqa: E402
-from bench import inflight  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]

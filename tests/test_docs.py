@@ -71,7 +71,7 @@ def test_runnable_block_runs(block, tmp_path):
     PATH (`padcap` is its console script). A block may use $EXAMPLE_VIDEOS: a folder of two short
     synthetic mp4 files made for it."""
     name, lang, code = block
-    from tests.support.serve_engine import synthetic_videos
+    from bench.serve_engine import synthetic_videos
 
     videos = tmp_path / "videos"
     videos.mkdir()

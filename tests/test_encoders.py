@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.mp4 import moving_square, solid_frames, tone, write_mp4
 from pipeline.config import FeaturesConfig
 from preprocess.encoders import (
     AUDIO_ENCODERS,
@@ -23,7 +24,6 @@ from preprocess.encoders import (
 from preprocess.media import DecodedVideo, decode_video, frame_schedule
 from preprocess.synthetic_media import BACKGROUND_RGB, COLOUR_RGB, _shape_mask
 from tests.support.hf_towers import tiny_vision_dirs, tiny_whisper_dir
-from tests.support.mp4 import moving_square, solid_frames, tone, write_mp4
 
 
 def _decoded(duration: float, cfg: FeaturesConfig, audio: np.ndarray | None, frames: np.ndarray | None = None) -> DecodedVideo:

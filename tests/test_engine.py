@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from infer.engine.core import CaptionEngine
+from infer.engine.sampling import DecodeControl
 from infer.oracles.ablation import caption_engine
 from infer.oracles.decoders import branch_sequential, full_recompute, monolithic, parallel_copy
-from infer.engine.sampling import DecodeControl
 from pipeline.config import InferConfig
 from pipeline.model import PadCaptioner
 from tests.support.padcap import decoding_model, sample, tiny_cfg

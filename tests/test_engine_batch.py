@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import pytest
 import torch
@@ -22,8 +21,8 @@ import torch
 from infer.engine.core import CaptionEngine
 from infer.engine.paged import pages_for
 from infer.engine.requests import Request
-from infer.oracles.decoders import branch_sequential, full_recompute
 from infer.engine.sampling import DecodeControl
+from infer.oracles.decoders import branch_sequential, full_recompute
 from pipeline.config import InferConfig
 from pipeline.model import PadCaptioner
 from tests.support.padcap import decoding_model, sample, tiny_cfg

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.release_models import load
 from pipeline.family import CheckpointFormat, DecodingFamily, TrainingFamily, well_formed
 from pipeline.model import PadCaptioner
 from pipeline.release.finetune import ReleaseFinetune
 from tests.support.padcap import tiny_cfg
-from bench.release_models import load
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from bench.mp4 import solid_frames, tone, write_mp4
 from pipeline.config import Config, SyntheticConfig, section_hash
 from pipeline.schema import Event, decode, encode
 from preprocess.featurize import Featurizer, align_events, featurize
 from preprocess.media import MediaError
-from tests.support.mp4 import solid_frames, tone, write_mp4
 
 
 @dataclass

@@ -16,11 +16,10 @@ import pytest
 import torch
 
 from infer.engine.core import CaptionEngine
-from infer.oracles.ablation import caption_engine
 from infer.engine.graphs import Buckets, graph_buckets
 from infer.engine.requests import Request
-from tests.test_engine_batch import controls, model, videos  # noqa: F401 - the same module fixtures
-from tests.test_engine_batch import CPU, assert_pool_empty, assert_same, decode_all
+from infer.oracles.ablation import caption_engine
+from tests.test_engine_batch import CPU, assert_pool_empty, assert_same, controls, decode_all, model, videos  # noqa: F401 - the same module fixtures
 
 FLEX = dataclasses.replace(CPU, kernel="flex", kv_memory_gb=0.004, max_batch_videos=3, step_tokens=64)
 

@@ -262,7 +262,7 @@ def test_plan_calls_keeps_every_token_once_with_its_pages_and_pads_less():
     MAX_CALLS calls, every token sits in exactly one bin of at most F tokens whose pages hold all its
     block's pages; the padded work is less than one call of one block per video, and less than the best
     single call; blocks of one width (one video) make one call."""
-    from infer.engine.packing import GATHER_ROWS, MAX_CALLS, padded_work, pack_calls
+    from infer.engine.packing import GATHER_ROWS, MAX_CALLS, pack_calls, padded_work
 
     rnd = random.Random(0)
     blocks, n, first = [], 0, 1

@@ -10,9 +10,9 @@ import tempfile
 import numpy as np
 import pytest
 
+from bench.mp4 import solid_frames, tone, write_mp4
 from pipeline.config import FeaturesConfig
 from preprocess.media import MediaError, decode_video, frame_schedule
-from tests.support.mp4 import solid_frames, tone, write_mp4
 
 RED, BLUE, GREEN = (255, 0, 0), (0, 0, 255), (0, 255, 0)
 

@@ -17,11 +17,11 @@ import subprocess
 
 import pytest
 
+from bench.mp4 import write_timed
 from pipeline.config import FeaturesConfig
 from pipeline.schema import Event
 from preprocess.featurize import align_events
 from preprocess.media import MediaError, decode_video
-from tests.support.mp4 import write_timed
 
 VFR_TIMES = [i / 30 for i in range(60)] + [2.0, 2.5, 3.0, 3.5]
 CFR_TIMES = [i / 30 for i in range(90)]  # 3 s at 30 fps

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from infer.engine.core import CaptionEngine
-from infer.engine.paged import page_bytes
 from infer.engine.memory_plan import Shape, main, plan, videos_that_fit, worst_pages
+from infer.engine.paged import page_bytes
 from infer.engine.sampling import DecodeControl
 from pipeline.config import InferConfig
 from tests.support.padcap import decoding_model, sample
@@ -96,8 +96,8 @@ def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets(caplog):
         2, 2, 4, 4, torch.float32)  # no limit: the budget alone
 
     tight = dataclasses.replace(FLEX_CUDA_CONTRACT, page_multiple=1, q_block_multiple=1, max_layer_elements=100)
-    from tests.test_kernels import _layout
     from infer.engine.kernels import choose_kernel
+    from tests.test_kernels import _layout
 
     kernel = choose_kernel("reference", torch.float32, torch.device("cpu"))
     pool, q, meta, _ = _layout(0, 4, 2, kernel)

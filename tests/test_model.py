@@ -3,8 +3,8 @@ K=1 == plain causal LM, mixed batches, trainable set, aggregation, save/load rou
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from pipeline.backbone import BackboneError, position_adapter, preset_config

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
+from bench.release_models import CHECKPOINT
 from infer.loading import RANDOM_MODEL, load_model, resolve_model
 from pipeline.config import Config
-from bench.release_models import CHECKPOINT
 
 
 def _cfg() -> Config:

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from infer.engine.decoded import to_events
+from infer.engine.sampling import DecodeControl
 from infer.oracles.ablation import decoder_for, engine_refusal, layout_ordered, text_chain
 from infer.oracles.decoders import monolithic
-from infer.engine.sampling import DecodeControl
-from pipeline.examples import collate
 from pipeline.config import InferConfig
+from pipeline.examples import collate
 from pipeline.layout import IGNORE, Role, dense_layout
 from tests.support.padcap import decoding_model, sample
 

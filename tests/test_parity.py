@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.release_models import CHECKPOINT, FIXTURE
 from infer.parity import check as parity
 from infer.parity.weights import weight_problems
 from pipeline.release.checkpoint import read_state_dict
 from pipeline.release.model import ReleaseCaptioner
-from bench.release_models import CHECKPOINT, FIXTURE
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "release-golden"
 CASES = [FIXTURE] + ([SHARED] if SHARED.is_dir() else [])
@@ -132,8 +132,9 @@ def test_bf16_judges_each_planning_row_on_the_release_history_and_fails_a_far_de
 def test_forced_steps_keep_the_model_s_own_rows_on_another_history():
     """release_front's teacher forcing: K and the intervals are the forced ones; row 0 (before any
     forced choice) is the free run's, row 1 follows the forced interval instead of the model's."""
-    from infer.oracles.release_front import release_front
     from transformers.cache_utils import DynamicCache
+
+    from infer.oracles.release_front import release_front
 
     inputs, golden, _, _ = parity.load_case(FIXTURE)
     sample, settings = parity.case_settings(FIXTURE, inputs, "float32")

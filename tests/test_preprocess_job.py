@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import webdataset as wds
 
+from bench.mp4 import solid_frames, tone, write_mp4
 from pipeline import storage
 from pipeline.config import load_config, section_hash
 from pipeline.schema import FIELDS, decode
 from preprocess import manifest as mf
 from preprocess.job import FeaturizeVideos, chunk_size, run_preprocess
 from preprocess.synthetic import generate_corpus
-from tests.support.mp4 import solid_frames, tone, write_mp4
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]

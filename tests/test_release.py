@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from infer.parity import check as parity
+from bench.release_models import CHECKPOINT, FIXTURE, fixture_video, load, perturbed, random_video
 from infer.engine.core import CaptionEngine
 from infer.oracles.release_loop import branch_mask, release_reference
+from infer.parity import check as parity
 from pipeline.config import InferConfig
 from pipeline.release.checkpoint import ReleaseError, read_state_dict, weight_files
 from pipeline.release.grounding import find_and_merge
 from pipeline.release.layout import AVGrid, audio_counts, build_layout, index_sets, mrope_ids, prompt_visible
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
-from bench.release_models import CHECKPOINT, FIXTURE, fixture_video, load, perturbed, random_video
 
 GOLDEN = json.loads((FIXTURE / "golden.json").read_text())
 

@@ -12,13 +12,14 @@ import dataclasses
 import functools
 from pathlib import Path
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
+from bench.mp4 import solid_frames, tone, write_mp4
 from infer.engine.core import CaptionEngine
-from infer.oracles.release_front import media_tokens
 from infer.engine.sampling import DecodeControl
+from infer.oracles.release_front import media_tokens
 from infer.serving.service import CaptionService, ModelCard
 from pipeline.config import Config
 from pipeline.release.video import ReleaseVideo, as_release_video
@@ -26,7 +27,6 @@ from pipeline.schema import SchemaError, decode, encode
 from preprocess.encoders import encoder_dims, encoder_versions, get_audio_encoder, get_visual_encoder
 from preprocess.featurize import Featurizer
 from preprocess.release_encoders import ReleaseFeaturizer, release_model, release_video
-from tests.support.mp4 import solid_frames, tone, write_mp4
 
 GOLDEN = Path(__file__).parent / "data" / "release_golden"
 CHECKPOINT = GOLDEN / "checkpoint"
@@ -209,8 +209,8 @@ def test_a_caption_actor_loads_the_whole_model_once_and_no_other_towers(videos, 
 
 @pytest.mark.integration
 def test_offline_captioning_with_the_release_checkpoint_runs_its_encoders_online(ray_local, videos, tmp_path):
-    from infer.offline.job import read_results, run_caption
     from infer.loading import load_model
+    from infer.offline.job import read_results, run_caption
     from preprocess.featurize import Featurizer as DirectFeaturizer
 
     archive = tmp_path / "archive"

@@ -9,16 +9,16 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from infer.parity import check as parity
+from bench.release_models import CHECKPOINT, FIXTURE, fixture_video, load, random_video
 from infer.engine.core import CaptionEngine
 from infer.oracles.release_front import release_prefill
 from infer.oracles.release_loop import release_reference
+from infer.parity import check as parity
 from pipeline.config import InferConfig
 from pipeline.release.checkpoint import read_state_dict
 from pipeline.release.finetune import ReleaseFinetune, TrainVideo, collate_release, timestep_interval
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
 from pipeline.schema import Event
-from bench.release_models import CHECKPOINT, FIXTURE, fixture_video, load, random_video
 from train.losses import compute_losses
 
 EVENTS = [Event(0.5, 3.0, "a dog barks"), Event(4.0, 8.0, "a car passes by")]

@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from bench.mp4 import solid_frames, tone, write_mp4
+from bench.release_models import CHECKPOINT, reshaped_checkpoint
 from infer.engine.core import CaptionEngine
 from pipeline.config import FeaturesConfig, InferConfig
 from pipeline.release.geometry import RELEASE, Geometry
@@ -16,8 +18,6 @@ from pipeline.release.layout import build_layout, mrope_ids, tau
 from pipeline.release.model import ReleaseCaptioner
 from preprocess import release_media as rf
 from preprocess.release_encoders import inputs_video
-from tests.support.mp4 import solid_frames, tone, write_mp4
-from bench.release_models import CHECKPOINT, reshaped_checkpoint
 
 # 8 px patches, one frame per timestep, 2x2 merge, 1 temporal position per second, 1 s audio tokens
 OTHER = dict(vision={"patch_size": 8, "temporal_patch_size": 1, "spatial_merge_size": 2, "tokens_per_second": 1,

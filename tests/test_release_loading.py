@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.release_models import CHECKPOINT
 from pipeline.release.checkpoint import mapped_safetensors, read_state_dict
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
-from bench.release_models import CHECKPOINT
 
 
 def _bf16_copy(tmp_path, fmt: str):

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from bench.mp4 import solid_frames, tone, write_mp4
 from pipeline.release.layout import audio_counts, index_sets
 from preprocess import release_media as rf
 from preprocess.media import MediaError
-from tests.support.mp4 import solid_frames, tone, write_mp4
 
 GOLDEN = Path(__file__).parent / "data" / "release_golden"  # the fixture copied from shared/release-golden
 CFG = rf.MediaConfig()
@@ -257,8 +257,9 @@ def test_stereo_is_downmixed_by_ffmpeg_not_averaged(tmp_path):
 
 def write_uneven_mp4(path: Path, n: int = 40) -> Path:
     """H.264 mp4 whose first half runs at 8 fps and second half at 4 fps (pts in 1/8 s ticks)."""
-    import av
     from fractions import Fraction
+
+    import av
 
     frames = solid_frames(n, 56, 56, [(250, 0, 0), (0, 0, 250)])
     with av.open(str(path), mode="w", format="mp4") as out:

@@ -1,7 +1,7 @@
 """EngineBatcher (infer/serving/engine_loop.py): concurrent requests share engine calls, keys never mix.
 
 The engine here is a recording stand-in with the real engine's serving interface
-(tests/support/serve_engine.py StandInEngine), driven through production's one path
+(bench/serve_engine.py StandInEngine), driven through production's one path
 (`run(feed, emit)`): these tests are about the queueing rule (which requests go into which
 decode), not about decoding.
 """
@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
+from bench.serve_engine import StandInEngine
 from infer.serving.engine_loop import EngineBatcher
-from tests.support.serve_engine import StandInEngine
 
 
 class Recorder(StandInEngine):

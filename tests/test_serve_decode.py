@@ -15,14 +15,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from infer.serving.media_pool import DecodePool
+from bench.serve_cases import make_video_tree, module_counting_reader, serve_test_config
+from bench.serve_engine import direct_caption, synthetic_videos, tiny_engine
 from infer.serving.errors import RequestError
+from infer.serving.media_pool import DecodePool
 from infer.serving.service import CaptionService, NoAnnotation
 from preprocess.featurize import Featurizer
 from preprocess.media import DecodedVideo, decode_video
 from tests.support.hf_towers import tiny_vision_dirs, tiny_whisper_dir
-from tests.support.serve_cases import make_video_tree, module_counting_reader, serve_test_config
-from tests.support.serve_engine import direct_caption, synthetic_videos, tiny_engine
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ The app is built by `infer.serving.deployment:app_builder` (a YAML preset + over
 model_dir: the tiny random-init model) exactly as `serve run cluster/serve.yaml`
 builds it. It checks: a synthetic video by URI and by upload gives well-formed
 events equal to CaptionEngine called directly; every bad or hostile request of
-tests/support/serve_cases.py gets its 4xx (never a 5xx) and the replica keeps
+bench/serve_cases.py gets its 4xx (never a 5xx) and the replica keeps
 serving; a burst over max_queued_requests gets quick 503s while every accepted
 request completes.
 """
@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.support.serve_cases import (bad_requests, free_port, make_video_tree, post_json, post_upload, send,
-                                       serve_test_config, wait_healthy)
-from tests.support.serve_engine import direct_caption, synthetic_videos, tiny_engine
+from bench.serve_cases import bad_requests, free_port, make_video_tree, post_json, post_upload, send, serve_test_config, wait_healthy
+from bench.serve_engine import direct_caption, synthetic_videos, tiny_engine
 
 pytestmark = pytest.mark.integration
 MAX_ONGOING = 2

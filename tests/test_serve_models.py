@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
+from bench.serve_cases import events_of, make_video_tree, serve_test_config, well_formed_body
+from bench.serve_engine import direct_caption, synthetic_videos, tiny_engine
 from infer.serving.errors import RequestError
 from infer.serving.service import CaptionService
-from tests.support.serve_cases import events_of, make_video_tree, serve_test_config, well_formed_body
-from tests.support.serve_engine import direct_caption, synthetic_videos, tiny_engine
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 The engine is the real CaptionEngine around the tiny PadCaptioner (random init,
 seeded) and the features come from the real featurizer on real synthetic mp4s.
-The hostile-request list (tests/support/serve_cases.py) runs here against the
+The hostile-request list (bench/serve_cases.py) runs here against the
 plain app; tests/test_serve_integration.py runs it again through Ray Serve.
 """
 
@@ -16,11 +16,22 @@ from pathlib import Path
 
 import pytest
 
+from bench.serve_cases import (
+    BOUNDARY,
+    bad_requests,
+    events_of,
+    free_port,
+    make_video_tree,
+    post_json,
+    post_upload,
+    send,
+    serve_test_config,
+    wait_healthy,
+    well_formed_body,
+)
+from bench.serve_engine import StandInEngine, direct_caption, synthetic_videos, tiny_engine
 from infer.serving.errors import RequestError
 from infer.serving.service import CaptionService
-from tests.support.serve_cases import (BOUNDARY, bad_requests, events_of, free_port, make_video_tree, post_json,
-                                       post_upload, send, serve_test_config, wait_healthy, well_formed_body)
-from tests.support.serve_engine import StandInEngine, direct_caption, synthetic_videos, tiny_engine
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +227,7 @@ def test_stuck_decodes_are_killed_and_the_replica_keeps_serving(parts, tree, tmp
     import os
     import shutil
 
-    from tests.support.serve_cases import hanging_reader
+    from bench.serve_cases import hanging_reader
 
     factory, card, cfg = parts
     cfg = dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, decode_timeout_s=3.0, decode_workers=2))

@@ -15,7 +15,6 @@ import pytest
 
 from pipeline.config import FeaturesConfig, HardOptions, SyntheticConfig, load_config
 from preprocess import synthetic as syn
-from preprocess import synthetic_hard as hard
 from preprocess import synthetic_media as media
 from preprocess.media import decode_video
 from preprocess.synthetic_media import SoundSpec

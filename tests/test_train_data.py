@@ -3,10 +3,8 @@ truncation (even, whole segments, events re-mapped), shuffling, collation into b
 
 from __future__ import annotations
 
-import io
 import json
 import random
-import tarfile
 
 import numpy as np
 import pytest
@@ -18,8 +16,20 @@ from pipeline.layout import Role
 from pipeline.model import PadCaptioner
 from pipeline.schema import KEY, META, TIMES, encode
 from tests.support.padcap import sample, tiny_cfg
-from train.data import (Batcher, DataStats, InMemoryEpochs, drop_segments, fit_segments, fit_to_model, keep_indices,
-                        read_samples, read_shard_records, remap_interval, sequence_length, shuffle_buffer)
+from train.data import (
+    Batcher,
+    DataStats,
+    InMemoryEpochs,
+    drop_segments,
+    fit_segments,
+    fit_to_model,
+    keep_indices,
+    read_samples,
+    read_shard_records,
+    remap_interval,
+    sequence_length,
+    shuffle_buffer,
+)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 ZERO3_REFUSED = (
     "train.zero_stage=3 is not supported: ZeRO-3 partitions the weights and gathers a module's "
     "parameters only inside that module's forward, while PadCaptioner reads new_embed, new_out and "

@@ -39,8 +39,9 @@ Counts are sums (`EvalCounts.tensor()` all-reduces across ranks). Pure torch; no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,7 +90,7 @@ class EvalCounts:
     overlap_precision_sum: float = 0.0
     overlap_recall_sum: float = 0.0
 
-    def __iadd__(self, other: "EvalCounts") -> "EvalCounts":
+    def __iadd__(self, other: EvalCounts) -> EvalCounts:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         return self
@@ -98,7 +99,7 @@ class EvalCounts:
         return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "EvalCounts":
+    def from_tensor(cls, t: torch.Tensor) -> EvalCounts:
         return cls(*[float(v) for v in t.tolist()])
 
 

@@ -31,7 +31,6 @@ import contextlib
 import itertools
 import json
 import math
-import os
 import shutil
 import tempfile
 import time

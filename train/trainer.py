@@ -41,8 +41,9 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 import ray
@@ -59,8 +60,8 @@ from preprocess import manifest as mf
 from preprocess.encoders import encoder_versions
 from train import checkpoint as ckpt
 from train.data import read_keyed_records, read_samples, shuffle_buffer
-from train.evaluate import caption_parser
 from train.deepspeed_config import check_zero_stage
+from train.evaluate import caption_parser
 from train.loop import resolve_backend, train_loop
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ class KernelTraits(Protocol):
     name: str
     contract: _Multiples
     max_calls: int
-    workspace: "Workspace"
+    workspace: Workspace
 
 
 @dataclass
@@ -69,7 +69,7 @@ class AttnMeta:
     @staticmethod
     def build(blocks: Sequence[QueryBlock], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
               lim_b: Sequence[int], *, q_block: int, pool, kernel: KernelTraits, group: int = 1,
-              workspace: "Workspace | None" = None) -> "AttnMeta":
+              workspace: Workspace | None = None) -> AttnMeta:
         """Host description of a step -> AttnMeta on the pool's device (a few copies in all).
 
         seq_*/lim_* are per step token (N of them); a token with no second sequence has
@@ -173,7 +173,7 @@ def _visibility(page_t: torch.Tensor, npages: torch.Tensor, slot_rules: list[tor
     return ((kseq == sa) & (kidx < la)) | ((kseq == sb) & (kidx < lb))
 
 
-def _gather_meta(blocks, rules, pool, kernel: KernelTraits, group: int, workspace: "Workspace | None") -> GatherMeta:
+def _gather_meta(blocks, rules, pool, kernel: KernelTraits, group: int, workspace: Workspace | None) -> GatherMeta:
     """A gathering kernel's meta: the blocks planned into calls (infer/engine/packing.py), each call's queries,
     pages and mask laid out once, for every layer of the step."""
     n, S, mult = len(rules[0]), pool.page_size, kernel.contract.q_block_multiple

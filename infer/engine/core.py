@@ -45,9 +45,9 @@ from typing import Any, NamedTuple
 import torch
 
 from infer.engine.decoded import Decoded, to_events
+from infer.engine.graphs import describe_graphs, step_graphs
 from infer.engine.kernels import choose_kernel
 from infer.engine.paged import PagePool, pages_for
-from infer.engine.graphs import describe_graphs, step_graphs
 from infer.engine.programs import PROGRAMS
 from infer.engine.requests import Request, VideoResult, check_config, model_caps, resolve_device, resolve_dtype
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser

@@ -129,7 +129,7 @@ class StepGraphs:
         self.reason = "not captured (CPU stand-in: the static buffers, run eagerly)"
         self.stats = {"replayed": 0, "eager": 0}
         pool, w = runner.pool, runner.w
-        dev, S = pool.device, pool.page_size
+        dev = pool.device
         self.tokens = {n: _TokenBuffers(torch.zeros(n, w.hidden, dtype=w.dtype, device=dev),
                                         torch.zeros(3, n, dtype=torch.long, device=dev),
                                         torch.zeros(n, dtype=torch.long, device=dev),

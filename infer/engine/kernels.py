@@ -88,7 +88,7 @@ class Contract:
     # (pytorch/pytorch#190857; vLLM caps its flex pools the same way, vllm-project/vllm#50427)
     max_layer_elements: int = 0
 
-    def check(self, q: torch.Tensor, kv: torch.Tensor, meta: "AttnMeta") -> None:
+    def check(self, q: torch.Tensor, kv: torch.Tensor, meta: AttnMeta) -> None:
         """Raise ValueError naming the broken rule (shapes, dtypes, alignment). kv: one layer of the pool."""
         if q.ndim != 3 or kv.ndim != 4 or kv.shape[1] != 2:
             raise ValueError(f"attention wants q [N, Hq, D] and a pool layer [keys, 2, Hkv, D]; got q {tuple(q.shape)}, "
@@ -189,7 +189,6 @@ def _compiled_flex():
     engine's pool width is a new set of shapes (one per block bucket its CUDA graphs record, up to 8), and a
     process may build several engines (tests, benchmarks)."""
     import torch._dynamo
-
     from torch.nn.attention.flex_attention import flex_attention
 
     cfg = torch._dynamo.config

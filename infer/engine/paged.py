@@ -98,7 +98,7 @@ class PagePool:
 
     @classmethod
     def for_budget(cls, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                   page_size: int, memory_bytes: int, zero: bool = False, max_layer_elements: int = 0) -> "PagePool":
+                   page_size: int, memory_bytes: int, zero: bool = False, max_layer_elements: int = 0) -> PagePool:
         """A pool of as many pages as `memory_bytes` holds (at least 2), and no more than keep one layer
         within `max_layer_elements` (a kernel's addressing limit, infer/engine/kernels.py Contract; 0 = none)."""
         per = page_bytes(layers, kv_heads, head_dim, page_size, dtype)

@@ -40,8 +40,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from infer.engine.sampling import DecodeControl, plan_decision, planning_capped
-from pipeline.examples import collate
 from pipeline.decoding import decode_reserve, ground_intervals, prepare_example, token_position_ids
+from pipeline.examples import collate
 from pipeline.family import DecodeError
 from pipeline.grounding import segment_hidden, similarity_logits
 from pipeline.layout import Role, anchor_position, shared_position
@@ -141,7 +141,7 @@ class PadProgram:
         return PadProgram.finish_all([self])[0]
 
     @staticmethod
-    def finish_all(progs: "Sequence[PadProgram]") -> list[Anchors]:
+    def finish_all(progs: Sequence[PadProgram]) -> list[Anchors]:
         """Grounding and anchors of the videos whose planning ended in one step, batched: the event and
         segment heads run once over every video's rows, the similarities are one padded batched product
         with one copy to the host (the readout is host work), then each video's anchors."""
@@ -211,7 +211,7 @@ class ReleaseProgram:
         return x, _plan_position(pos)
 
     @staticmethod
-    def finish_all(progs: "Sequence[ReleaseProgram]") -> list[Anchors]:
+    def finish_all(progs: Sequence[ReleaseProgram]) -> list[Anchors]:
         """`finish` of each (the release's anchors come from states taken at prefill: nothing to batch)."""
         return [p.finish() for p in progs]
 

@@ -55,7 +55,7 @@ class DecodeControl:
     def length(self, event: int) -> int | None:
         return None if self.lengths is None else int(self.lengths[event % len(self.lengths)])
 
-    def processors(self, eos_id: int) -> list["LogitsProcessor"]:
+    def processors(self, eos_id: int) -> list[LogitsProcessor]:
         """The branch hooks as logits processors (none for the default control)."""
         out: list[LogitsProcessor] = []
         if self.suppress_eos:

@@ -38,7 +38,7 @@ def fused_norm(module: torch.nn.Module):
     return norm
 
 
-_SNAPSHOTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (parameter key, StepWeights)
+_SNAPSHOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (parameter key, StepWeights)
 
 
 @dataclass
@@ -103,7 +103,7 @@ class StepWeights:
         self._cos = self._sin = None
 
     @classmethod
-    def of(cls, model) -> "StepWeights":
+    def of(cls, model) -> StepWeights:
         """The snapshot for `model`, shared by every engine built on it (e.g. the parallel and the
         monolithic engine of the caption stage's speed-up) while its parameters are unchanged
         (same device, dtype and in-place version counters); otherwise a fresh one."""

@@ -35,16 +35,15 @@ in-flight markers). Default: as is.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import json
 import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa

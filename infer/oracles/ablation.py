@@ -32,8 +32,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded, caption_text
-from infer.oracles.front import StageTimer, decode_reserve, prepare_example, run_front
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
+from infer.oracles.front import StageTimer, decode_reserve, prepare_example, run_front
 from pipeline.config import InferConfig
 from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, event_order, mask_between
 

@@ -38,11 +38,10 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded
-from infer.oracles.front import (StageTimer, decode_reserve, ground_intervals, prepare_example, row_mask, run_front,
-                         token_position_ids)
 from infer.engine.sampling import NO_CONTROL, DecodeControl, TokenChooser, plan_decision, planning_capped, video_chooser
-from pipeline.examples import collate
+from infer.oracles.front import StageTimer, decode_reserve, ground_intervals, prepare_example, row_mask, run_front, token_position_ids
 from pipeline.config import InferConfig
+from pipeline.examples import collate
 from pipeline.layout import Role, TokenMeta, branch_position, cat_meta, dense_layout, event_order, shared_position
 
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from infer.engine.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_capped
-from pipeline.examples import Example, collate
 from pipeline.decoding import decode_reserve, ground_intervals, prepare_example, token_position_ids  # noqa: F401
+from pipeline.examples import Example, collate
 from pipeline.family import DecodeError, well_formed  # noqa: F401
 from pipeline.grounding import similarity_logits
 from pipeline.layout import Layout, Role, TokenMeta, additive_mask, anchor_position, cat_meta, mask_between, shared_position

@@ -32,8 +32,18 @@ from infer.engine.programs import plan_row
 from infer.engine.sampling import NO_CONTROL, DecodeControl
 from infer.oracles.front import StageTimer
 from pipeline.layout import anchor_position, shared_position
-from pipeline.release.decoding import (ReleasePrefill, aggregation_row, anchor_inputs, decodable_video,  # noqa: F401
-                                       media_tokens, prefill, prefill_inputs, prefill_mask, release_prefill, seconds)
+from pipeline.release.decoding import (  # noqa: F401
+    ReleasePrefill,
+    aggregation_row,
+    anchor_inputs,
+    decodable_video,
+    media_tokens,
+    prefill,
+    prefill_inputs,
+    prefill_mask,
+    release_prefill,
+    seconds,
+)
 from pipeline.release.grounding import aggregate
 from pipeline.release.video import ReleaseVideo
 

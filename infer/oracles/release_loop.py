@@ -25,8 +25,7 @@ from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded
 from infer.oracles.release_front import ReleaseFront, release_front, seconds
-from pipeline.layout import additive_mask, branch_position
-from pipeline.layout import cat_meta
+from pipeline.layout import additive_mask, branch_position, cat_meta
 from pipeline.release.layout import event_meta, release_visible, shared_meta
 from pipeline.release.video import ReleaseVideo
 

@@ -204,9 +204,9 @@ def token_verdict(ours: list[list[int]], theirs: list[list[int]], calls, tol: fl
 
 def run(root: Path, dtype: str = "float32", out=sys.stdout) -> Checks:
     from infer.engine.core import CaptionEngine
-    from infer.parity.weights import weight_problems
     from infer.engine.decoded import Decoded
     from infer.oracles.release_loop import release_reference, release_text
+    from infer.parity.weights import weight_problems
     from pipeline.config import InferConfig
     from pipeline.release.checkpoint import read_state_dict
     from pipeline.release.grounding import find_and_merge

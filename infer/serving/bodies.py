@@ -20,9 +20,10 @@ import contextlib
 import json
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any, AsyncIterator
+from typing import Any
 
 from infer.serving.errors import RequestError
 

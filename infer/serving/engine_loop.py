@@ -17,7 +17,7 @@ A request whose client goes away (its task cancelled) leaves the batch at the ne
 When a run raises (a server bug on some input), each request that was in it and has no
 result yet is retried alone, so the exception reaches only the request whose video caused
 it. Every engine is driven the one way: `run(feed, emit)` and `result(sample, decoded)`, the interface of
-infer.engine.core.CaptionEngine (test stand-ins implement it too: tests/support/serve_engine.py).
+infer.engine.core.CaptionEngine (test stand-ins implement it too: bench/serve_engine.py).
 Used by infer/serving/service.py; asyncio + one thread, no ray.
 """
 
@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any
 
 from infer.engine.requests import Request
 

@@ -39,7 +39,8 @@ import multiprocessing as mp
 import pickle
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pipeline.config import Config
 

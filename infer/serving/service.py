@@ -39,18 +39,19 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from infer.serving.engine_loop import EngineBatcher
-from infer.serving.media_pool import BOOT_TIMEOUT_S, DecodePool, DecodeTimeout
 from infer.engine.requests import Request, VideoOptions
 from infer.loading import ModelCard  # noqa: F401  (re-exported: the card a replica serves)
+from infer.serving.engine_loop import EngineBatcher
 from infer.serving.errors import RequestError
+from infer.serving.media_pool import BOOT_TIMEOUT_S, DecodePool, DecodeTimeout
 from infer.serving.protocol import CaptionOptions, error_message
 from infer.serving.uris import UriPolicy, materialize
 from pipeline.config import Config, InferConfig, section_hash
@@ -61,7 +62,7 @@ log = logging.getLogger("padcap.serve")
 
 class Engine(Protocol):
     """What the service needs of an engine, as infer.engine.core.CaptionEngine offers it (test stand-ins
-    offer the same: tests/support/serve_engine.py). infer/serving/engine_loop.py drives it.
+    offer the same: bench/serve_engine.py). infer/serving/engine_loop.py drives it.
 
     run(feed, emit): decode every request `feed` gives (polled at each step boundary; None: nothing now),
         `emit(request, decoded)` as each finishes; returns when nothing is in flight and `feed` has nothing.
@@ -245,7 +246,7 @@ class CaptionService:
         loop = asyncio.get_running_loop()
         try:
             sample, timings = await asyncio.wait_for(loop.run_in_executor(self._decode_pool, prepare), self._outer_timeout())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.counters["rejected"] += 1
             raise RequestError(422, "decode_timeout", f"reading and decoding the video took longer than "
                                f"{self._outer_timeout()} s (serve.decode_timeout_s)") from None

@@ -35,9 +35,10 @@ import os
 import re
 import stat
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Iterator, Literal
+from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from infer.serving.errors import RequestError

@@ -28,7 +28,8 @@ from pipeline.metrics.etbench import ETBENCH_TIOUS, etbench_sentences, evaluate_
 from pipeline.metrics.io import MAX_PREDICTIONS, EvalInput, InputError, load_inputs
 from pipeline.metrics.report import write_report
 from pipeline.metrics.scorers import Scorers
-from pipeline.metrics.soda import DIRECTIONS as SODA_DIRECTIONS, evaluate_soda, soda_dp, soda_plan
+from pipeline.metrics.soda import DIRECTIONS as SODA_DIRECTIONS
+from pipeline.metrics.soda import evaluate_soda, soda_dp, soda_plan
 from pipeline.metrics.tiou import tiou, tiou_matrix
 
 PROTOCOLS = ("densevid", "soda", "etbench", "padcaptioner")

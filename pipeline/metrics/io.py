@@ -31,9 +31,10 @@ import json
 import math
 import os
 import tarfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 

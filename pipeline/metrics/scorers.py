@@ -44,9 +44,9 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -151,7 +151,7 @@ class Scorers:
         self._pending: list[Future] = []
         self.counters = {"ptb_calls": 0, "meteor_jvms": 0, "meteor_score_lines": 0, "meteor_eval_lines": 0, "embedded": 0}
 
-    def __enter__(self) -> "Scorers":
+    def __enter__(self) -> Scorers:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,7 @@ Pure numpy, no I/O.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -197,7 +197,7 @@ class ReleaseFinetune(nn.Module):
         cache = None if rerun else DynamicCache(config=m.hf_config)
         pre = prefill(m, ex.video, cache, embed=self.embed, use_cache=not rerun)
         lay, pos, delta, emb = pre.layout, pre.positions, pre.delta, pre.inputs_embeds
-        h_ground, h_agg = pre.h_ground, pre.h_agg
+        h_agg = pre.h_agg
         L, k = lay.length, len(ex.steps)
         g = self.embed(torch.tensor([m.g_id], device=dev))[0]
         feats = [aggregate(pre.attn_row, h_agg, lay, st, m.settings.aggregation, m.audio_mean_weight) for st in ex.steps]

@@ -49,11 +49,11 @@ class Geometry:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "Geometry":
+    def from_dict(cls, data: dict[str, Any] | None) -> Geometry:
         return cls(**(data or {}))
 
     @classmethod
-    def from_config(cls, raw: dict[str, Any]) -> "Geometry":
+    def from_config(cls, raw: dict[str, Any]) -> Geometry:
         """From a release config.json's dict (absent keys: the 3B's values)."""
         vision = raw.get("vision_config") or {}
         audio = raw.get("audio_config") or {}
@@ -69,7 +69,7 @@ class Geometry:
         return geo
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Geometry":
+    def from_dir(cls, path: str | Path) -> Geometry:
         return cls.from_config(json.loads((Path(path) / "config.json").read_text()))
 
 

@@ -36,8 +36,8 @@ from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGene
 
 from pipeline.backbone import DTYPES, cast_keeping_rope, position_adapter
 from pipeline.config import ReleaseConfig
-from pipeline.grounding import GroundingHead, similarity_logits
 from pipeline.family import well_formed
+from pipeline.grounding import GroundingHead, similarity_logits
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
 from pipeline.release.geometry import Geometry
@@ -132,7 +132,7 @@ class ReleaseCaptioner(nn.Module):
 
     @classmethod
     def from_release(cls, path: str | Path, settings: ReleaseSettings | None = None,
-                     device: str | torch.device | None = None, towers_only: bool = False) -> "ReleaseCaptioner":
+                     device: str | torch.device | None = None, towers_only: bool = False) -> ReleaseCaptioner:
         """Load a release directory (config.json, weights, tokenizer), strictly (module doc), in the
         settings' dtype and on `device` (default CPU): the modules are built with their parameters on
         the meta device and the file's tensors (memory-mapped) become the parameters, cast only when

@@ -12,8 +12,16 @@ import torch
 
 
 def tiny_vision_dirs(root: Path) -> dict[str, str]:
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel, SiglipConfig,
-                              SiglipImageProcessor, SiglipModel, SiglipVisionConfig, SiglipVisionModel)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        SiglipConfig,
+        SiglipImageProcessor,
+        SiglipModel,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
 
     torch.manual_seed(0)
     small = dict(hidden_size=32, image_size=32, patch_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)

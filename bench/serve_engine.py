@@ -21,6 +21,7 @@ from typing import Any
 
 from pipeline.config import Config, SyntheticConfig
 
+
 class StandInEngine:
     """A test engine with CaptionEngine's serving interface; subclasses write `decode(samples) -> results`.
 

@@ -20,15 +20,16 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
 
+from bench.mp4 import moving_square, tone, write_mp4
 from pipeline.config import Config
-from tests.support.mp4 import moving_square, tone, write_mp4
 
 MAX_UPLOAD = 3 * 1024 * 1024
 MAX_DURATION = 20.0
