@@ -467,7 +467,7 @@ def test_serve_cli_starts_ray_as_the_cluster_section_says(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     monkeypatch.setattr(serve, "start", lambda **kw: started.append(kw))
     monkeypatch.setattr(serve, "run", lambda app, **kw: started.append(kw))
-    assert serve_module.main(["--set", "cluster.num_cpus=1", "--set", "serve.port=8123"]) == 0
+    assert serve_module.main(["--set", "cluster.num_cpus=1", "--set", "serve.port=8123", "--random-model"]) == 0
     assert len(calls) == 1 and calls[0].get("num_cpus") == 1 and calls[0].get("_node_ip_address") == "127.0.0.1"
     assert started[0]["http_options"] == {"host": "127.0.0.1", "port": 8123}
 
