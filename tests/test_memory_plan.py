@@ -87,9 +87,16 @@ def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets(caplog):
     assert p.kv_pool_gb < 0.85 * (139.0 - 1.0 - 1.0)  # what the fraction alone would have given
     assert plan(small, int(1e9), 24.0, [10000]).pages < p.pages  # a smaller card: the budget decides
 
-    with caplog.at_level("WARNING", logger="padcap.infer"):
-        pool = PagePool.for_budget(2, 2, 4, torch.float32, torch.device("cpu"), 4, 1 << 30,
-                                   max_layer_elements=2 * 4 * 2 * 4 * 10)
+    import logging
+
+    logger = logging.getLogger("padcap.infer")  # its own handler: another test may have stopped its propagation
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="padcap.infer"):
+            pool = PagePool.for_budget(2, 2, 4, torch.float32, torch.device("cpu"), 4, 1 << 30,
+                                       max_layer_elements=2 * 4 * 2 * 4 * 10)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert pool.pages == 10 and pool.layer[0].numel() == 2 * 4 * 2 * 4 * 10
     assert "KV pool capped at 10 pages" in caplog.text  # said, not silent
     assert PagePool.for_budget(2, 2, 4, torch.float32, torch.device("cpu"), 4, 1 << 20).pages == (1 << 20) // page_bytes(
