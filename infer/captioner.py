@@ -19,7 +19,7 @@ from pathlib import Path
 
 from infer.loading import load_model
 from infer.oracles.ablation import caption_engine
-from infer.results import CaptionResult, caption_config_hash, caption_each
+from infer.results import CaptionResult, caption_config_hash, caption_each, video_ids
 from pipeline.config import Config, load_config
 from preprocess.featurize import Featurizer, Unannotated
 
@@ -53,8 +53,8 @@ class Captioner:
         fields = {"model_id": self.model_id, "config_hash": self.config_hash}
         results: list[CaptionResult | None] = [None] * len(videos)
         todo, where = [], []
-        for i, video in enumerate(map(str, videos)):
-            video_id = Path(video.rstrip("/")).stem or f"video{i}"
+        uris = [str(v) for v in videos]
+        for i, (video, video_id) in enumerate(zip(uris, video_ids(uris))):
             try:
                 sample = self.featurizer(video, Unannotated(video_id=video_id, source="api"))
             except Exception as e:  # a video that cannot be read is its own result, not the batch's end

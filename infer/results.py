@@ -54,6 +54,23 @@ def caption_config_hash(cfg: Config) -> str:
                          "infer": infer})
 
 
+def video_ids(uris: list[str], root: str = "") -> list[str]:
+    """One distinct id per video: its file's stem; when that is taken, its file name; when that is taken
+    too (the same name in several folders), its path under `root`; at last the whole URI.
+
+    >>> video_ids(["/v/cam1/0001.mp4", "/v/cam2/0001.mp4", "/v/cam2/0001.mkv"], root="/v")
+    ['0001', '0001.mp4', 'cam2/0001.mkv']
+    """
+    out, seen = [], set()
+    for uri in uris:
+        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        under_root = uri[len(root) + 1:] if root and uri.startswith(root + "/") else uri
+        vid = next((c for c in (name.rsplit(".", 1)[0], name, under_root) if c not in seen), uri)
+        seen.add(vid)
+        out.append(vid)
+    return out
+
+
 @dataclass
 class CaptionResult:
     """One video's captions, or why there are none. Field names are the offline output's columns."""

@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from infer.results import ERROR_KINDS, RESULT_COLUMNS, CaptionResult, caption_config_hash, caption_each  # noqa: F401
+from infer.results import ERROR_KINDS, RESULT_COLUMNS, CaptionResult, caption_config_hash, caption_each, video_ids  # noqa: F401
 from pipeline import storage
 from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, ConfigError, load_config
@@ -97,14 +97,7 @@ def list_videos(spec: str, extensions: list[str]) -> list[dict[str, str]]:
             raise FileNotFoundError(f"--videos {spec!r}: no such directory or prefix")
         uris = storage.list_files(spec, tuple(extensions))
     root = _listing_root(spec)
-    out, seen = [], set()
-    for uri in uris:
-        name = uri.rsplit("/", 1)[-1]
-        under_root = uri[len(root) + 1:] if uri.startswith(root + "/") else uri
-        vid = next((c for c in (name.rsplit(".", 1)[0], name, under_root) if c not in seen), uri)
-        seen.add(vid)
-        out.append({"video_id": vid, "uri": uri})
-    return out
+    return [{"video_id": vid, "uri": uri} for vid, uri in zip(video_ids(uris, root), uris)]
 
 
 # ----------------------------------------------------------------------------- Ray Data stages
