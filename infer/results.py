@@ -58,8 +58,8 @@ def video_ids(uris: list[str], root: str = "") -> list[str]:
     """One distinct id per video: its file's stem; when that is taken, its file name; when that is taken
     too (the same name in several folders), its path under `root`; at last the whole URI.
 
-    >>> video_ids(["/v/cam1/0001.mp4", "/v/cam2/0001.mp4", "/v/cam2/0001.mkv"], root="/v")
-    ['0001', '0001.mp4', 'cam2/0001.mkv']
+    >>> video_ids(["/v/cam1/0001.mp4", "/v/cam2/0001.mp4", "/v/cam3/0001.mp4"], root="/v")
+    ['0001', '0001.mp4', 'cam3/0001.mp4']
     """
     out, seen = [], set()
     for uri in uris:
