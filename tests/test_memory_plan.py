@@ -89,7 +89,12 @@ def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets(caplog):
 
     import logging
 
-    logger = logging.getLogger("padcap.infer")  # its own handler: another test may have stopped its propagation
+    # read through the logger's own handler, with logging enabled: earlier tests in the suite (third-party
+    # code) may have stopped its propagation, disabled it, or called logging.disable
+    logger = logging.getLogger("padcap.infer")
+    was_disabled, global_disable = logger.disabled, logging.root.manager.disable
+    logger.disabled = False
+    logging.disable(logging.NOTSET)
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level("WARNING", logger="padcap.infer"):
@@ -97,6 +102,8 @@ def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets(caplog):
                                        max_layer_elements=2 * 4 * 2 * 4 * 10)
     finally:
         logger.removeHandler(caplog.handler)
+        logger.disabled = was_disabled
+        logging.disable(global_disable)
     assert pool.pages == 10 and pool.layer[0].numel() == 2 * 4 * 2 * 4 * 10
     assert "KV pool capped at 10 pages" in caplog.text  # said, not silent
     assert PagePool.for_budget(2, 2, 4, torch.float32, torch.device("cpu"), 4, 1 << 20).pages == (1 << 20) // page_bytes(
