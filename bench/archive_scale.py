@@ -148,15 +148,19 @@ def run_driver(sim, spec: dict[str, Any], work: Path, name: str, kill_node: bool
     return out
 
 
-def lost_in_flight(markers: str, stage: str, removed: str | None) -> dict[str, Any]:
+def lost_in_flight(markers: str, stage: str, removed: str | None, rerun: str | None = None) -> dict[str, Any]:
     """The node-loss proof, as the node-loss tests make it: the held video was started on the removed
-    node and never finished there, and another process finished it."""
+    node and never finished there, and another process finished it: the same run's retry, or (when
+    the driver was killed before the cluster noticed the node was gone) the rerun's, whose markers
+    are under `rerun`."""
     m = am.inflight.held(markers, stage)
-    redone = [r for r in am.inflight.markers(markers, stage)
+    found = {"retry": am.inflight.markers(markers, stage), "rerun": am.inflight.markers(rerun, stage) if rerun else []}
+    redone = [(by, r) for by, rows in found.items() for r in rows
               if m and r["video_id"] == m["video_id"] and r["pid"] != m["pid"] and r["done"]]
     proved = bool(m and removed and m["node_id"] == removed and not m["done"] and redone
-                  and redone[0]["node_id"] != removed)
-    return {"proved": proved, "video": m and m["video_id"], "redone_on": [r["node_id"] for r in redone]}
+                  and redone[0][1]["node_id"] != removed)
+    return {"proved": proved, "video": m and m["video_id"], "redone_on": [r["node_id"] for _, r in redone],
+            "redone_by": redone[0][0] if redone else None}
 
 
 def preprocess_stage(sim, corpus: ArchiveCorpus, source: str, work: Path, chunk: int, hold_s: float) -> dict[str, Any]:
@@ -215,7 +219,7 @@ def caption_stage(sim, corpus: ArchiveCorpus, source: str, work: Path, chunk: in
             "driver_peak_rss_mb": max(first["driver_peak_rss_mb"], second["driver_peak_rss_mb"]),
             "driver_peak_rss_mb_runs": [first["driver_peak_rss_mb"], second["driver_peak_rss_mb"]],
             "object_store_peak_mb": max(first["object_store_peak_mb"], second["object_store_peak_mb"]),
-            "node_loss": lost_in_flight(spec["markers"], "caption-featurize", first["node_removed"]),
+            "node_loss": lost_in_flight(spec["markers"], "caption-featurize", first["node_removed"], str(work / "markers-2")),
             "videos_per_min": am.tenths(done.values()), "error_rows": am.error_reasons(rows),
             "summary_second_run": {k: v for k, v in second["summary"].items() if k in ("captioned", "failed", "this_run_ok",
                                                                                      "this_run_failed", "duplicates_dropped")}}
@@ -255,6 +259,7 @@ def result(big: dict[str, Any], small: dict[str, Any] | None, corpus: ArchiveCor
         "wall_s": {s: big[s]["wall_s"] for s in stages},
         "error_rows": {s: big[s]["error_rows"] for s in stages},
         "node_loss_proved": {s: big[s]["node_loss"]["proved"] for s in stages},
+        "node_loss_redone_by": {s: big[s]["node_loss"]["redone_by"] for s in stages},
         "driver_killed": big["caption"]["driver_killed"],
         "box": {"cpus": os.cpu_count(), "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
         "runs": {"n": big, "n_over_10": small},

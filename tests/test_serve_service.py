@@ -65,6 +65,16 @@ async def until(condition, what: str, timeout: float = 60.0):
         await asyncio.sleep(0.005)
 
 
+def until_sync(condition, timeout: float = 60.0) -> bool:
+    """Wait (in a thread that is not the loop's) until `condition()` holds. -> whether it did."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -104,7 +114,7 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
     factory, card, cfg = parts
     spans_per_step: list[int] = []
     engines = []
-    second_step, late_queued = threading.Event(), threading.Event()
+    all_three, second_step, late_queued = threading.Event(), threading.Event(), threading.Event()
 
     def recording_factory(infer_cfg):
         eng = factory(infer_cfg)
@@ -112,7 +122,12 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
 
         def counting(batch):
             spans_per_step.append(len(eng.stats["step_log"]))
-            if len(spans_per_step) == 2:  # the batch is running: it waits here until the late request is queued
+            batcher = svc._batcher
+            # the first three start together (each one's media decodes on its own, so one may come late)
+            if not all_three.wait(0) and not until_sync(lambda: len(batcher._pending) + batcher.in_flight >= 3):
+                raise TimeoutError("the first three requests never reached the engine")
+            all_three.set()
+            if batcher.in_flight == 3 and not second_step.is_set():  # all three running: wait for the late one
                 second_step.set()
                 late_queued.wait(60)
             return forward(batch)
@@ -128,9 +143,8 @@ def test_concurrent_requests_share_decode_steps(service, parts, tree):
         async def scenario():
             first = [asyncio.ensure_future(svc.caption_file(str(tree.good), n, {"max_events": 2} if n == "b.mp4" else None))
                      for n in names]
-            await until(second_step.is_set, "the first three's second decode step")
+            await until(second_step.is_set, "a decode step with the first three in the engine")
             late = asyncio.ensure_future(svc.caption_file(str(tree.good), "late.mp4"))
-            # the late one itself (another of the first three may still be pending while its media decodes)
             await until(lambda: any(p.sample.video_id == "late" for p in svc._batcher._pending),
                         "the late request queued for the engine")
             late_queued.set()

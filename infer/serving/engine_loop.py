@@ -74,6 +74,7 @@ class EngineBatcher:
         self._pending: list[_Item] = []
         self._running = False
         self.batch_sizes: list[int] = []  # requests per engine run (for tests and stats)
+        self.in_flight = 0  # requests in the engine now
         self.max_in_flight = 0  # most requests in the engine at once
 
     async def submit(self, key: Hashable, engine: Any, sample: Any, options: Any = None) -> Any:
@@ -122,23 +123,21 @@ class EngineBatcher:
         """One engine run starting with `first` (then the same key's queue unless `alone`);
         returns the requests it took."""
         queue, taken = [first], []
-        in_flight = 0
+        self.in_flight = 0
 
         def feed():
-            nonlocal in_flight
-            if in_flight >= (1 if alone else self.max_batch):
+            if self.in_flight >= (1 if alone else self.max_batch):
                 return None
             item = queue.pop() if queue else (None if alone else self._take(first.key))
             if item is None:
                 return None
             taken.append(item)
-            in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, in_flight)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
             return _request(item)
 
         def emit(req, result) -> None:
-            nonlocal in_flight
-            in_flight -= 1
+            self.in_flight -= 1
             item = req.tag
             item.settle(item.engine.result(item.sample, result))
 
@@ -147,6 +146,7 @@ class EngineBatcher:
         except Exception as e:  # noqa: BLE001 - handed to the waiting request
             if len(taken) == 1 and not first.settled:
                 first.settle(error=e)
+        self.in_flight = 0  # the run is over: whatever it did not emit is out of the engine too
         self.batch_sizes.append(len(taken))
         return taken
 
