@@ -55,14 +55,17 @@ GROWTH_LIMIT = 0.05
 
 
 def replica_procs() -> list:
-    """This soak's replica processes (Ray titles them ray::ServeReplica:<app>:<deployment>)."""
+    """This soak's replica processes: Ray titles them ray::ServeReplica:<app>:<deployment>; only
+    this process's descendants (its Ray instance's workers), not another run's on the same machine."""
     import psutil
 
     out = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if f"ServeReplica:{APP}:" in cmd:
-            out.append(p)
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if f"ServeReplica:{APP}:" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
     return out
 
 

@@ -57,8 +57,8 @@ RAY_GROUP = "ray"
 RAY_MODULES = frozenset({
     "test_annotations.py", "test_archive_scale.py", "test_batch_caption.py", "test_cluster_files.py", "test_cluster_sim.py",
     "test_job_submit.py", "test_preprocess_job.py", "test_release_encoders.py", "test_release_pipeline.py",
-    "test_serve_integration.py", "test_serve_service.py", "test_serve_uris.py", "test_storage.py", "test_train_order.py",
-    "test_train_ray.py", "test_docs.py",
+    "test_serve_integration.py", "test_serve_service.py", "test_serve_uris.py", "test_soak.py", "test_storage.py",
+    "test_train_order.py", "test_train_ray.py", "test_docs.py",
 })
 _RAY_FIXTURES = {"ray_local", "own_ray_cluster", "s3_server"}
 

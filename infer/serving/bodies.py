@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -74,6 +75,42 @@ def parse_json(data: bytes, what: str = "request body") -> Any:
 
 async def read_json(chunks: AsyncIterator[bytes], declared: int | None, max_bytes: int) -> Any:
     return parse_json(await read_capped(chunks, declared, max_bytes, "the JSON body"))
+
+
+def spool_prefix(kind: str) -> str:
+    """Temp file name prefix for an upload or a download: it names the owning process, so that a
+    replica that was killed (no clean-up of its own) can have its files removed by the next one."""
+    return f"padcap-{kind}-{os.getpid()}-"
+
+
+_SPOOLED = re.compile(r"^padcap-(?:upload|fetch)-(\d+)-")
+
+
+def remove_orphaned_spool(tmp_dir: str | None) -> int:
+    """Remove the temp files in `tmp_dir` (None: the system temp dir) that a process no longer alive
+    left there (a killed replica's uploads and downloads); returns how many. A process id reused
+    since keeps its files (they stay until that process is gone and this runs again)."""
+    folder = tmp_dir or tempfile.gettempdir()
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(folder):
+            m = _SPOOLED.match(name)
+            if m is None or _alive(int(m.group(1))):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(folder, name))
+                removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @dataclass
@@ -172,7 +209,7 @@ class _FormReceiver:
             if self.limits.allowed_extensions and suffix and suffix not in self.limits.allowed_extensions:
                 raise RequestError(415, "not_a_video", f"uploaded file name {self.filename!r} does not have a video extension "
                                    f"(allowed: {', '.join(self.limits.allowed_extensions)})")
-            fd, self.path = tempfile.mkstemp(prefix="padcap-upload-", suffix=suffix or ".bin", dir=self.limits.tmp_dir or None)
+            fd, self.path = tempfile.mkstemp(prefix=spool_prefix("upload"), suffix=suffix or ".bin", dir=self.limits.tmp_dir or None)
             self.file = os.fdopen(fd, "wb")
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:

@@ -49,6 +49,7 @@ from pydantic import ValidationError
 
 from infer.engine.requests import Request, VideoOptions
 from infer.loading import ModelCard  # noqa: F401  (re-exported: the card a replica serves)
+from infer.serving.bodies import remove_orphaned_spool
 from infer.serving.engine_loop import EngineBatcher
 from infer.serving.errors import RequestError
 from infer.serving.media_pool import BOOT_TIMEOUT_S, DecodePool, DecodeTimeout
@@ -169,6 +170,9 @@ class CaptionService:
         self.serve_cfg = cfg.serve
         self.card = card
         self._engine_factory = engine_factory
+        removed = remove_orphaned_spool(cfg.serve.upload_dir or None)  # a killed replica's uploads cannot clean up after themselves
+        if removed:
+            log.info("removed %d temp files left by replicas no longer alive", removed)
         self.policy = UriPolicy(cfg.serve.allowed_roots, cfg.serve.allowed_http_hosts, cfg.data.video_extensions)
         workers = cfg.serve.decode_workers or max(1, cfg.serve.max_ongoing_requests)
         self._decode_pool = ThreadPoolExecutor(workers, thread_name_prefix="padcap-decode")

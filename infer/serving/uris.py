@@ -41,6 +41,7 @@ from pathlib import PurePosixPath
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
+from infer.serving.bodies import spool_prefix
 from infer.serving.errors import RequestError
 
 MAX_URI_CHARS = 4096
@@ -247,7 +248,7 @@ def materialize(source: Source, max_bytes: int, timeout_s: float, tmp_dir: str |
         yield source.location
         return
     suffix = PurePosixPath(source.name).suffix.lower()[:10]
-    fd, tmp = tempfile.mkstemp(prefix="padcap-fetch-", suffix=suffix, dir=tmp_dir or None)
+    fd, tmp = tempfile.mkstemp(prefix=spool_prefix("fetch"), suffix=suffix, dir=tmp_dir or None)
     try:
         with os.fdopen(fd, "wb") as out:
             if source.kind == "s3":
