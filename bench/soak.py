@@ -1,6 +1,6 @@
 """A long mixed soak of the Ray Serve captioning endpoint on 127.0.0.1 (the tiny random-init model).
 
-    flock /tmp/ray.lock .venv/bin/python bench/soak.py [--duration-s 1800] [--sample-s 60]
+    flock /tmp/ray.lock .venv/bin/python -m bench.soak [--duration-s 1800] [--sample-s 60]
         [--kill-replica-at S] [--out bench/results/soak.json]        # + soak.png beside it
 
 Starts a local Ray + Serve app exactly as the serving integration tests do
@@ -40,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 for _k, _v in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
     os.environ.setdefault(_k, _v)  # a local instance on 127.0.0.1, as tests/conftest.py starts one
@@ -167,11 +165,11 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             raise RuntimeError(f"warm-up request failed: {status} {body}")
     sampler = Sampler(url, spool)
     records = work / "records.jsonl"
-    cmd = [sys.executable, str(ROOT / "bench" / "soak_traffic.py"), "--url", url, "--tree", str(tree_json),
+    cmd = [sys.executable, "-m", "bench.soak_traffic", "--url", url, "--tree", str(tree_json),
            "--duration-s", str(args.duration_s), "--out", str(records), "--good-users", str(args.good_users),
            "--burst-every-s", str(args.burst_every_s), "--burst-size", str(args.burst_size)]
     t_start = time.time()
-    load = subprocess.Popen(cmd, env=os.environ.copy())
+    load = subprocess.Popen(cmd, env=os.environ.copy(), cwd=ROOT)
     samples, kill, next_sample = [], {}, t_start + args.sample_s
     try:
         while load.poll() is None:

@@ -1,7 +1,7 @@
 """The soak's mixed traffic, on Locust used as a library: its own process (Locust patches the
 standard library for gevent, which Ray must not share), started by bench/soak.py.
 
-    python bench/soak_traffic.py --url http://127.0.0.1:PORT --tree tree.json --duration-s 1800 --out records.jsonl
+    python -m bench.soak_traffic --url http://127.0.0.1:PORT --tree tree.json --duration-s 1800 --out records.jsonl
 
 Users (each a Locust `User`, fixed counts):
 - GoodUser (`--good-users`): good requests, by URI (JSON) and by upload (multipart), through
@@ -33,15 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import gevent  # locust's own dependency
+from locust import HttpUser, User, between, constant, task
+from locust.env import Environment
 
-import gevent  # noqa: E402  (locust's own dependency)
-from locust import HttpUser, User, between, constant, task  # noqa: E402
-from locust.env import Environment  # noqa: E402
-
-from bench.serve_cases import BOUNDARY, MAX_UPLOAD, VideoTree, bad_requests, multipart, post_json, send  # noqa: E402
+from bench.serve_cases import BOUNDARY, MAX_UPLOAD, VideoTree, bad_requests, multipart, post_json, send
 
 GOOD_TIMEOUT_S = 300.0  # a good request without an answer in this long is `unanswered`
 

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def soak(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "soak.py"), "--duration-s", "60", "--sample-s", "10",
+    cmd = [sys.executable, "-m", "bench.soak", "--duration-s", "60", "--sample-s", "10",
            "--work-dir", str(tmp_path / "work"), "--out", str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.exists(), done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").exists()
