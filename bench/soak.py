@@ -5,7 +5,7 @@
 
 Starts a local Ray + Serve app exactly as the serving integration tests do
 (`infer.serving.deployment:app_builder` on a preset from bench/serve_cases.py
-`serve_test_config`, no model dir; uploads spooled to a directory of the run's own), then runs
+`serve_test_config`, the random tiny model asked for by name; uploads spooled to a directory of the run's own), then runs
 the mixed traffic of bench/soak_traffic.py (Locust as a library, in its own process) for
 `--duration-s`: good requests by URI and by upload, the serving tests' hostile requests, client
 disconnects mid-upload and mid-decode, requests cancelled by the client's timeout, oversized
@@ -131,6 +131,7 @@ def start_endpoint(work: Path, replicas: int, num_cpus: int) -> tuple[str, Path,
     from ray import serve
 
     from bench.serve_engine import synthetic_videos
+    from infer.loading import RANDOM_MODEL
     from infer.serving.deployment import app_builder
 
     tree = make_video_tree(work, synthetic_videos(work / "corpus")[0])
@@ -148,7 +149,7 @@ def start_endpoint(work: Path, replicas: int, num_cpus: int) -> tuple[str, Path,
              _node_ip_address="127.0.0.1")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(app_builder({"config": str(preset), "model_dir": ""}), name=APP, route_prefix="/")
+    serve.run(app_builder({"config": str(preset), "model_dir": RANDOM_MODEL}), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, 300)
     return url, tree_json, spool

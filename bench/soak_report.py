@@ -82,10 +82,11 @@ def per_period(records: list[dict[str, Any]], samples: list[dict[str, Any]], t_s
                kill_t: float | None) -> list[dict[str, Any]]:
     """For each sampling period: good-request latency, counts by status and by class, and the
     server sample taken at its end."""
+    ends = [s for s in samples if s.get("phase") == "load"]
+    if len(ends) >= 3 and ends[-1]["t"] - ends[-2]["t"] < (ends[-2]["t"] - ends[-3]["t"]) / 2:
+        del ends[-2]  # the end-of-load sample came soon after a periodic one: one last, longer period
     rows, prev = [], t_start
-    for s in samples:
-        if s.get("phase") != "load":
-            continue
+    for s in ends:
         inside = [r for r in records if prev <= r["t1"] < s["t"]]
         good = [r["t1"] - r["t0"] for r in inside if r["kind"] in GOOD_KINDS and r["status"] == 200]
         rows.append({
