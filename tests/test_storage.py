@@ -29,6 +29,15 @@ def test_s3_round_trip_and_upload(s3_server, tmp_path):
     assert not storage.exists("s3://test/x/none.json")
 
 
+@pytest.mark.integration
+def test_listing_a_prefix_of_more_objects_than_one_s3_page(s3_server):
+    """An S3 listing answers at most 1,000 keys per request: a prefix of 1,100 is listed whole."""
+    fs, inner = storage.filesystem("s3://test/many")
+    fs.pipe({f"{inner}/v{i:05d}.mp4": b"x" for i in range(1100)})
+    files = storage.list_files("s3://test/many", (".mp4",))
+    assert len(files) == 1100 and files[0] == "s3://test/many/v00000.mp4" and files[-1] == "s3://test/many/v01099.mp4"
+
+
 def test_a_filesystem_carrying_credentials_works_where_the_environment_has_none(s3_server, tmp_path):
     """Ray Train's controller unpickles the checkpoint filesystem in a process started by the raylet,
     whose environment may lack the driver's AWS_* variables: with carry_credentials the pickled
