@@ -1,5 +1,9 @@
-"""bench/soak.py for 60 s, plain and with one of two replicas killed mid-soak, with its targets
-asserted on the JSON it writes (to a tmp path). Needs Locust (the soak's load tool); run under the Ray lock:
+"""bench/soak.py for 60 s with one of two replicas killed mid-soak, with its targets asserted on the
+JSON it writes (to a tmp path). Every target of the plain soak (no server errors, every request
+answered or cancelled, hostile requests get their 4xx, flat RSS and file descriptors, nothing left
+when idle) is asserted here too, through a replica loss; the plain soak itself is the 30-minute
+run in bench/results/soak.json (one variant keeps the suite near its time budget). Needs Locust
+(the soak's load tool); run under the Ray lock:
 
     flock /tmp/ray.lock .venv/bin/python -m pytest tests/test_soak.py -q -p no:cacheprovider
 
@@ -44,13 +48,7 @@ def common_targets(r: dict) -> None:
     assert r["orphan_workers_left"] == 0
     assert r["rss_growth_last_20min"] <= 0.05 and r["fd_growth_last_20min"] <= 0.05
     assert "2/3" in r["growth_window"]["rule"]
-    assert len(r["per_minute"]) >= 5 and all(m["good_ok"] > 0 for m in r["per_minute"][:-1])
-
-
-def test_soak_60s(tmp_path, own_ray_cluster):
-    r = soak(tmp_path)
-    common_targets(r)
-    assert r["replica_lost"] == 0 and all(r["targets"].values()), r["targets"]
+    assert len(r["per_minute"]) >= 5 and all(m["good_ok"] > 0 for m in r["per_minute"])
 
 
 def test_soak_with_a_replica_killed(tmp_path, own_ray_cluster):
@@ -59,6 +57,6 @@ def test_soak_with_a_replica_killed(tmp_path, own_ray_cluster):
     assert r["replicas"] == 2 and r["killed_pid"] and r["replica_back_s"] is not None
     # what was in flight on the killed replica got an error the client retries (infer/serving/client.py)
     assert all(key.endswith((":ok", ":replica_lost", ":aborted", ":backpressure", ":refused")) for key in r["in_flight_at_kill"])
-    after = [m for m in r["per_minute"][:-1] if m["t_s"] > r["kill_at_s"] + 30]
+    after = [m for m in r["per_minute"] if m["t_s"] > r["kill_at_s"] + 30]
     assert after and all(m["good_ok"] > 0 for m in after)
     assert all(r["targets"].values()), r["targets"]
