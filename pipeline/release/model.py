@@ -42,6 +42,7 @@ from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
 from pipeline.release.geometry import Geometry
 from pipeline.release.layout import POSITION_MODES
+from pipeline.two_stage import run_decoder
 
 AGGREGATIONS = ("release", "renormalised")
 TOKENS = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "video": "<|video_pad|>",
@@ -250,6 +251,11 @@ class ReleaseCaptioner(nn.Module):
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(hidden)
+
+    def run_decoder(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache=None,
+                    output_hidden_states: bool = False):
+        """The LLM with a layout mask made additive (pipeline/two_stage.py `run_decoder`)."""
+        return run_decoder(self, embeds, mask, position_ids, cache, output_hidden_states)
 
     def plan_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> [N, 2]: the (<G>, <S>) columns of `lm_logits` alone (a planning decision's)."""
