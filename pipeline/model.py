@@ -44,7 +44,6 @@ from peft import LoraConfig, get_peft_model, load_peft_weights, set_peft_model_s
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer
-from transformers.cache_utils import DynamicCache
 
 from pipeline.aggregation import Aggregator, attention_row, interval_mask
 from pipeline.anchor_attention import branch_anchor_pairs, own_anchor_mass
@@ -56,7 +55,7 @@ from pipeline.fitting import fit_to_model
 from pipeline.grounding import GroundingHead, readout, segment_hidden, similarity_logits, soft_targets
 from pipeline.layout import IGNORE, LayoutOptions, Role, additive_mask
 from pipeline.tokens import add_special_tokens, build_tokenizer, prompt_ids, special_ids
-from pipeline.two_stage import checkpointed, reruns, run_decoder, stage_two, train_outputs
+from pipeline.two_stage import checkpointed, run_decoder, stage_cache, stage_two, train_outputs
 from pipeline.weights import folded_tables, with_row_logits, with_rows
 
 FORMAT_VERSION = 1
@@ -304,7 +303,7 @@ class PadCaptioner(nn.Module):
         pos = self.position_ids(pk).to(dev)
         labels = pk.labels.to(dev)
         emb1 = self.embed(pk, exs, slice(0, s))
-        cache = None if reruns(self.decoder) else DynamicCache(config=self.hf_config)
+        cache = stage_cache(self)
         out1 = self.run_decoder(emb1, pk.mask[:, :, :s, :s], pos[:, :s], cache=cache, output_hidden_states=True)
         hs = out1.hidden_states
         rows1 = labels[:, :s] != IGNORE

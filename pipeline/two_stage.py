@@ -1,7 +1,7 @@
 """The two-stage training forward of both model families, its shared steps once (pipeline/model.py
 `PadCaptioner.forward_train`, pipeline/release/finetune.py `ReleaseFinetune.forward_one`).
 
-    cache = None if reruns(model.decoder) else DynamicCache(config=model.hf_config)
+    cache = stage_cache(model)                        # None when stage 2 must rerun stage 1 (`reruns`)
     out1 = run_decoder(model, emb1, mask1, pos1, cache, output_hidden_states=True)  # stage 1 (the family's)
     two = stage_two(model, emb1, emb2, mask_rows, positions, cache)                   # stage 2
     out = train_outputs(lm_logits, text_logits, text_labels, (branch_hidden, labels, pad), grounding_logits=[...])
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from pipeline.layout import additive_mask
 
@@ -34,6 +35,11 @@ def reruns(decoder) -> bool:
     """Whether stage 2 must rerun stage 1 instead of reading its cache: HF's own condition for dropping
     caches (checkpointed layers, training mode, gradients on)."""
     return checkpointed(decoder) and decoder.training and torch.is_grad_enabled()
+
+
+def stage_cache(model) -> DynamicCache | None:
+    """Stage 1's KV cache for stage 2, or None when stage 2 reruns stage 1 (`reruns`)."""
+    return None if reruns(model.decoder) else DynamicCache(config=model.hf_config)
 
 
 def run_decoder(model, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache=None,
@@ -94,8 +100,6 @@ def train_outputs(lm_logits: Callable[[torch.Tensor], torch.Tensor], text: torch
            "aggregation_weights": [], **lists}
     if branch is None:
         empty = torch.zeros(0, dtype=torch.long, device=text.device)
-        branch = (None, empty, empty.bool())
+        return {**out, "branch_logits": text.new_zeros(0, text.shape[-1]), "branch_labels": empty, "branch_pad": empty.bool()}
     hidden, labels, pad = branch
-    logits = text.new_zeros(0, text.shape[-1]) if hidden is None else lm_logits(hidden)
-    out.update(branch_logits=logits, branch_labels=labels, branch_pad=pad)
-    return out
+    return {**out, "branch_logits": lm_logits(hidden), "branch_labels": labels, "branch_pad": pad}

@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
 from pipeline.family import CheckpointFormat, Counting
 from pipeline.grounding import similarity_logits, soft_targets
@@ -50,7 +49,7 @@ from pipeline.release.layout import event_meta, prompt_meta, release_visible, sh
 from pipeline.release.model import ReleaseCaptioner, settings_from
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event
-from pipeline.two_stage import checkpointed, reruns, stage_two, train_outputs
+from pipeline.two_stage import checkpointed, stage_cache, stage_two, train_outputs
 from pipeline.weights import effective_linear, fold_rows, with_row_logits, with_rows
 
 LLM_QKV = r".*language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)"
@@ -195,7 +194,7 @@ class ReleaseFinetune(nn.Module):
 
         m = self.model
         dev = m.device
-        cache = None if reruns(m.decoder) else DynamicCache(config=m.hf_config)
+        cache = stage_cache(m)
         pre = prefill(m, ex.video, cache, embed=self.embed, use_cache=cache is not None)
         lay, k = pre.layout, len(ex.steps)
         L = lay.length
