@@ -25,6 +25,7 @@ the grounded ones.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import nn
@@ -114,6 +115,29 @@ def normalise_inside(scores: torch.Tensor, inside: torch.Tensor) -> torch.Tensor
     return torch.where(total > 0, w / total.clamp(min=torch.finfo(torch.float32).tiny), uniform)
 
 
+WeightRule = Literal["normalise", "softmax"]
+
+
+def token_weights(scores: torch.Tensor, inside: torch.Tensor, rule: WeightRule) -> torch.Tensor:
+    """scores [N], inside bool [K, N] -> weights [K, N] over each row's inside tokens, summing to 1, in
+    scores' dtype. rule "normalise": `normalise_inside` (fp32, for probabilities or uniform scores);
+    "softmax": a softmax of the scores (logits) inside, in their dtype."""
+    if rule == "softmax":
+        return scores[None, :].masked_fill(~inside, -math.inf).softmax(dim=-1)
+    return normalise_inside(scores, inside).to(scores.dtype)
+
+
+def pooled(hidden: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, float]]) -> torch.Tensor:
+    """hidden [S, d]; parts: (weights [K, N], token rows [N] of hidden, scale) per modality -> [K, d]:
+    the sum over parts of scale x weights @ hidden[rows] (the weights cast to hidden's dtype)."""
+    total = None
+    for w, rows, scale in parts:
+        f = w.to(hidden.dtype) @ hidden[rows]
+        f = f if scale == 1.0 else scale * f
+        total = f if total is None else total + f
+    return total
+
+
 class ScoringHead(nn.Module):
     """Token importance logits: LayerNorm -> Linear(d, d/4) -> GELU -> Linear(d/4, 1)."""
 
@@ -144,27 +168,23 @@ class Aggregator(nn.Module):
         tok_inside = inside[:, torch.arange(t, device=inside.device).repeat_interleave(m)]  # [K, T*M]
         flat = token_index.reshape(-1)
         if self.mode == "mean":
-            return normalise_inside(torch.ones(flat.numel(), device=hidden.device), tok_inside)
+            return token_weights(torch.ones(flat.numel(), device=hidden.device), tok_inside, "normalise")
         if self.mode == "attention":
             if attn_row is None:
                 raise ValueError("attention aggregation needs the attention row")
-            return normalise_inside(attn_row[flat], tok_inside)
-        logits = self.scorer(hidden[flat]).float()  # scoring_head
-        return logits[None, :].masked_fill(~tok_inside, -math.inf).softmax(dim=-1)
+            return token_weights(attn_row[flat], tok_inside, "normalise")
+        return token_weights(self.scorer(hidden[flat]).float(), tok_inside, "softmax")  # scoring_head
 
     def forward(self, hidden: torch.Tensor, visual_index: torch.Tensor, audio_index: torch.Tensor | None,
                 inside: torch.Tensor, attn_row: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """hidden [S, d], visual_index [T, V], audio_index [T, A], inside [K, T] -> ([K, d], weights)."""
         k = inside.shape[0]
-        feats = hidden.new_zeros(k, hidden.shape[-1])
         weights: dict[str, torch.Tensor] = {}
         if self.mode == "none" or k == 0:
-            return feats, weights
+            return hidden.new_zeros(k, hidden.shape[-1]), weights
         parts = [("visual", visual_index)]
         if audio_index is not None and audio_index.numel():
             parts.append(("audio", audio_index))
         for name, index in parts:
-            w = self.token_weights(hidden, index, inside, attn_row)
-            weights[name] = w
-            feats = feats + w.to(hidden.dtype) @ hidden[index.reshape(-1)]
-        return feats, weights
+            weights[name] = self.token_weights(hidden, index, inside, attn_row)
+        return pooled(hidden, [(weights[name], index.reshape(-1), 1.0) for name, index in parts]), weights

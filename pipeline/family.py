@@ -20,9 +20,12 @@ Decoding (the engine's side, infer/engine/):
   baseline_decoder     the oracle decoder this model needs instead of the engine, by name, or None
   final_intervals(...) a decode's intervals as results report them (clipped to the video, or as is)
   cast_to(dtype)       the whole model in `dtype`, rotary frequencies kept in fp32
+  run_decoder(...)     the backbone's forward with a layout mask (pipeline/two_stage.py): what the two-stage
+                       training forward runs its passes with
 
 Training (train/):
-  collate, fit, make_example, forward_train   batches, a sample fitted to the model, the loss's forward
+  collate, fit, make_example, forward_train   batches, a sample fitted to the model, the loss's forward (two
+                        stages, the steps both share in pipeline/two_stage.py)
   checkpoint            `CheckpointFormat`: the run config's file name, whether weights are written at the end only
   counting              how held-out batches are counted: "tokens" (per-token and attribute counts from
                         the batch) or "loss" (what the loss dict reports)
@@ -87,6 +90,9 @@ class DecodingFamily(Protocol):
     def final_intervals(self, intervals: list[tuple[float, float]], duration: float) -> list[tuple[float, float]]: ...
 
     def cast_to(self, dtype: torch.dtype) -> None: ...
+
+    def run_decoder(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache=None,
+                    output_hidden_states: bool = False) -> Any: ...
 
 
 @runtime_checkable

@@ -1,7 +1,7 @@
 """Grounding: event/segment vectors -> similarity logits -> soft targets and interval readout.
 
     head = GroundingHead(d)                                  # LayerNorm-Linear-GELU-Linear
-    seg = segment_hidden(h, visual_index, audio_index)       # [T, d]
+    seg = segment_hidden(h, visual_index, audio_index)       # [T, d]: mean(visual) + mean(audio)
     logits = similarity_logits(event_head(h_ev), segment_head(seg))   # [K, T] = <e, s> / sqrt(d)
     targets = soft_targets(intervals, segment_times)          # 0.5 ** distance (1 inside)
     loss = grounding_bce(logits, targets)
@@ -31,15 +31,31 @@ class GroundingHead(nn.Module):
         return self.net(x.to(self.net[1].weight.dtype))
 
 
-def segment_hidden(hidden: torch.Tensor, visual_index: torch.Tensor, audio_index: torch.Tensor | None) -> torch.Tensor:
-    """hidden [L, d], visual_index [T, V], audio_index [T, A] -> [T, d]: mean(visual) + mean(audio).
+def segment_hidden(hidden: torch.Tensor, visual_sets, audio_sets=None, audio_weight: float = 1.0,
+                   audio_hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Per timestep: mean(rows of its visual set) + audio_weight x mean(rows of its audio set) -> [T, d].
 
-    A = 0 (no audio track) contributes nothing.
+    hidden [N, d]: the rows the visual sets index (the project: sequence states; the release: head
+    outputs of its video tokens); audio_hidden: the rows the audio sets index (default hidden). The
+    sets per timestep: an index tensor [T, M] (the project's grid: every timestep at once) or T index
+    lists (the release's, whose sizes differ: one mean per set, the same arithmetic, tested equal).
+    An empty audio set, or none (M = 0, None), adds nothing.
     """
-    seg = hidden[visual_index].mean(dim=1)
-    if audio_index is not None and audio_index.numel():
-        seg = seg + hidden[audio_index].mean(dim=1)
-    return seg
+    audio = hidden if audio_hidden is None else audio_hidden
+    if isinstance(visual_sets, torch.Tensor):
+        seg = hidden[visual_sets].mean(dim=1)
+        if audio_sets is not None and audio_sets.numel():
+            m = audio[audio_sets].mean(dim=1)
+            seg = seg + (m if audio_weight == 1.0 else audio_weight * m)
+        return seg
+    rows = []
+    for t, vs in enumerate(visual_sets):
+        seg = hidden[vs].mean(0)
+        if audio_sets is not None and audio_sets[t]:
+            m = audio[audio_sets[t]].mean(0)
+            seg = seg + (m if audio_weight == 1.0 else audio_weight * m)
+        rows.append(seg)
+    return torch.stack(rows)
 
 
 Precision = Literal["float32", "product", "inputs"]

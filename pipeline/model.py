@@ -25,9 +25,10 @@ Forward (training), per padded batch (pipeline.examples.Packed), two stages:
   2. columns [split, L): anchors (<G> embedding + aggregated feature) and branches,
      attending to stage 1 through the cache with their own rows of the same mask.
 Stage 2 depends on stage 1 only through the cache, so the two stages equal one packed
-forward with the same mask (tested). Under gradient checkpointing (HF drops caches
-there) stage 2 reruns the full sequence instead. Logits are computed only at labelled
-rows. The mask is always an explicit additive float 4D mask.
+forward with the same mask (tested). Under activation checkpointing (HF drops caches
+there) stage 2 reruns the full sequence instead (the steps both families share are
+pipeline/two_stage.py's). Logits are computed only at labelled rows. The mask is always
+an explicit additive float 4D mask.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from peft import LoraConfig, get_peft_model, load_peft_weights, set_peft_model_s
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer
-from transformers.cache_utils import DynamicCache
 
 from pipeline.aggregation import Aggregator, attention_row, interval_mask
 from pipeline.anchor_attention import branch_anchor_pairs, own_anchor_mass
@@ -53,8 +53,9 @@ from pipeline.examples import TEXT_LAYOUTS, Batch, Example, collate, make_exampl
 from pipeline.family import CheckpointFormat, Counting
 from pipeline.fitting import fit_to_model
 from pipeline.grounding import GroundingHead, readout, segment_hidden, similarity_logits, soft_targets
-from pipeline.layout import IGNORE, LayoutOptions, Role
+from pipeline.layout import IGNORE, LayoutOptions, Role, additive_mask
 from pipeline.tokens import add_special_tokens, build_tokenizer, prompt_ids, special_ids
+from pipeline.two_stage import checkpointed, run_decoder, stage_cache, stage_two, train_outputs
 from pipeline.weights import folded_tables, with_row_logits, with_rows
 
 FORMAT_VERSION = 1
@@ -193,7 +194,7 @@ class PadCaptioner(nn.Module):
 
     def additive(self, mask: torch.Tensor) -> torch.Tensor:
         """A layout mask (0 / hidden) -> the same mask in the model dtype with finfo(dtype).min."""
-        return torch.where(mask == 0, 0.0, torch.finfo(self.dtype).min).to(self.dtype)
+        return additive_mask(mask == 0, self.dtype)
 
     def position_ids(self, packed, cols: slice = slice(None)) -> torch.Tensor:
         return self.adapter.position_ids(packed.position[:, cols], packed.segment[:, cols], packed.role[:, cols])
@@ -230,11 +231,8 @@ class PadCaptioner(nn.Module):
 
     def run_decoder(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
                     cache=None, output_hidden_states: bool = False):
-        """The backbone's base model with an explicit additive 4D mask (never None: HF would
-        read position drops as packed documents) -> BaseModelOutputWithPast."""
-        return self.decoder(inputs_embeds=embeds, attention_mask=self.additive(mask.to(self.device)),
-                            position_ids=position_ids.to(self.device), cache=cache, use_cache=cache is not None,
-                            output_hidden_states=output_hidden_states)
+        """The backbone's base model with a layout mask made additive (pipeline/two_stage.py `run_decoder`)."""
+        return run_decoder(self, embeds, mask, position_ids, cache, output_hidden_states)
 
     def event_vectors(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[K, d] grounding-layer states at the rows that predict each <G> -> event vectors [K, d]."""
@@ -294,70 +292,52 @@ class PadCaptioner(nn.Module):
                             response=response, with_targets=with_targets)
 
     def forward_train(self, batch: Batch) -> dict:
-        """Two-stage forward (module docstring) -> dict of tensors for train/losses.py:
-
-        text_logits [N1, V], text_labels [N1]: stage-1 labelled rows (planning <G>/<S>, plain responses)
-        branch_logits [N2, V], branch_labels [N2], branch_pad bool [N2] (rows predicting <eos> padding)
-        grounding_logits / grounding_targets: lists of [K_b, T_b] (samples with events)
-        aggregation_weights: list (per sample with events) of {"visual"/"audio": [K, T*M]}
-        """
+        """Two-stage forward (module docstring; the shared steps are pipeline/two_stage.py's) -> the dict of
+        `train_outputs`: text_logits / text_labels at stage 1's labelled rows (planning <G>/<S>, plain
+        responses), branch_logits / branch_labels / branch_pad at stage 2's, grounding_logits /
+        grounding_targets ([K_b, T_b] per sample with events), aggregation_weights (per sample with
+        events: {"visual"/"audio": [K, T*M]}), anchor_mass when the anchor guide is on."""
         pk, exs = batch.packed, batch.examples
         s = pk.split
         dev = self.device
         pos = self.position_ids(pk).to(dev)
         labels = pk.labels.to(dev)
         emb1 = self.embed(pk, exs, slice(0, s))
-        cache = DynamicCache(config=self.hf_config)
+        cache = stage_cache(self)
         out1 = self.run_decoder(emb1, pk.mask[:, :, :s, :s], pos[:, :s], cache=cache, output_hidden_states=True)
         hs = out1.hidden_states
         rows1 = labels[:, :s] != IGNORE
-        out = {"text_logits": self.lm_logits(out1.last_hidden_state[rows1]), "text_labels": labels[:, :s][rows1],
-               "grounding_logits": [], "grounding_targets": [], "aggregation_weights": []}
-
+        text = (self.lm_logits(out1.last_hidden_state[rows1]), labels[:, :s][rows1])
+        lists = {"grounding_logits": [], "grounding_targets": [], "aggregation_weights": []}
         hg, h_agg = hs[self.cfg.grounding_layer], hs[self.aggregation_layer]
         anchor_feats = []
         for b, ex in enumerate(exs):
             lay = ex.layout
             if lay.num_events == 0:
                 continue
-            out["grounding_logits"].append(self.grounding_logits(hg[b], lay))
-            out["grounding_targets"].append(soft_targets(ex.intervals, ex.segment_times).to(dev))
-            q = lay.instruction_end
-            keys = pk.mask[b, 0, q, :s].to(dev) == 0
+            lists["grounding_logits"].append(self.grounding_logits(hg[b], lay))
+            lists["grounding_targets"].append(soft_targets(ex.intervals, ex.segment_times).to(dev))
+            keys = pk.mask[b, 0, lay.instruction_end, :s].to(dev) == 0
             feats, weights = self.anchor_features(h_agg[b], lay, ex.segment_times, ex.agg_intervals, pos[b, :s], keys)
             anchor_feats.append((b, feats))
-            out["aggregation_weights"].append(weights)
-
-        empty = torch.zeros(0, dtype=torch.long, device=dev)
-        out.update(branch_logits=out1.last_hidden_state.new_zeros(0, out["text_logits"].shape[-1]),
-                   branch_labels=empty, branch_pad=empty.bool())
+            lists["aggregation_weights"].append(weights)
         if pk.input_ids.shape[1] == s:
-            return out
+            return train_outputs(self.lm_logits, *text, **lists)
         emb2 = self.embed(pk, exs, slice(s, None))
         for b, feats in anchor_feats:
             cols = pk.columns[b][exs[b].layout.anchor_index].to(dev) - s  # anchors' stage-2 columns
             emb2[b, cols] = emb2[b, cols] + feats.to(emb2.dtype)
         guide = self.cfg.anchor_guide_weight > 0
-        if self.activation_checkpointing and self.training:  # HF drops caches under checkpointing
-            res2 = self.run_decoder(torch.cat([emb1, emb2], 1), pk.mask, pos, output_hidden_states=guide)
-            h2 = res2.last_hidden_state[:, s:]
-            guide_in = res2.hidden_states[self.anchor_guide_layer] if guide else None
-        else:
-            res2 = self.run_decoder(emb2, pk.mask[:, :, s:, :], pos[:, s:], cache=cache, output_hidden_states=guide)
-            h2 = res2.last_hidden_state
-            guide_in = torch.cat([hs[self.anchor_guide_layer], res2.hidden_states[self.anchor_guide_layer]], 1) \
-                if guide else None
+        two = stage_two(self, emb1, emb2, lambda a: pk.mask[:, :, a:, :], pos, cache, output_hidden_states=guide)
         if guide:
             rows, anchors = branch_anchor_pairs(pk, [ex.layout for ex in exs], s)
-            out["anchor_mass"] = own_anchor_mass(self.decoder, self.anchor_guide_layer, self.adapter, guide_in, pos,
-                                                 pk.mask.to(dev), rows.to(dev), anchors.to(dev))
+            lists["anchor_mass"] = own_anchor_mass(self.decoder, self.anchor_guide_layer, self.adapter,
+                                                   two.whole(self.anchor_guide_layer, hs), pos, pk.mask.to(dev),
+                                                   rows.to(dev), anchors.to(dev))
         lab2 = labels[:, s:]
         rows2 = lab2 != IGNORE
-        ids2 = pk.input_ids[:, s:].to(dev)
-        role2 = pk.role[:, s:].to(dev)
-        out.update(branch_logits=self.lm_logits(h2[rows2]), branch_labels=lab2[rows2],
-                   branch_pad=((ids2 == self.eos_id) & (role2 == Role.BRANCH))[rows2])
-        return out
+        pad = (pk.input_ids[:, s:].to(dev) == self.eos_id) & (pk.role[:, s:].to(dev) == Role.BRANCH)
+        return train_outputs(self.lm_logits, *text, (two.last[rows2], lab2[rows2], pad[rows2]), **lists)
 
     # ------------------------------------------------------------------ the family interface (pipeline/family.py)
 
@@ -428,7 +408,7 @@ class PadCaptioner(nn.Module):
 
     @property
     def activation_checkpointing(self) -> bool:
-        return any(getattr(layer, "gradient_checkpointing", False) for layer in self.decoder.layers)
+        return checkpointed(self.decoder)
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters() if p.requires_grad}

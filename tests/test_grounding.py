@@ -57,6 +57,18 @@ def test_segment_hidden_means():
     vis, aud = torch.tensor([[0, 1], [4, 5]]), torch.tensor([[2, 3], [6, 7]])
     assert segment_hidden(h, vis, aud)[:, 0].tolist() == [0.5 + 2.5, 4.5 + 6.5]
     assert segment_hidden(h, vis, aud[:, :0])[:, 0].tolist() == [0.5, 4.5]
+    # the release's form: index lists of different sizes (an empty audio set adds nothing), a weight, its own rows
+    heads = torch.arange(8, dtype=torch.float32)[:, None] * 10
+    assert segment_hidden(h, [[0, 1], [4, 5, 6]], [[1], []], 0.5, heads)[:, 0].tolist() == [0.5 + 5.0, 5.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segment_hidden_lists_equal_the_grid_to_the_bit(dtype):
+    """Per-timestep index lists (the release's) and an index grid (the project's) are one arithmetic."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(200, 96, generator=g).to(dtype)
+    vis, aud = torch.randperm(200, generator=g)[:120].view(20, 6), torch.randperm(200, generator=g)[:80].view(20, 4)
+    assert torch.equal(segment_hidden(h, vis, aud), segment_hidden(h, vis.tolist(), aud.tolist()))
 
 
 def logit(p):
@@ -126,8 +138,12 @@ def test_aggregator_weights(mode):
 
 def test_one_run_rule_with_the_two_mass_rules():
     """The project's readout and the release's find_and_merge share the bridging; they differ in the mass."""
+    from pipeline.aggregation import token_weights as weights_inside
     from pipeline.grounding import bridged_runs, heaviest_run
-    from pipeline.release.grounding import find_and_merge, token_weights
+    from pipeline.release.grounding import WEIGHT_RULES, find_and_merge
+
+    def token_weights(scores, mode):  # the release's aggregation modes over every selected token
+        return weights_inside(scores, torch.ones(1, scores.numel(), dtype=torch.bool), WEIGHT_RULES[mode])[0]
 
     p = torch.tensor([0.9, 0.2, 0.85, 0.0, 0.0, 0.0, 0.95, 0.9])
     keep = (p >= 0.8).tolist()

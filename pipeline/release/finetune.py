@@ -40,16 +40,16 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
-from transformers.cache_utils import DynamicCache
 
 from pipeline.family import CheckpointFormat, Counting
 from pipeline.grounding import similarity_logits, soft_targets
-from pipeline.layout import Role, TokenMeta, additive_mask, anchor_position, branch_position, cat_meta, shared_position
+from pipeline.layout import Role, TokenMeta, anchor_position, branch_position, cat_meta, shared_position
 from pipeline.release.grounding import aggregate, find_and_merge
 from pipeline.release.layout import event_meta, prompt_meta, release_visible, shared_meta
 from pipeline.release.model import ReleaseCaptioner, settings_from
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event
+from pipeline.two_stage import checkpointed, stage_cache, stage_two, train_outputs
 from pipeline.weights import effective_linear, fold_rows, with_row_logits, with_rows
 
 LLM_QKV = r".*language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)"
@@ -149,7 +149,7 @@ class ReleaseFinetune(nn.Module):
 
     @property
     def activation_checkpointing(self) -> bool:
-        return any(getattr(layer, "gradient_checkpointing", False) for layer in self.model.decoder.layers)
+        return checkpointed(self.model.decoder)
 
     # the run's config beside the release's own config.json; checkpoints keep the trained tensors only, the
     # merged dir is train/export.py's (train/checkpoint.py)
@@ -189,85 +189,54 @@ class ReleaseFinetune(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward_one(self, ex: ReleaseExample) -> dict:
+        """The two-stage forward of one video (module doc; the shared steps are pipeline/two_stage.py's)."""
         from pipeline.release.decoding import prefill, seconds  # decoding's prefill; the one timestep -> seconds rule
 
         m = self.model
-        dev, dtype = m.device, m.dtype
-        rerun = self.activation_checkpointing and self.training and torch.is_grad_enabled()
-        cache = None if rerun else DynamicCache(config=m.hf_config)
-        pre = prefill(m, ex.video, cache, embed=self.embed, use_cache=not rerun)
-        lay, pos, delta, emb = pre.layout, pre.positions, pre.delta, pre.inputs_embeds
-        h_agg = pre.h_agg
-        L, k = lay.length, len(ex.steps)
-        g = self.embed(torch.tensor([m.g_id], device=dev))[0]
-        feats = [aggregate(pre.attn_row, h_agg, lay, st, m.settings.aggregation, m.audio_mean_weight) for st in ex.steps]
-        plan_labels = [m.g_id] * k + [m.s_id]
-        text_hidden = [pre.last_hidden]
-        event_rows = [pre.last_ground]
-        result = {"grounding_logits": [], "grounding_targets": [], "aggregation_weights": []}
+        dev = m.device
+        cache = stage_cache(m)
+        pre = prefill(m, ex.video, cache, embed=self.embed, use_cache=cache is not None)
+        lay, k = pre.layout, len(ex.steps)
+        L = lay.length
+        plan_labels = torch.tensor([m.g_id] * k + [m.s_id], device=dev)
         if k == 0:
-            result.update(text_logits=self.logits(torch.stack(text_hidden)), text_labels=torch.tensor(plan_labels, device=dev),
-                          branch_logits=emb.new_zeros(0, m.hf.lm_head.weight.shape[0]),
-                          branch_labels=torch.zeros(0, dtype=torch.long, device=dev),
-                          branch_pad=torch.zeros(0, dtype=torch.bool, device=dev))
-            return result
+            return train_outputs(self.logits, self.logits(pre.last_hidden[None]), plan_labels)
         # stage 2: serial <G>s, anchors, branches in one forward through the prompt's cache
-        serial = torch.stack([g + f for f in feats])  # [K, d]
-        anchors = serial
-        branch_inputs, branch_labels, owner, step = [], [], [], []
-        for j, cap in enumerate(ex.captions):
-            branch_inputs.append(cap[:-1])
-            branch_labels += cap
-            owner += [j] * len(cap)
-            step += list(range(len(cap)))
+        g = self.embed(torch.tensor([m.g_id], device=dev))[0]
+        s = m.settings
+        serial = torch.stack([g + aggregate(pre.attn_row, pre.h_agg, lay, st, s.aggregation, m.audio_mean_weight)
+                              for st in ex.steps])  # [K, d]; anchor j's input is serial <G>_j's
+        branch_inputs, branch_labels = [cap[:-1] for cap in ex.captions], [t for cap in ex.captions for t in cap]
         flat = torch.tensor([t for b in branch_inputs for t in b], dtype=torch.long, device=dev)
-        tok_emb = self.embed(flat) if flat.numel() else emb.new_zeros(0, emb.shape[1])
+        tok_emb = self.embed(flat) if flat.numel() else pre.inputs_embeds.new_zeros(0, pre.inputs_embeds.shape[1])
         # branch j's rows: its anchor then its caption tokens but the last
         rows, r_owner, r_step = [], [], []
         offset = 0
         for j, b in enumerate(branch_inputs):
-            rows.append(anchors[j:j + 1])
-            rows.append(tok_emb[offset:offset + len(b)])
+            rows += [serial[j:j + 1], tok_emb[offset:offset + len(b)]]
             offset += len(b)
             r_owner += [j] * (len(b) + 1)
             r_step += list(range(len(b) + 1))
-        x2 = torch.cat([serial] + rows)[None]
-        a_pos = anchor_position(L, k, delta)
-        p2 = torch.tensor([shared_position(L + i, delta) for i in range(k)] + [branch_position(a_pos, s) for s in r_step],
-                          device=dev)
+        a_pos = anchor_position(L, k, pre.delta)
+        p2 = torch.tensor([shared_position(L + i, pre.delta) for i in range(k)] +
+                          [branch_position(a_pos, st) for st in r_step], device=dev)
         # the project's visibility rule: serial <G>s shared and causal, branch j sees them and its own rows
         meta = cat_meta(prompt_meta(lay), shared_meta(k, L, Role.SERIAL_G), event_meta(L + k, k, r_owner, r_step, "blocked"))
-        queries = meta if rerun else TokenMeta(meta.order[L:], meta.role[L:], meta.event[L:])
-        mask2 = additive_mask(release_visible(queries, meta).to(dev), dtype)[None, None]
-        if rerun:  # HF drops caches under activation checkpointing: stage 2 reruns with the prompt in front
-            out2 = m.decoder(inputs_embeds=torch.cat([emb[None], x2], 1), attention_mask=mask2,
-                             position_ids=torch.cat([pos.to(dev), p2.expand(3, -1)], 1)[:, None], use_cache=False,
-                             output_hidden_states=True)
-            skip = L
-        else:
-            out2 = m.decoder(inputs_embeds=x2, attention_mask=mask2, position_ids=p2.expand(3, 1, -1), cache=cache,
-                             use_cache=True, output_hidden_states=True)
-            skip = 0
-        h2 = out2.last_hidden_state[0, skip:]
-        text_hidden += list(h2[:k])
-        event_rows += list(out2.hidden_states[-2][0, skip: skip + k - 1])
-        segs = pre.segments
-        evi = m.evi_head(torch.stack(event_rows))
+        hidden = lambda a: ~release_visible(TokenMeta(meta.order[a:], meta.role[a:], meta.event[a:]), meta)[None, None]
+        two = stage_two(m, pre.inputs_embeds[None], torch.cat([serial] + rows)[None], hidden,
+                        torch.cat([pre.positions.to(dev), p2.expand(3, -1)], 1)[:, None], cache, output_hidden_states=True)
+        h2 = two.last[0]
+        event_rows = torch.cat([pre.last_ground[None], two.layer(-2)[0, :k - 1]])
+        logits = similarity_logits(m.evi_head(event_rows), pre.segments, precision="product")
         d = ex.video.seconds_per_step
         times = torch.tensor([seconds((t, t), d) for t in range(lay.grid.timesteps)])
-        logits = similarity_logits(evi, segs, precision="product")
-        result["grounding_logits"].append(logits)
         with torch.no_grad():  # the read-out intervals, for the held-out numbers (train/evaluate.py loss_counts)
-            s = m.settings
             steps = [find_and_merge(torch.sigmoid(row), s.grounding_threshold, s.grounding_merge_gap) for row in logits]
-            pred = [seconds(step, d) for step in steps]
-            result["grounded"] = [(pred, ex.intervals.tolist())]
-        result["grounding_targets"].append(soft_targets(ex.intervals, times).to(dev))
+            grounded = [([seconds(step, d) for step in steps], ex.intervals.tolist())]
         labels = torch.tensor(branch_labels, device=dev)
-        result.update(text_logits=self.logits(torch.stack(text_hidden)), text_labels=torch.tensor(plan_labels, device=dev),
-                      branch_logits=self.logits(h2[k:]), branch_labels=labels,
-                      branch_pad=torch.zeros_like(labels, dtype=torch.bool))
-        return result
+        return train_outputs(self.logits, self.logits(torch.cat([pre.last_hidden[None], h2[:k]])), plan_labels,
+                             (h2[k:], labels, torch.zeros_like(labels, dtype=torch.bool)), grounding_logits=[logits],
+                             grounding_targets=[soft_targets(ex.intervals, times).to(dev)], grounded=grounded)
 
     def forward_train(self, batch: ReleaseBatch) -> dict:
         """One forward per video; outputs concatenated (the dict compute_losses reads)."""

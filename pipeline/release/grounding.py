@@ -14,14 +14,15 @@ the aggregation row (head-mean attention probabilities of the user turn's <|im_e
 layer `vision_audio_layer_index`): "release" = softmax of those probabilities (what the
 release does; nearly uniform, docs/design/method.md section 1 names it a defect), "renormalised" = the
 probabilities divided by their sum (ours); feature = sum w h (video) + audio_weight x
-sum w h (audio), h = that layer's input states. Pure torch.
+sum w h (audio), h = that layer's input states: pipeline/aggregation.py's `token_weights` and
+`pooled`, the token selection (a timestep interval, duplicates kept) being the release's. Pure torch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pipeline.aggregation import normalise_inside
+from pipeline.aggregation import pooled, token_weights
 from pipeline.grounding import bridged_runs, heaviest_run
 
 
@@ -42,21 +43,15 @@ def interval_tokens(lay, interval: tuple[int, int]) -> tuple[torch.Tensor, torch
     return v, au
 
 
-def token_weights(scores: torch.Tensor, mode: str) -> torch.Tensor:
-    """Aggregation-row values of the selected tokens [n] -> weights [n] summing to 1."""
-    if mode == "release":
-        return scores.softmax(dim=-1)
-    inside = torch.ones(1, scores.numel(), dtype=torch.bool, device=scores.device)  # every selected token
-    return normalise_inside(scores, inside)[0].to(scores.dtype)  # this project's rule (pipeline/aggregation.py)
+WEIGHT_RULES = {"release": "softmax", "renormalised": "normalise"}  # aggregation mode -> pipeline/aggregation.py rule
 
 
 def aggregate(row: torch.Tensor, hidden: torch.Tensor, lay, interval: tuple[int, int], mode: str,
               audio_weight: float) -> torch.Tensor:
-    """row [L] (aggregation probabilities), hidden [L, d] (layer input states) -> feature [d]."""
-    v, a = interval_tokens(lay, interval)
+    """row [L] (aggregation probabilities), hidden [L, d] (layer input states) -> feature [d]: the
+    project's token weights and pooling (pipeline/aggregation.py) over the interval's tokens."""
     dev = hidden.device
-    v, a = v.to(dev), a.to(dev)
-    feat = token_weights(row[v], mode).to(hidden.dtype) @ hidden[v]
-    if a.numel():
-        feat = feat + audio_weight * (token_weights(row[a], mode).to(hidden.dtype) @ hidden[a])
-    return feat
+    v, a = (ix.to(dev) for ix in interval_tokens(lay, interval))
+    parts = [(v, 1.0)] + ([(a, audio_weight)] if a.numel() else [])
+    every = lambda ix: torch.ones(1, ix.numel(), dtype=torch.bool, device=dev)  # every selected token
+    return pooled(hidden, [(token_weights(row[ix], every(ix), WEIGHT_RULES[mode]), ix, w) for ix, w in parts])[0]

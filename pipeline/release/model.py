@@ -37,11 +37,12 @@ from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGene
 from pipeline.backbone import DTYPES, cast_keeping_rope, position_adapter
 from pipeline.config import ReleaseConfig
 from pipeline.family import well_formed
-from pipeline.grounding import GroundingHead, similarity_logits
+from pipeline.grounding import GroundingHead, segment_hidden, similarity_logits
 from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
 from pipeline.release.geometry import Geometry
 from pipeline.release.layout import POSITION_MODES
+from pipeline.two_stage import run_decoder
 
 AGGREGATIONS = ("release", "renormalised")
 TOKENS = {"vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>", "video": "<|video_pad|>",
@@ -251,6 +252,11 @@ class ReleaseCaptioner(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(hidden)
 
+    def run_decoder(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache=None,
+                    output_hidden_states: bool = False):
+        """The LLM with a layout mask made additive (pipeline/two_stage.py `run_decoder`)."""
+        return run_decoder(self, embeds, mask, position_ids, cache, output_hidden_states)
+
     def plan_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> [N, 2]: the (<G>, <S>) columns of `lm_logits` alone (a planning decision's)."""
         head = self.hf.lm_head
@@ -262,18 +268,13 @@ class ReleaseCaptioner(nn.Module):
         """Grounding-layer states [L, d] -> per-timestep keys [T, d] (docs/design/release.md 4.4).
 
         frm_head on every AV token, then per timestep the mean over its video index set plus
-        audio_mean_weight x the mean over its audio index set (zero for an empty set).
+        audio_mean_weight x the mean over its audio index set (zero for an empty set): the project's
+        pooling (pipeline/grounding.py `segment_hidden`) after the head, where the project pools before it.
         """
         dev = hidden.device
         v = self.frm_head(hidden[lay.video_slots.to(dev)])
         a = self.frm_head(hidden[lay.audio_slots.to(dev)]) if lay.audio_slots.numel() else None
-        rows = []
-        for vs, aus in zip(lay.video_sets, lay.audio_sets):
-            seg = v[vs].mean(0)
-            if aus and a is not None:
-                seg = seg + self.audio_mean_weight * a[aus].mean(0)
-            rows.append(seg)
-        return torch.stack(rows)
+        return segment_hidden(v, lay.video_sets, None if a is None else lay.audio_sets, self.audio_mean_weight, a)
 
     def similarity(self, event: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         """evi_head(state) [d] x segment keys [T, d] -> sigmoid similarities [T], in the model dtype."""
