@@ -39,10 +39,11 @@ from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded
 from infer.engine.sampling import NO_CONTROL, DecodeControl, TokenChooser, plan_decision, planning_capped, video_chooser
-from infer.oracles.front import StageTimer, decode_reserve, ground_intervals, prepare_example, row_mask, run_front, token_position_ids
+from infer.oracles.front import StageTimer, run_front
 from pipeline.config import InferConfig
+from pipeline.decoding import decode_reserve, ground_intervals, prepare_example, token_position_ids
 from pipeline.examples import collate
-from pipeline.layout import Role, TokenMeta, branch_position, cat_meta, dense_layout, event_order, shared_position
+from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, dense_layout, event_order, mask_between, shared_position
 
 
 def _chooser(model, cfg: InferConfig, video_id: str) -> TokenChooser:
@@ -143,9 +144,12 @@ def _branch_meta(model, front, event: int, step: int) -> TokenMeta:
 
 
 def _front(model, sample, cfg, control, timer):
-    example = prepare_example(model, sample, decode_reserve(cfg))
-    cache = DynamicCache(config=model.hf_config)
-    return run_front(model, example, cache, cfg.max_events, control, timer)
+    return run_front(model, sample, DynamicCache(config=model.hf_config), cfg, control, timer)
+
+
+def row_mask(model, query: TokenMeta, keys: TokenMeta) -> torch.Tensor:
+    """Additive float mask [1, 1, Lq, Lk] from the layout's visibility rule."""
+    return additive_mask(mask_between(query, keys, model.options))[None, None]
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@
     ref = release_reference(model, video, max_events, max_branch_tokens)
     ref.decoded (Decoded), ref.calls (one record per decoder forward: inputs, positions, mask, logits)
 
-After the front half (infer/oracles/release_front.py, shared with the engine), the release
+After the front half (infer/oracles/front.py, the engine's program for the release), the release
 runs the K branches in lock-step through the HF decoder with an explicit 4D mask
 (docs/design/release.md 2, M:4499-4616): one forward of the K anchors at position (L + K) + delta,
 each seeing the prefix and itself; then round r feeds every branch's previous token
@@ -24,8 +24,10 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded
-from infer.oracles.release_front import ReleaseFront, release_front, seconds
+from infer.oracles.front import Front, run_front
+from pipeline.config import InferConfig
 from pipeline.layout import additive_mask, branch_position, cat_meta
+from pipeline.release.decoding import seconds
 from pipeline.release.layout import event_meta, release_visible, shared_meta
 from pipeline.release.video import ReleaseVideo
 
@@ -42,7 +44,7 @@ class Call:
 
 @dataclass
 class Reference:
-    front: ReleaseFront
+    front: Front
     decoded: Decoded
     calls: list[Call] = field(default_factory=list)
 
@@ -63,9 +65,10 @@ def branch_mask(prefix_len: int, k: int, rounds: int) -> torch.Tensor:
 @torch.no_grad()
 def release_reference(model, video: ReleaseVideo, max_events: int, max_branch_tokens: int,
                       forced_steps: list[tuple[int, int]] | None = None) -> Reference:
-    """Decode one video as the release does (module doc); forced_steps: see `release_front`."""
+    """Decode one video as the release does (module doc); forced_steps: see infer/oracles/front.py `run_front`."""
     cache = DynamicCache(config=model.hf_config)
-    front = release_front(model, video, cache, max_events, forced_steps=forced_steps)
+    opts = InferConfig(max_events=max_events, max_branch_tokens=max_branch_tokens)
+    front = run_front(model, video, cache, opts, forced_steps=forced_steps)
     k = front.num_events
     dev, dtype = model.device, model.dtype
     tokens: list[list[int]] = [[] for _ in range(k)]
@@ -73,7 +76,7 @@ def release_reference(model, video: ReleaseVideo, max_events: int, max_branch_to
     if k == 0:
         return ref
     banned = torch.tensor([model.g_id, model.s_id, model.shift_id], device=dev)
-    prefix_len = front.prefill.layout.length + k
+    prefix_len = front.prefix_len + k
     ended = [False] * k
     x = front.anchors[None]
     for r in range(max_branch_tokens + 1):
