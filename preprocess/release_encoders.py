@@ -15,7 +15,7 @@ them, by features.release_features:
           (docs/design/release.md §5.7).
   online  the featurizer runs only the media preparation: a `pipeline.release.video.ReleaseVideo` holding
           pixel_values and mel, which the captioning engine encodes with its own model on its own device
-          (infer/oracles/release_front.py `media_tokens`), so a Serve replica or caption actor holds one copy of
+          (pipeline/release/decoding.py `media_tokens`), so a Serve replica or caption actor holds one copy of
           the towers and nothing is stored. Not storable in shards (schema.encode refuses it).
 
 `release_video(sample)` turns a stored schema-2 Sample into the ReleaseVideo the engine takes.

@@ -130,17 +130,19 @@ def test_bf16_judges_each_planning_row_on_the_release_history_and_fails_a_far_de
 
 
 def test_forced_steps_keep_the_model_s_own_rows_on_another_history():
-    """release_front's teacher forcing: K and the intervals are the forced ones; row 0 (before any
+    """The front's teacher forcing: K and the intervals are the forced ones; row 0 (before any
     forced choice) is the free run's, row 1 follows the forced interval instead of the model's."""
     from transformers.cache_utils import DynamicCache
 
-    from infer.oracles.release_front import release_front
+    from infer.oracles.front import run_front
+    from pipeline.config import InferConfig
 
     inputs, golden, _, _ = parity.load_case(FIXTURE)
     sample, settings = parity.case_settings(FIXTURE, inputs, "float32")
     model = ReleaseCaptioner.from_release(CHECKPOINT, settings).eval()
     video = parity.case_video(inputs, sample, settings.instruction)
-    fronts = [release_front(model, video, DynamicCache(config=model.hf_config), model.max_events, forced_steps=f)
+    opts = InferConfig(max_events=model.max_events)
+    fronts = [run_front(model, video, DynamicCache(config=model.hf_config), opts, forced_steps=f)
               for f in (None, [(0, 1)])]
     free, forced = fronts
     assert free.steps == parity.release_steps(golden) and free.num_events == 3

@@ -19,9 +19,9 @@ import torch
 from bench.mp4 import solid_frames, tone, write_mp4
 from infer.engine.core import CaptionEngine
 from infer.engine.sampling import DecodeControl
-from infer.oracles.release_front import media_tokens
 from infer.serving.service import CaptionService, ModelCard
 from pipeline.config import Config
+from pipeline.release.decoding import media_tokens
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import SchemaError, decode, encode
 from preprocess.encoders import encoder_dims, encoder_versions, get_audio_encoder, get_visual_encoder

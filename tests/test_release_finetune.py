@@ -11,11 +11,11 @@ from transformers.cache_utils import DynamicCache
 
 from bench.release_models import CHECKPOINT, FIXTURE, fixture_video, load, random_video
 from infer.engine.core import CaptionEngine
-from infer.oracles.release_front import release_prefill
 from infer.oracles.release_loop import release_reference
 from infer.parity import check as parity
 from pipeline.config import InferConfig
 from pipeline.release.checkpoint import read_state_dict
+from pipeline.release.decoding import prefill
 from pipeline.release.finetune import ReleaseFinetune, TrainVideo, collate_release, timestep_interval
 from pipeline.release.model import ReleaseCaptioner, ReleaseSettings
 from pipeline.schema import Event
@@ -57,7 +57,8 @@ def test_the_prompt_rows_of_the_training_forward_equal_decoding():
     t = tuner()
     video = random_video(3, timesteps=4)
     out = t.forward_train(collate_release([t.make_example(TrainVideo(video, EVENTS))]))
-    pre = release_prefill(t.model, video, DynamicCache(config=t.model.hf_config))
+    with torch.no_grad():
+        pre = prefill(t.model, video, DynamicCache(config=t.model.hf_config))
     want = t.model.lm_logits(pre.last_hidden[None])[0]
     assert torch.allclose(out["text_logits"][0], want, atol=1e-5)
     assert out["text_labels"].tolist() == [t.model.g_id, t.model.g_id, t.model.s_id]

@@ -10,11 +10,10 @@
     PadProgram.finish_all(progs) -> [Anchors]             # the same for every video whose planning ended in a step
 
 The scheduler (infer/engine/scheduler.py) runs every forward in the shared step (infer/engine/step.py);
-a program only turns the step's outputs for its own video into the next decision, so the
-rules below are the same functions the reference front halves use (infer/oracles/front.py,
-infer/oracles/release_front.py), applied to the same states.
+a program only turns the step's outputs for its own video into the next decision; the reference
+front half (infer/oracles/front.py) drives the same programs through HF forwards, one video.
 
-PadCaptioner (infer/oracles/front.py's rules): the prefix layout of pipeline/layout.py with its
+PadCaptioner: the prefix layout of pipeline/layout.py with its
 mask and positions; planning greedy over {<G>, <S>} from the last instruction row, each
 <G> fed at shared_position(P + k); the grounding-layer state of the row that predicted a
 <G> is its event query; then grounding and attention-guided anchors at A = P + K.
@@ -224,8 +223,7 @@ class ReleaseProgram:
 
 def plan_row(model, restricted: torch.Tensor, ground: torch.Tensor, segments: torch.Tensor, k: int, max_events: int,
              control: DecodeControl, sims: list, plan_logits: list) -> tuple[int, int] | None:
-    """One planning decision row (module doc, step 4), for the engine's program and the reference front
-    (infer/oracles/release_front.py).
+    """One planning decision row of the release's program (module doc, step 4).
 
     restricted [2]: the row's (<G>, <S>) logits in fp32 (model.plan_logits of its final-norm state),
     ground: its hidden_states[-2]; k: <G>s fed so far. Appends

@@ -33,8 +33,9 @@ from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded, caption_text
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
-from infer.oracles.front import StageTimer, decode_reserve, prepare_example, run_front
+from infer.oracles.front import StageTimer, run_front
 from pipeline.config import InferConfig
+from pipeline.decoding import prepare_example
 from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, event_order, mask_between
 
 
@@ -70,9 +71,8 @@ def _schedule(k: int, branch_order: str, live) -> list[tuple[int, int]]:
 def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
     """Anchors at A in one forward, then branch tokens one at a time in layout order (module doc)."""
     timer = StageTimer(model.device)
-    example = prepare_example(model, sample, decode_reserve(cfg))
     cache = DynamicCache(config=model.hf_config)
-    front = run_front(model, example, cache, cfg.max_events, control, timer)
+    front = run_front(model, sample, cache, cfg, control, timer)
     opts, dev = model.options, model.device
     p, k = front.prefix_len, front.num_events
     base = p + k
@@ -113,7 +113,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     timer.lap("decode_ms")
     timings = dict(timer.ms)
     timings.update(total_ms=sum(timer.ms.values()), steps=float(steps), tokens=float(sum(map(len, tokens))),
-                   events=float(k), segments_kept=float(example.layout.num_segments),
+                   events=float(k), segments_kept=float(front.segments_kept),
                    segments_total=float(sample.num_segments))
     return Decoded(video_id=sample.video_id, duration=float(sample.duration), intervals=front.intervals, tokens=tokens,
                    steps=steps, timings=timings, planning_logits=front.planning_logits if control.trace else None,

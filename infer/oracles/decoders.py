@@ -19,7 +19,8 @@ branch_sequential  the same factorized model with an HF DynamicCache: the prefix
                  serial <G>s once (infer/oracles/front.py), then branch 1 (anchor + tokens, each
                  step's mask row from the layout rule), crop back to the prefix, branch
                  2, ... Sum(len_i) decoder steps.
-parallel_copy    what the public release does: the prefix KV copied per branch (batch K
+parallel_copy    K rows in lock-step rounds (`lock_step`, also the loop of the release's
+                 reference, infer/oracles/release_loop.py): the prefix KV copied per branch (batch K
                  DynamicCache), a dense additive mask rebuilt every step, finished
                  branches kept and fed <eos> until the longest ends. Max(len_i) steps.
 monolithic       the standard single-chain decoder users compare against: prefix,
@@ -39,10 +40,11 @@ from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded
 from infer.engine.sampling import NO_CONTROL, DecodeControl, TokenChooser, plan_decision, planning_capped, video_chooser
-from infer.oracles.front import StageTimer, decode_reserve, ground_intervals, prepare_example, row_mask, run_front, token_position_ids
+from infer.oracles.front import StageTimer, run_front
 from pipeline.config import InferConfig
+from pipeline.decoding import decode_reserve, ground_intervals, prepare_example, token_position_ids
 from pipeline.examples import collate
-from pipeline.layout import Role, TokenMeta, branch_position, cat_meta, dense_layout, event_order, shared_position
+from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, dense_layout, event_order, mask_between, shared_position
 
 
 def _chooser(model, cfg: InferConfig, video_id: str) -> TokenChooser:
@@ -143,9 +145,12 @@ def _branch_meta(model, front, event: int, step: int) -> TokenMeta:
 
 
 def _front(model, sample, cfg, control, timer):
-    example = prepare_example(model, sample, decode_reserve(cfg))
-    cache = DynamicCache(config=model.hf_config)
-    return run_front(model, example, cache, cfg.max_events, control, timer)
+    return run_front(model, sample, DynamicCache(config=model.hf_config), cfg, control, timer)
+
+
+def row_mask(model, query: TokenMeta, keys: TokenMeta) -> torch.Tensor:
+    """Additive float mask [1, 1, Lq, Lk] from the layout's visibility rule."""
+    return additive_mask(mask_between(query, keys, model.options))[None, None]
 
 
 @torch.no_grad()
@@ -184,42 +189,56 @@ def branch_sequential(model, sample, cfg: InferConfig, control: DecodeControl = 
                    front.grounding_logits, control)
 
 
+def lock_step(model, anchors: torch.Tensor, forward, choose, max_tokens: int) -> tuple[list[list[int]], int]:
+    """K branches in lock-step rounds, the loop of `parallel_copy` and of the release's own
+    (infer/oracles/release_loop.py), which differ only in `forward` (how the K rows sit in the cache,
+    their masks and positions) and `choose` (the token rule).
+
+    Round r feeds every branch one input x [K, d] (round 0: `anchors`; then each branch's last token,
+    or <eos> once it has ended) through forward(x, r) -> logits [K, V]; choose(logits, r) -> K tokens.
+    A branch ends with <eos> (kept) or at `max_tokens` tokens; an ended branch's rows are ignored; the
+    rounds stop when every branch has ended. -> (tokens of each branch, rounds run)."""
+    k, eos = anchors.shape[0], model.eos_id
+    tokens: list[list[int]] = [[] for _ in range(k)]
+    ended, x, r = [False] * k, anchors, 0
+    while not all(ended):
+        if r:
+            x = model.embed_tokens(torch.tensor([eos if e else t[-1] for e, t in zip(ended, tokens)], device=model.device))
+        chosen = choose(forward(x, r), r)
+        for i in range(k):
+            if not ended[i]:
+                tokens[i].append(int(chosen[i]))
+                ended[i] = tokens[i][-1] == eos or len(tokens[i]) >= max_tokens
+        r += 1
+    return tokens, r
+
+
 @torch.no_grad()
 def parallel_copy(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
     """K rows in lock-step with the prefix KV copied per row and a dense mask per step."""
     timer = StageTimer(model.device)
     front = _front(model, sample, cfg, control, timer)
-    cache, dev = front.cache, model.device
-    k = front.num_events
+    cache, k = front.cache, front.num_events
     cache.batch_repeat_interleave(k)  # the prefix KV, copied K times
     chooser = _chooser(model, cfg, sample.video_id)
-    tokens: list[list[int]] = [[] for _ in range(k)]
-    logits_of: list[list[torch.Tensor]] = [[] for _ in range(k)]
-    keys = [front.keys] * k
-    embeds, step, done = front.anchors[:, None, :], 0, [False] * k
-    while True:
+    keys, rounds = [front.keys] * k, []
+
+    def forward(x: torch.Tensor, step: int) -> torch.Tensor:
         metas = [_branch_meta(model, front, e, step) for e in range(k)]
-        keys = [cat_meta(keys[e], metas[e]) for e in range(k)]
+        keys[:] = [cat_meta(keys[e], metas[e]) for e in range(k)]
         mask = torch.cat([row_mask(model, metas[e], keys[e]) for e in range(k)])  # [K, 1, 1, L], rebuilt per step
         role = Role.ANCHOR if step == 0 else Role.BRANCH
-        pos = token_position_ids(model, branch_position(front.anchor_pos, step), k, role, dev)
-        out = model.run_decoder(embeds, mask, pos, cache=cache)
-        logits = model.lm_logits(out.last_hidden_state[:, -1])
-        chosen = chooser.branch(logits, step, list(range(k)), control).tolist()
-        for e in range(k):
-            if done[e]:
-                chosen[e] = chooser.eos_id  # finished rows are kept and fed <eos> (the upstream way)
-                continue
-            tokens[e].append(chosen[e])
-            if control.trace:
-                logits_of[e].append(logits[e].float().cpu())
-            done[e] = _done(chosen[e], len(tokens[e]), chooser, cfg.max_branch_tokens)
-        step += 1
-        if all(done):
-            break
-        embeds = model.embed_tokens(torch.tensor(chosen, device=dev)[:, None])
+        pos = token_position_ids(model, branch_position(front.anchor_pos, step), k, role, model.device)
+        logits = model.lm_logits(model.run_decoder(x[:, None], mask, pos, cache=cache).last_hidden_state[:, -1])
+        rounds.append(logits if control.trace else None)
+        return logits
+
+    tokens, steps = lock_step(model, front.anchors, forward,
+                              lambda logits, step: chooser.branch(logits, step, list(range(k)), control).tolist(),
+                              cfg.max_branch_tokens)
+    logits_of = [[rounds[r][e].float().cpu() for r in range(len(tokens[e]))] if control.trace else [] for e in range(k)]
     timer.lap("decode_ms")
-    return _finish(sample, front.example, front.intervals, tokens, step, timer, front.planning_logits, logits_of,
+    return _finish(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                    front.grounding_logits, control)
 
 

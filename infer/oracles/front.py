@@ -1,25 +1,26 @@
-"""The front half of decoding one video: prefill, planning, grounding, aggregation (cached).
+"""The front half of decoding one video, both model families: prefill, planning, grounding, anchors.
 
-    front = run_front(model, sample, cache, max_events, control)
+    front = run_front(model, video, cache, opts, control)   # video: a Sample (a ReleaseVideo for the release)
     # front.cache holds prefix + serial <G>s; front.anchors [K, d] at position front.anchor_pos
 
-Shared by the engine and the cached reference decoders (an HF `DynamicCache`); infer/oracles/decoders.py's
-`full_recompute` redoes the same steps without any cache, through the training-time
-forward, and must agree with this module.
+The family's rules are its engine program (infer/engine/programs.py `PROGRAMS[model.program]`: the
+prefix, each planning decision, the serial <G> it feeds, grounding and the anchors). This module
+runs the forwards that the engine runs in its paged step through the HF decoder with a cache
+instead (an HF `DynamicCache`), one video, batch 1: the cached reference decoders
+(infer/oracles/decoders.py, release_loop.py, ablation.py) start from it, and
+decoders.py's `full_recompute` redoes the project family's front without any cache, through
+the training-time forward, and must agree with it.
 
-Steps, one video, batch 1:
-  1. prefill: the prefix layout (pipeline/layout.py `prefix_layout`: preamble, the
-     audio-visual block, the instruction) in one forward with its explicit layout mask
-     and positions; keep the grounding-layer and aggregation-layer states;
-  2. planning: from the last instruction row, greedy over {<G>, <S>} (infer/engine/sampling.py);
-     each chosen <G> is fed at `shared_position(P + k)` with its mask row from the
-     layout's visibility rule (`mask_between`); the grounding-layer state of the row that
-     predicted each <G> is that event's query;
-  3. grounding: event vectors x segment vectors -> logits [K, T] -> readout
-     (`PadCaptioner.ground`), clipped to well-formed intervals inside [0, duration];
-  4. aggregation: `PadCaptioner.anchor_embeddings` over the grounded intervals, with
-     the instruction row's visible keys from the layout mask, as in training.
-All anchors sit at `anchor_position(P, K)`; branch step j at `branch_position(A, j)`.
+  1. prefill: the program's prefix embeddings in one forward, each row seeing keys
+     [0, limits[i]) (the layout's visibility rule, as an explicit additive mask), at the
+     program's positions in the backbone's format; the program takes the captured
+     grounding- and aggregation-layer states;
+  2. planning: each decision row (the prefix's last row, then each serial <G>) gives the
+     program its (<G>, <S>) logits (`plan_logits` of the final-norm state, fp32) and its
+     grounding-layer state; every serial <G> the program asks for is fed at its position,
+     seeing every key before it (the project family: an explicit all-visible row; the
+     release: HF's own causal mask, as the release runs it);
+  3. the program's `finish`: intervals, anchors [K, d] at A, the planning and grounding logits.
 """
 
 from __future__ import annotations
@@ -29,43 +30,60 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.engine.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_capped
-from pipeline.decoding import decode_reserve, ground_intervals, prepare_example, token_position_ids  # noqa: F401
-from pipeline.examples import Example, collate
-from pipeline.family import DecodeError, well_formed  # noqa: F401
-from pipeline.grounding import similarity_logits
-from pipeline.layout import Layout, Role, TokenMeta, additive_mask, anchor_position, cat_meta, mask_between, shared_position
+from infer.engine.programs import PROGRAMS, Anchors, PadProgram, ReleaseProgram
+from infer.engine.sampling import NO_CONTROL, DecodeControl
+from pipeline.layout import Layout, Role, TokenMeta, additive_mask, cat_meta, shared_position
+from pipeline.release.decoding import ReleasePrefill
 
 
 @dataclass
 class Front:
     """State of one video after the front half (module doc)."""
 
-    example: Example
+    program: PadProgram | ReleaseProgram  # the video's engine program (infer/engine/programs.py): its rules and prefix states
     cache: object  # the cache holding prefix + serial <G>s
-    keys: TokenMeta  # order / role / event of every cached token (prefix + serial <G>s)
-    intervals: list[tuple[float, float]]  # grounded interval of each event (planning order)
-    anchors: torch.Tensor  # [K, d] anchor input embeddings
-    anchor_pos: int  # A
-    planning_logits: torch.Tensor  # [n, 2] (<G>, <S>) logits of each planning decision
-    grounding_logits: torch.Tensor  # [K, T]
+    end: Anchors  # intervals, anchors [K, d] at anchor_pos, planning [n, 2] and grounding logits
+    last_hidden: torch.Tensor  # [d] final-norm state of the prefix's last row
+    last_ground: torch.Tensor  # [d] its grounding-layer state
+    serial_inputs: torch.Tensor  # [K, d] the serial <G> inputs fed
     timings: dict[str, float] = field(default_factory=dict)
+
+    intervals = property(lambda self: self.end.intervals)  # planning order (seconds)
+    anchors = property(lambda self: self.end.anchors)  # [K, d] anchor input embeddings
+    anchor_pos = property(lambda self: self.end.anchor_pos)  # A
+    planning_logits = property(lambda self: self.end.planning_logits)  # [n, 2] (<G>, <S>) of each decision
+    grounding_logits = property(lambda self: self.end.grounding_logits)  # [K, T] (release: [calls, T] similarities)
+    segments_kept = property(lambda self: self.end.segments_kept)
+    prefix_len = property(lambda self: self.program.length)
+
+    @property
+    def num_events(self) -> int:
+        return int(self.anchors.shape[0])
+
+    # the project family's program: its Example, and the meta of every cached token
+    example = property(lambda self: self.program.example)
 
     @property
     def layout(self) -> Layout:
         return self.example.layout
 
     @property
-    def prefix_len(self) -> int:
-        return self.example.layout.prefix_len
+    def keys(self) -> TokenMeta:
+        """order / role / event of every cached token: the prefix's, then the K serial <G>s."""
+        keys = self.layout.meta()
+        for k in range(self.num_events):
+            keys = cat_meta(keys, serial_g_meta(self.prefix_len, k))
+        return keys
+
+    # the release's program: its grounded timestep intervals, and what its prefill left (the parity check)
+    steps = property(lambda self: self.program.steps)
 
     @property
-    def num_events(self) -> int:
-        return int(self.anchors.shape[0])
-
-    @property
-    def segments_kept(self) -> int:
-        return int(self.example.layout.num_segments)
+    def prefill(self) -> ReleasePrefill:
+        """The release's prefill record (pipeline/release/decoding.py) from its program's prefix states."""
+        p = self.program
+        return ReleasePrefill(p.lay, p.positions, p.delta, p.embeds, p.h_ground, p.h_agg, self.last_hidden,
+                              self.last_ground, p.attn_row, p.segments)
 
 
 class StageTimer:
@@ -87,66 +105,73 @@ class StageTimer:
         self._t = now
 
 
+# How a serial <G> row sees the cache (module doc, step 2), the family's policy: the project family's decoder runs
+# with an explicit mask always (pipeline/model.py `run_decoder`), the release's on HF's causal mask as the release
+# does; the two differ in the last bits (attention with or without a mask), so each keeps its own.
+SERIAL_ROW_MASK = {"pad": True, "release": False}
+
+
 def serial_g_meta(prefix_len: int, k: int) -> TokenMeta:
     """Meta of the k-th serial <G> (0-based), as the training layout places it."""
     idx = torch.tensor([prefix_len + k])
     return TokenMeta(order=shared_position(idx), role=torch.tensor([int(Role.SERIAL_G)]), event=torch.tensor([-1]))
 
 
-def row_mask(model, query: TokenMeta, keys: TokenMeta) -> torch.Tensor:
-    """Additive float mask [1, 1, Lq, Lk] from the layout's visibility rule."""
-    return additive_mask(mask_between(query, keys, model.options))[None, None]
+def hf_positions(model, positions: torch.Tensor) -> torch.Tensor:
+    """Positions [3, n] (the engine's form) -> the HF decoder's ids: [3, 1, n] (M-RoPE) or [1, n] (1D RoPE)."""
+    return (positions[:, None] if model.adapter.kind == "mrope" else positions[:1]).to(model.device)
+
+
+def force_step(prog: ReleaseProgram, steps: list[tuple[int, int]], wanted: bool) -> bool:
+    """Teacher forcing (the parity check's): the row's logits and similarities stay the model's, its interval, and
+    so K, come from `steps`; keeps a bf16 run on the release's history after a near tie."""
+    if wanted:
+        prog.steps.pop()
+    k = len(prog.steps)
+    if k >= len(steps):
+        return False
+    prog.steps.append(tuple(steps[k]))
+    prog._next = prog.steps[-1]
+    return True
 
 
 @torch.no_grad()
-def run_front(model, example: Example, cache, max_events: int, control: DecodeControl = NO_CONTROL,
-              timer: StageTimer | None = None) -> Front:
-    """Prefill + planning + grounding + aggregation for one video (module doc)."""
-    if max_events < 1:
-        raise DecodeError(f"max_events must be >= 1 (every video gets at least one event), got {max_events}")
+def run_front(model, video, cache, opts, control: DecodeControl = NO_CONTROL, timer: StageTimer | None = None,
+              forced_steps: list[tuple[int, int]] | None = None) -> Front:
+    """Prefill + planning + grounding + anchors for one video (module doc); opts: max_events, max_branch_tokens.
+
+    forced_steps (the release's program only): take each row's grounded interval, and so K, from
+    this list instead of the model's own decisions (`force_step`)."""
     timer = timer or StageTimer(model.device)
-    layout = example.layout
-    p = layout.prefix_len
-    pk = collate([example]).packed
-    pos = model.position_ids(pk)[:, :p]
-    emb = model.embed(pk, [example], slice(0, p))
-    out = model.run_decoder(emb, layout.mask, pos, cache=cache, output_hidden_states=True)
-    hs = out.hidden_states
-    h_ground = hs[model.cfg.grounding_layer][0]  # [P, d]
-    h_agg = hs[model.aggregation_layer][0]  # [P, d]
-    last, last_ground = out.last_hidden_state[0, -1], h_ground[-1]
-    del out, hs
+    prog = PROGRAMS[model.program](model, video, opts, control)
+    dev = model.device
+    mask = additive_mask(torch.arange(prog.length)[None] < prog.limits[:, None], model.dtype)[None, None]
+    out = model.decoder(inputs_embeds=prog.embeds[None], attention_mask=mask.to(dev),
+                        position_ids=hf_positions(model, prog.positions), cache=cache, use_cache=True,
+                        output_hidden_states=True)
+    prog.prefilled({i: out.hidden_states[i][0] for i in prog.capture})
+    last = first = out.last_hidden_state[0, -1]
+    ground = first_ground = out.hidden_states[prog.ground_layer][0, -1]
+    del out
     timer.lap("prefill_ms")
 
-    keys = layout.meta()
-    g_emb = model.embed_tokens(torch.tensor([[model.g_id]], device=model.device))  # [1, 1, d]
-    queries, plan_logits = [], []
-    k = 0
-    while not planning_capped(k, max_events, control):
-        restricted = model.lm_logits(last[None])[0, [model.g_id, model.s_id]].float()
-        plan_logits.append(restricted)
-        if not plan_decision(restricted, k, max_events, control):
+    row_mask = SERIAL_ROW_MASK[model.program]
+    serial = []
+    while True:
+        wanted = prog.decide(model.plan_logits(last[None])[0].float(), ground)
+        if forced_steps is not None:
+            wanted = force_step(prog, forced_steps, wanted)
+        if not wanted:
             break
-        queries.append(last_ground)
-        q_meta = serial_g_meta(p, k)
-        keys = cat_meta(keys, q_meta)
-        step = model.run_decoder(g_emb, row_mask(model, q_meta, keys),
-                                 token_position_ids(model, shared_position(p + k), 1, Role.SERIAL_G, model.device),
-                                 cache=cache, output_hidden_states=True)
-        last, last_ground = step.last_hidden_state[0, -1], step.hidden_states[model.cfg.grounding_layer][0, -1]
-        k += 1
+        x, pos = prog.plan_input()
+        serial.append(x)
+        seen = cache.get_seq_length() + 1
+        out = model.decoder(inputs_embeds=x[None, None], position_ids=hf_positions(model, pos[:, None]), cache=cache,
+                            attention_mask=torch.zeros(1, 1, 1, seen, dtype=model.dtype, device=dev) if row_mask else None,
+                            use_cache=True, output_hidden_states=True)
+        last, ground = out.last_hidden_state[0, -1], out.hidden_states[prog.ground_layer][0, -1]
     timer.lap("planning_ms")
-
-    events = model.event_vectors(torch.stack(queries))  # [K, d]
-    dev = h_ground.device
-    segments = model.segment_vectors(h_ground, layout.visual_index.to(dev), layout.audio_index.to(dev))
-    g_logits = similarity_logits(events, segments)
-    intervals = ground_intervals(model, g_logits, example)
-    key_visible = layout.mask[0, 0, layout.instruction_end, :p].to(dev) == 0
-    anchors = model.anchor_embeddings(h_agg, layout, example.segment_times, torch.tensor(intervals, dtype=torch.float32),
-                                      pos[0], key_visible)
+    end = prog.finish()
     timer.lap("grounding_ms")
-    empty = torch.zeros(0, 2)
-    return Front(example=example, cache=cache, keys=keys, intervals=intervals, anchors=anchors,
-                 anchor_pos=anchor_position(p, k), planning_logits=torch.stack(plan_logits) if plan_logits else empty,
-                 grounding_logits=g_logits, timings=timer.ms)
+    inputs = torch.stack(serial) if serial else end.anchors.new_zeros(0, end.anchors.shape[1])
+    return Front(prog, cache, end, first, first_ground, inputs, timer.ms)

@@ -3,7 +3,7 @@
     ref = release_reference(model, video, max_events, max_branch_tokens)
     ref.decoded (Decoded), ref.calls (one record per decoder forward: inputs, positions, mask, logits)
 
-After the front half (infer/oracles/release_front.py, shared with the engine), the release
+After the front half (infer/oracles/front.py, the engine's program for the release), the release
 runs the K branches in lock-step through the HF decoder with an explicit 4D mask
 (docs/design/release.md 2, M:4499-4616): one forward of the K anchors at position (L + K) + delta,
 each seeing the prefix and itself; then round r feeds every branch's previous token
@@ -11,7 +11,7 @@ each seeing the prefix and itself; then round r feeds every branch's previous to
 (L + K) + 1 + r + delta, each row seeing the prefix and its own branch's cache slots
 (slot i after the prefix belongs to branch i mod K); <G>, <S>, <shift> banned, argmax;
 a branch ends with <|im_end|> (kept) and holds at most 1 + max_branch_tokens tokens;
-the loop stops when every branch ended or after max_branch_tokens rounds.
+the loop (infer/oracles/decoders.py `lock_step`) stops when every branch has ended.
 The engine's cascade step must give the same tokens (tests/test_release.py); the parity
 command compares these records with a release trace (infer/parity/check.py).
 """
@@ -24,8 +24,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded
-from infer.oracles.release_front import ReleaseFront, release_front, seconds
+from infer.oracles.decoders import lock_step
+from infer.oracles.front import Front, run_front
+from pipeline.config import InferConfig
 from pipeline.layout import additive_mask, branch_position, cat_meta
+from pipeline.release.decoding import seconds
 from pipeline.release.layout import event_meta, release_visible, shared_meta
 from pipeline.release.video import ReleaseVideo
 
@@ -42,7 +45,7 @@ class Call:
 
 @dataclass
 class Reference:
-    front: ReleaseFront
+    front: Front
     decoded: Decoded
     calls: list[Call] = field(default_factory=list)
 
@@ -63,39 +66,30 @@ def branch_mask(prefix_len: int, k: int, rounds: int) -> torch.Tensor:
 @torch.no_grad()
 def release_reference(model, video: ReleaseVideo, max_events: int, max_branch_tokens: int,
                       forced_steps: list[tuple[int, int]] | None = None) -> Reference:
-    """Decode one video as the release does (module doc); forced_steps: see `release_front`."""
+    """Decode one video as the release does (module doc); forced_steps: see infer/oracles/front.py `run_front`."""
     cache = DynamicCache(config=model.hf_config)
-    front = release_front(model, video, cache, max_events, forced_steps=forced_steps)
-    k = front.num_events
-    dev, dtype = model.device, model.dtype
-    tokens: list[list[int]] = [[] for _ in range(k)]
-    ref = Reference(front, Decoded(video.video_id, float(video.duration), front.intervals, tokens, 0))
-    if k == 0:
-        return ref
+    opts = InferConfig(max_events=max_events, max_branch_tokens=max_branch_tokens)
+    front = run_front(model, video, cache, opts, forced_steps=forced_steps)
+    k, dev = front.num_events, model.device
+    ref = Reference(front, Decoded(video.video_id, float(video.duration), front.intervals, [], 0))
     banned = torch.tensor([model.g_id, model.s_id, model.shift_id], device=dev)
-    prefix_len = front.prefill.layout.length + k
-    ended = [False] * k
-    x = front.anchors[None]
-    for r in range(max_branch_tokens + 1):
+
+    def forward(x: torch.Tensor, r: int) -> torch.Tensor:
         pos = torch.full((3, k), branch_position(front.anchor_pos, r), dtype=torch.long)
-        allowed = branch_mask(prefix_len, k, r + 1)
-        mask = additive_mask(allowed, dtype)[None, None].to(dev)
-        out = model.decoder(inputs_embeds=x, attention_mask=mask, position_ids=pos[:, None].to(dev), cache=cache,
+        allowed = branch_mask(front.prefix_len + k, k, r + 1)
+        mask = additive_mask(allowed, model.dtype)[None, None].to(dev)
+        out = model.decoder(inputs_embeds=x[None], attention_mask=mask, position_ids=pos[:, None].to(dev), cache=cache,
                             use_cache=True)
         logits = model.lm_logits(out.last_hidden_state[0]).float()
         ref.calls.append(Call("anchors" if r == 0 else f"branch_step{r - 1}", pos, allowed, logits.cpu()))
+        return logits
+
+    def choose(logits: torch.Tensor, r: int) -> list[int]:
         scores = logits.clone()
         scores[:, banned] = float("-inf")
-        nxt = scores.argmax(dim=-1).tolist()
-        for i in range(k):
-            if not ended[i]:
-                tokens[i].append(nxt[i])
-                ended[i] = nxt[i] == model.eos_id
-        ref.decoded.steps += 1
-        if all(ended) or r == max_branch_tokens:
-            break
-        feed = [model.eos_id if ended[i] else tokens[i][-1] for i in range(k)]
-        x = model.embed_tokens(torch.tensor(feed))[None]
+        return scores.argmax(dim=-1).tolist()
+
+    ref.decoded.tokens, ref.decoded.steps = lock_step(model, front.anchors, forward, choose, max_branch_tokens + 1)
     return ref
 
 

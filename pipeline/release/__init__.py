@@ -2,6 +2,6 @@
 
 See pipeline/release/model.py (loader and model), layout.py (prompt, index sets, M-RoPE
 ids in the release's and the training mode), checkpoint.py (strict weight files),
-audio.py (Whisper + window Q-Former). Decoding: infer/oracles/release_front.py; parity with the
+audio.py (Whisper + window Q-Former). Decoding: decoding.py and infer/engine/programs.py; parity with the
 release's own inference: `python -m infer.parity DIR`.
 """

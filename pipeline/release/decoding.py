@@ -1,5 +1,5 @@
 """The release family's decoding rules, shared by the engine's program (infer/engine/programs.py), the
-reference front half (infer/oracles/release_front.py) and fine-tuning (pipeline/release/finetune.py).
+reference decoders (infer/oracles/) and fine-tuning (pipeline/release/finetune.py).
 
     video = decodable_video(model, video)                   # the checkpoint's media geometry (DecodeError)
     lay, embeds [L, d], pos [3, L], delta = prefill_inputs(model, video)
@@ -109,8 +109,9 @@ def aggregation_row(model, lay: ReleaseLayout, pos: torch.Tensor, h_agg: torch.T
 
 def prefill(model, video: ReleaseVideo, cache, embed=None, use_cache: bool = True) -> ReleasePrefill:
     """Steps 1-3 of the module doc for one video (HF's forward), with gradients where the caller has
-    them: the one prefill of decoding and fine-tuning (pipeline/release/finetune.py passes its
-    `embed` and, when it reruns the prompt under activation checkpointing, no cache)."""
+    them: fine-tuning's prefill (pipeline/release/finetune.py passes its `embed` and, when it reruns
+    the prompt under activation checkpointing, no cache); decoding runs the same inputs and mask
+    through the engine's program (infer/engine/programs.py, infer/oracles/front.py)."""
     lay, emb, pos, delta = prefill_inputs(model, video, embed)
     dev = model.device
     out = model.decoder(inputs_embeds=emb[None], attention_mask=prefill_mask(lay, model.dtype).to(dev),
@@ -121,12 +122,6 @@ def prefill(model, video: ReleaseVideo, cache, embed=None, use_cache: bool = Tru
     segments = model.segment_vectors(h_ground, lay)
     return ReleasePrefill(lay, pos, delta, emb, h_ground, h_agg, out.last_hidden_state[0, -1], h_ground[-1], row,
                           segments)
-
-
-@torch.no_grad()
-def release_prefill(model, video: ReleaseVideo, cache) -> ReleasePrefill:
-    """`prefill` without gradients (the reference front)."""
-    return prefill(model, video, cache)
 
 
 def seconds(step: tuple[int, int], d: float) -> tuple[float, float]:

@@ -20,7 +20,7 @@ the tokenizer saved beside it.
 
 The model exposes what the decoding engine uses of a PadCaptioner (decoder, ids,
 tokenizer, dtype/device, `step_tables`), so the release gets the same cascade,
-many-videos-per-step decode (infer/oracles/release_front.py builds its front half).
+many-videos-per-step decode (infer/engine/programs.py `ReleaseProgram` holds its front half).
 Pure torch + HF; no ray.
 """
 
