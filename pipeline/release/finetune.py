@@ -11,7 +11,7 @@ the grounding heads (`frm_head`, `evi_head`) and the rows of <G> and <S> (a sepa
 [2, d] parameter substituted into the embedding table and the tied head, so the
 vocab-size matrix gets no gradient and no optimizer state). Everything else is frozen.
 
-The training sequence of one video is the decoding layout (infer/oracles/release_front.py) with
+The training sequence of one video is the decoding layout (pipeline/release/layout.py) with
 the ground truth in place, M-RoPE ids in the settings' mode (`training` is what the
 release trained with):
   prompt (L tokens, causal + AV bidirectional) | serial <G>_1..<G>_K | anchors_1..K |
@@ -24,7 +24,7 @@ Labels: the last prompt row and each serial <G> row predict the next planning to
 <|im_end|>. Grounding: the event vector of the row that predicts <G>_k against the
 segment keys, BCE with the soft targets of pipeline/grounding.py. Intervals are mapped
 to timesteps [floor(s / d), ceil(e / d) - 1]. Two forwards per video: the prompt (decoding's
-own `prefill`, infer/oracles/release_front.py, whose states feed aggregation), then the rest through
+own `prefill`, pipeline/release/decoding.py, whose states feed aggregation), then the rest through
 its cache, with the positions (`shared_position` / `anchor_position` / `branch_position`
 plus the rope delta) and the mask (`visible`) of pipeline/layout.py. Pure torch + HF + peft.
 """
