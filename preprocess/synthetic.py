@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.caption_grammar import (  # noqa: F401  (re-exported: the corpus's grammar)
+    ATTRIBUTES,
     COLOURS,
     MOTIONS,
     SHAPES,

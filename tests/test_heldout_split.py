@@ -114,9 +114,9 @@ def test_teacher_forced_scoring_finds_every_attribute_of_every_generated_caption
     spelled as the caption spells it (stripes as 'striped square'), or its events count as misses."""
     import itertools
 
-    from pipeline.caption_grammar import ATTRIBUTES, COLOURS, MOTIONS, SHAPES, SOUNDS, dense_caption
     from pipeline.config import ModelConfig
     from pipeline.tokens import build_tokenizer
+    from preprocess.synthetic import ATTRIBUTES, COLOURS, MOTIONS, SHAPES, SOUNDS, dense_caption
     from train.evaluate import attribute_token_spans
 
     tok = build_tokenizer(ModelConfig())
