@@ -34,13 +34,6 @@ GPU = "GPU"
 CPU_NODE_SHARE = 0.001
 
 
-def node_id() -> str:
-    """The Ray node this process runs on ("" outside Ray)."""
-    import ray
-
-    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-
-
 def init_ray(cfg: Config) -> None:
     """Connect to the cluster the config names (`cluster.address`, else `RAY_ADDRESS`), or start a
     private local instance on 127.0.0.1 with `cluster.num_cpus` CPUs (0 = all). No-op if connected.

@@ -416,17 +416,16 @@ def dense_layout(
     p = _add_prefix(b, preamble_ids, instruction_ids, num_segments, visual_per_segment, audio_per_segment)
     k = len(captions)
     b.cols["labels"][p - 1] = g_id if k else s_id
-    if k and options.chain:
+    if k:
         b.add([g_id] * k, Role.SERIAL_G, labels=[g_id] * (k - 1) + [s_id])
+    if k and options.chain:
         for i, cap in enumerate(captions):  # anchor_i caption_i, one chain at consecutive positions
             tgt = list(cap) + [eos_id]
             b.add([g_id], Role.ANCHOR, labels=tgt[:1], event=i, step=0)
             if cap:
                 b.add(cap, Role.BRANCH, labels=tgt[1:], event=i, step=list(range(1, len(tgt))))
     elif k:
-        b.add([g_id] * k, Role.SERIAL_G, labels=[g_id] * (k - 1) + [s_id])
         targets, lengths = branch_targets(captions, eos_id, padded=options.padded)
-        n = max(map(len, targets))
         base = p + k
         a_pos = anchor_position(p, k)
         ev = torch.arange(k)

@@ -60,8 +60,7 @@ def _comments(cls: type) -> dict[str, str]:
 def _type_name(tp: Any) -> str:
     if isinstance(tp, type):
         return tp.__name__
-    text = str(tp).replace("typing.", "")
-    return text
+    return str(tp).replace("typing.", "")
 
 
 def _default(f: dataclasses.Field) -> str:

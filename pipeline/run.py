@@ -201,14 +201,13 @@ def _preprocess_code(cfg: Config) -> dict[str, Any]:
 
 
 def _available_stages() -> list[Stage]:
-    stages = [
+    return [
         Stage("synth", ("data",), stage_synth, code=_synth_code),
         Stage("preprocess", ("data", "features"), stage_preprocess, uses_ray=True, code=_preprocess_code),
         Stage("train", ("model", "train"), stage_train, uses_ray=True),
         Stage("caption", ("infer",), stage_caption, uses_ray=True),
         Stage("evaluate", ("eval",), stage_evaluate),
     ]
-    return stages
 
 
 STAGE_ORDER = ("synth", "preprocess", "train", "caption", "evaluate")

@@ -97,13 +97,6 @@ class Sample:
         """True when `audio` is [sum(audio_counts), Da] (the release's layout), not [T, A, Da]."""
         return self.audio_counts is not None
 
-    def audio_of_segment(self, t: int) -> np.ndarray:
-        """[a_t, Da] (ragged) or [A, Da]: the audio tokens placed after segment t's visual tokens."""
-        if self.audio_counts is None:
-            return self.audio[t]
-        start = int(np.sum(self.audio_counts[:t]))
-        return self.audio[start:start + int(self.audio_counts[t])]
-
 
 def sample_key(video_id: str) -> str:
     """A WebDataset-safe key for a video id: no dots or slashes, stable, unique."""

@@ -456,14 +456,3 @@ def partition(records: Iterable[VideoAnnotation | AnnotationError]) -> tuple[lis
     for r in records:
         (errors if isinstance(r, AnnotationError) else anns).append(r)
     return anns, errors
-
-
-def summarize(anns: list[VideoAnnotation], errors: list[AnnotationError]) -> dict[str, Any]:
-    """Counts for a manifest: videos, events, clipped events, errors by kind."""
-    return {
-        "videos": len(anns),
-        "events": sum(len(a.events) for a in anns),
-        "clipped_events": sum(a.clipped for a in anns),
-        "errors": len(errors),
-        "errors_by_kind": dict(sorted(Counter(e.kind for e in errors).items())),
-    }

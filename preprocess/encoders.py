@@ -39,19 +39,14 @@ import torch.nn.functional as F
 
 from pipeline.config import FeaturesConfig
 from preprocess.encoder_base import (  # noqa: F401  (re-exported: the registry's home is encoder_base)
-    AUDIO_ENCODERS,
-    VISUAL_ENCODERS,
     AudioEncoder,
     VisualEncoder,
-    audio_tokens_per_segment,
     encoder_dims,
     encoder_versions,
     get_audio_encoder,
     get_visual_encoder,
-    pool_frames_to_segments,
     register_audio,
     register_visual,
-    resolve_device,
 )
 
 # --------------------------------------------------------------------------- pixels

@@ -265,6 +265,16 @@ def _probe(path: str, uri: str) -> _Probe:
         raise MediaError(f"not a readable media container ({e.__class__.__name__}: {e}): {uri}", "not_media") from e
 
 
+def probe_video(path: str, uri: str) -> _Probe:
+    """A local media file's streams, after the sniff; MediaError (not_media, no_video, ...) when it holds no video."""
+    _sniff(path, uri)
+    probe = _probe(path, uri)
+    if not probe.has_video:
+        what = "an audio-only file" if probe.has_audio else "a container without streams"
+        raise MediaError(f"no video stream ({what}): {uri}", "no_video")
+    return probe
+
+
 def _read_frames(path: str, uri: str, cfg: FeaturesConfig,
                  timing: Timing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float, int]:
     """decord: -> (frames uint8 [N,H,W,3], frame_times [N], segment_times [T,2], duration, fps, num_source_frames).
@@ -357,11 +367,7 @@ def decode_video(uri: str, cfg: FeaturesConfig, storage_options: dict[str, Any] 
     undecodable). See the module docstring and `frame_schedule` for the exact rules.
     """
     with open_media(uri, storage_options, cfg.max_media_bytes) as path:
-        _sniff(path, uri)
-        probe = _probe(path, uri)
-        if not probe.has_video:
-            what = "an audio-only file" if probe.has_audio else "a container without streams"
-            raise MediaError(f"no video stream ({what}): {uri}", "no_video")
+        probe = probe_video(path, uri)
         frames, frame_times, segment_times, duration, fps, count = _read_frames(path, uri, cfg, probe.timing)
         audio = _read_audio(path, uri, cfg.sample_rate, probe.video_start, duration) if probe.has_audio else None
     return DecodedVideo(

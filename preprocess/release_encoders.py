@@ -18,8 +18,8 @@ them, by features.release_features:
           (pipeline/release/decoding.py `media_tokens`), so a Serve replica or caption actor holds one copy of
           the towers and nothing is stored. Not storable in shards (schema.encode refuses it).
 
-`release_video(sample)` turns a stored schema-2 Sample into the ReleaseVideo the engine takes.
-The encoders load the checkpoint lazily, on first use, once per process and device (`release_model`),
+`pipeline.release.video.as_release_video(sample)` turns a stored schema-2 Sample into the ReleaseVideo the
+engine takes. The encoders load the checkpoint lazily, on first use, once per process and device (`release_model`),
 on features.device (auto = CUDA when present), in bfloat16 on CUDA (as the release runs) and float32 on
 CPU. `dim` is read from config.json without loading weights. Pure torch, no ray.
 """
@@ -218,12 +218,3 @@ def inputs_video(inputs: ReleaseInputs, video_id: str):
     return ReleaseVideo(video_id=video_id, duration=float(inputs.length_s),
                         seconds_per_step=float(inputs.seconds_per_timestep), grid_thw=tuple(inputs.grid_thw),
                         pixel_values=inputs.pixel_values(), mel=mel, geometry=inputs.geometry)
-
-
-def release_video(sample: Sample, geometry=None):
-    """A stored schema-2 Sample (release encoders) -> the ReleaseVideo with its tokens, for the engine
-    (`geometry`: the checkpoint's, pipeline/release/geometry.py; None: the 3B's)."""
-    from pipeline.release.geometry import RELEASE
-    from pipeline.release.video import as_release_video
-
-    return as_release_video(sample, geometry or RELEASE)

@@ -71,7 +71,6 @@ SAMPLE_RATE = 16000
 CHUNK_SECONDS = int(WHISPER_SECONDS)
 CHUNK_SAMPLES = CHUNK_SECONDS * SAMPLE_RATE  # 480000
 N_MELS = 128
-MEL_FRAMES = 3000
 
 
 class FrontendError(ValueError):
@@ -465,14 +464,10 @@ def read_audio(path: str) -> np.ndarray | None:
 def read_release_inputs(uri: str, cfg: MediaConfig, storage_options: dict[str, Any] | None = None,
                         max_bytes: int = 0, threads: int = 0, extractor=None) -> ReleaseInputs:
     """A video file or fsspec URI -> ReleaseInputs. Raises preprocess.media.MediaError for unusable files."""
-    from preprocess.media import MediaError, _probe, _sniff, open_media
+    from preprocess.media import MediaError, open_media, probe_video
 
     with open_media(uri, storage_options, max_bytes) as path:
-        _sniff(path, uri)
-        probe = _probe(path, uri)
-        if not probe.has_video:
-            what = "an audio-only file" if probe.has_audio else "a container without streams"
-            raise MediaError(f"no video stream ({what}): {uri}", "no_video")
+        probe = probe_video(path, uri)
         frames, idx, count, fps, decodable = read_frames(path, uri, cfg, threads)
         waveform = read_audio(path) if probe.has_audio else None
 

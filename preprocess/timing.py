@@ -59,7 +59,6 @@ class Timing:
     declared_by: str  # where `declared` comes from
     container_end: float | None  # container's stated end, relative to `first`
     streams_end: float  # end of the last packet of any stream, relative to `first`
-    other_streams: bool
     demux_error: str | None
 
     @property
@@ -113,7 +112,6 @@ def read_timing(container) -> Timing | None:
     if container.duration and any(name in _DECLARING_FORMATS for name in container.format.name.split(",")):
         start = (container.start_time or 0) / 1e6
         container_end = start + container.duration / 1e6 - first
-    other = len(container.streams) > 1
     return Timing(
         first=first,
         last_start=last - first,
@@ -125,7 +123,6 @@ def read_timing(container) -> Timing | None:
         declared_by=declared_by,
         container_end=container_end,
         streams_end=ends - first,
-        other_streams=other,
         demux_error=error,
     )
 

@@ -12,7 +12,7 @@ import pytest
 
 from bench.mp4 import solid_frames, write_mp4
 from infer.loading import RANDOM_MODEL
-from infer.offline.job import list_videos, read_results, run_caption
+from infer.offline.job import OncePerVideo, list_videos, read_results, run_caption
 from pipeline.config import load_config
 from preprocess.synthetic import generate_corpus
 
@@ -215,9 +215,16 @@ def test_judge_fails_a_job_only_past_the_threshold_or_when_the_engine_is_broken(
         judge([], [], 1.5, out)
 
 
-def test_a_retried_video_is_committed_once_and_a_lost_one_is_an_error():
-    from infer.offline.job import once_per_video
+def once_per_video(result: list[dict], listed: list[str]) -> tuple[list[dict], int]:
+    """A chunk's rows through OncePerVideo -> (one row per listed video, in listing order; duplicates dropped)."""
+    once = OncePerVideo()
+    for r in result:
+        once.take(r)
+    once.check(listed)
+    return [once.kept[v] for v in listed], once.dropped
 
+
+def test_a_retried_video_is_committed_once_and_a_lost_one_is_an_error():
     row = lambda vid, status, chunk="c": {"video_id": vid, "status": status, "chunk": chunk}  # noqa: E731
     # b came back twice (its task re-run after a lost node): first as an error of the lost try, then ok
     got, dropped = once_per_video([row("b", "error", "lost"), row("a", "ok"), row("b", "ok"), row("a", "ok", "again")],

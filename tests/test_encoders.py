@@ -10,15 +10,12 @@ import torch
 
 from bench.mp4 import moving_square, solid_frames, tone, write_mp4
 from pipeline.config import FeaturesConfig
+from preprocess.encoder_base import AUDIO_ENCODERS, VISUAL_ENCODERS, audio_tokens_per_segment, pool_frames_to_segments
 from preprocess.encoders import (
-    AUDIO_ENCODERS,
-    VISUAL_ENCODERS,
     VisualEncoder,
-    audio_tokens_per_segment,
     get_audio_encoder,
     get_visual_encoder,
     mel_filterbank,
-    pool_frames_to_segments,
     register_visual,
 )
 from preprocess.media import DecodedVideo, decode_video, frame_schedule

@@ -26,7 +26,7 @@ from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import SchemaError, decode, encode
 from preprocess.encoders import encoder_dims, encoder_versions, get_audio_encoder, get_visual_encoder
 from preprocess.featurize import Featurizer
-from preprocess.release_encoders import ReleaseFeaturizer, release_model, release_video
+from preprocess.release_encoders import ReleaseFeaturizer, release_model
 
 GOLDEN = Path(__file__).parent / "data" / "release_golden"
 CHECKPOINT = GOLDEN / "checkpoint"
@@ -101,7 +101,7 @@ def test_stored_features_are_schema_2_samples_and_feed_the_model_what_online_mod
     assert stored.grid_thw == (20, 4, 6) and stored.seconds_per_timestep == 0.25 and stored.duration == 5.0
     assert int(stored.audio_counts.sum()) == 60 and stored.audio_counts[-1] == 51
     back = decode(encode(stored))  # through the shard format
-    video = release_video(back)
+    video = as_release_video(back)
     online = Featurizer(release_config("online"))(videos["av"], Ann("av"))
     assert isinstance(online, ReleaseVideo) and online.pixel_values.shape == (20 * 24, 1176)
     assert online.mel.shape == (1, 128, 3000) and online.grid_thw == video.grid_thw
@@ -122,7 +122,7 @@ def test_release_video_refuses_samples_of_other_encoders():
     from tests.test_schema import make_sample
 
     with pytest.raises(SchemaError, match="not a release-encoder sample"):
-        release_video(make_sample())
+        as_release_video(make_sample())
 
 
 def test_online_inputs_cannot_be_written_to_shards(videos):
@@ -135,7 +135,7 @@ def test_both_modes_caption_through_the_engine(videos, model):
     cfg = release_config("online")
     engine = CaptionEngine(model, cfg.infer)
     online = Featurizer(cfg)(videos["av"], Ann("av"))
-    stored = release_video(Featurizer(release_config("stored"))(videos["silent"], Ann("silent")))
+    stored = as_release_video(Featurizer(release_config("stored"))(videos["silent"], Ann("silent")))
     forced = DecodeControl(num_events=2, lengths=[3])  # the random tiny model plans no event by itself here
     results = engine.caption([online, stored], controls=[forced, forced])
     assert [r.error for r in results] == [None, None]

@@ -127,14 +127,11 @@ def make_ragged_sample(counts=(0, 3, 2, 7), gh=4, gw=6, has_audio=True, seed=1) 
     )
 
 
-def test_v2_ragged_round_trip_and_segment_slices():
+def test_v2_ragged_round_trip():
     s = make_ragged_sample()
     got = decode(encode(s))
     assert_same(got, s)
     assert got.ragged_audio and got.grid_thw == (4, 4, 6) and got.seconds_per_timestep == 1.5
-    assert got.audio_of_segment(0).shape == (0, 8)
-    assert np.array_equal(got.audio_of_segment(2), s.audio[3:5])
-    assert np.array_equal(got.audio_of_segment(3), s.audio[5:12])
     assert b'"schema_version": 2' in encode(s)[schema.META]
 
 
@@ -151,7 +148,7 @@ def test_project_encoders_keep_the_v1_layout_under_v2():
     assert meta["schema_version"] == 2 and not {"audio_counts", "grid_thw", "seconds_per_timestep"} & set(meta)
     got = decode(fields)
     assert got.audio_counts is None and got.grid_thw is None and got.audio.shape == (5, 2, 6)
-    assert np.array_equal(got.audio_of_segment(1), s.audio[1])
+    assert np.array_equal(got.audio[1], s.audio[1])
 
 
 def test_a_shard_written_by_version_1_code_still_reads():

@@ -12,6 +12,7 @@ import torch
 import webdataset as wds
 
 from pipeline.examples import ExampleError
+from pipeline.fitting import drop_segments, fit_segments, fit_to_model, keep_indices, remap_interval, sequence_length
 from pipeline.layout import Role
 from pipeline.model import PadCaptioner
 from pipeline.schema import KEY, META, TIMES, encode
@@ -20,14 +21,8 @@ from train.data import (
     Batcher,
     DataStats,
     InMemoryEpochs,
-    drop_segments,
-    fit_segments,
-    fit_to_model,
-    keep_indices,
     read_samples,
     read_shard_records,
-    remap_interval,
-    sequence_length,
     shuffle_buffer,
 )
 

@@ -31,7 +31,6 @@ import numpy as np
 
 from pipeline import storage
 from pipeline.examples import Batch, ExampleError
-from pipeline.fitting import drop_segments, fit_segments, fit_to_model, keep_indices, remap_interval, sequence_length  # noqa: F401
 from pipeline.schema import FIELDS, KEY, Event, Sample, SchemaError, decode
 
 MAX_REASONS = 20  # distinct skip reasons kept for the report

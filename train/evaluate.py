@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.caption_grammar import ATTRIBUTES
 from pipeline.layout import IGNORE
 
-ATTRIBUTES = ("colour", "shape", "motion", "sound")
 HEADLINE_ATTRIBUTES = ("colour", "shape", "sound")
 TIOU = 0.5
 

@@ -128,19 +128,13 @@ class CaptionEngine:
         self.bias[model.banned_ids()] = float("-inf")  # structural tokens are never caption text
         self._in_flight: list[VideoState] = []
         self._running = False
-        # steps, branch rows summed over steps, tokens, ms in steps (metadata + forward + decisions), of that
-        # in planning ends (grounding, anchors), ms building programs (inputs of the prefix), ms per Mode
-        # (a step with any branch row counts as BRANCH, else PLAN with a planning row, else PREFILL)
-        self.stats: dict[str, Any] = {"steps": 0, "row_steps": 0, "tokens": 0, "step_ms": 0.0, "front_ms": 0.0,
-                                      "prepare_ms": 0.0,
-                                      "mode_ms": {m.value: 0.0 for m in Mode}, "step_log": []}
+        self.stats: dict[str, Any] = _zero_stats()
 
     # ------------------------------------------------------------------ public API
 
     def reset_stats(self) -> None:
         """Zero the counters and the step log (benchmarks: after a warm-up)."""
-        self.stats.update(steps=0, row_steps=0, tokens=0, step_ms=0.0, front_ms=0.0, prepare_ms=0.0, step_log=[],
-                          mode_ms={m.value: 0.0 for m in Mode})
+        self.stats.update(_zero_stats())
         if self.graphs is not None:
             self.graphs.reset_stats()
 
@@ -307,25 +301,14 @@ class CaptionEngine:
         """The step's outputs back into each video: prefill states, decisions, branch tokens."""
         decisions: list[tuple[VideoState, torch.Tensor, torch.Tensor]] = []  # (video, final state, grounding state)
         for v, first, lo, hi in plan.prefill:
-            for i in v.prog.capture:
-                v.chunks[i].append(states[i][first:first + hi - lo])
-            v.cursor = hi
-            if hi == v.prog.length:
-                v.prog.prefilled({i: torch.cat(c) for i, c in v.chunks.items()})
-                v.chunks = {}
-                v.times["prefilled"] = time.perf_counter()
-                decisions.append((v, hidden[first + hi - lo - 1], states[v.prog.ground_layer][first + hi - lo - 1]))
+            last = first + hi - lo - 1
+            if _prefilled(v, hi, [states[i][first:last + 1] for i in v.prog.capture]):
+                decisions.append((v, hidden[last], states[v.prog.ground_layer][last]))
         for v, job in plan.jobs:
             if job.hidden is None:
                 continue  # more layers to go
-            for i in v.prog.capture:
-                v.chunks[i].append(job.states[i])
             v.job = None
-            v.cursor = job.span[1]
-            if v.cursor == v.prog.length:
-                v.prog.prefilled({i: torch.cat(c) for i, c in v.chunks.items()})
-                v.chunks = {}
-                v.times["prefilled"] = time.perf_counter()
+            if _prefilled(v, job.span[1], [job.states[i] for i in v.prog.capture]):
                 decisions.append((v, job.hidden[-1], job.states[v.prog.ground_layer][-1]))
         decisions += [(v, hidden[row], states[v.prog.ground_layer][row]) for v, row in plan.plan]
         if decisions:  # every decision row's (<G>, <S>) logits in one product, one copy to the host
@@ -475,6 +458,29 @@ class StepRecord(NamedTuple):
     ms: float
     layer_tokens: int = 0  # tokens of layered bidirectional blocks that moved one layer
     cpu_ms: float = 0.0  # the process's CPU time in the step (on a shared CPU box: the step's own work)
+
+
+def _zero_stats() -> dict[str, Any]:
+    """`CaptionEngine.stats` at zero: steps, branch rows summed over steps, tokens, ms in steps (metadata +
+    forward + decisions), of that in planning ends (grounding, anchors), ms building programs (inputs of the
+    prefix), ms per Mode (a step with any branch row counts as BRANCH, else PLAN with a planning row, else
+    PREFILL), the step log (StepRecord)."""
+    return {"steps": 0, "row_steps": 0, "tokens": 0, "step_ms": 0.0, "front_ms": 0.0, "prepare_ms": 0.0,
+            "mode_ms": {m.value: 0.0 for m in Mode}, "step_log": []}
+
+
+def _prefilled(v: VideoState, cursor: int, captured: list[torch.Tensor]) -> bool:
+    """v's prefix has run up to `cursor` (`captured`: the new states, in `v.prog.capture` order); True when
+    that completes it (its program then gets every captured state)."""
+    for i, s in zip(v.prog.capture, captured):
+        v.chunks[i].append(s)
+    v.cursor = cursor
+    if cursor != v.prog.length:
+        return False
+    v.prog.prefilled({i: torch.cat(c) for i, c in v.chunks.items()})
+    v.chunks = {}
+    v.times["prefilled"] = time.perf_counter()
+    return True
 
 
 def _poller(feed: Iterable[Request] | Callable[[], Request | None]) -> Callable[[], Request | None]:

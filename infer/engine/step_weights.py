@@ -100,7 +100,6 @@ class StepWeights:
         self.embed, self.head, self.head_bias = model.step_tables()  # the family's tables, <G>/<S> rows in place
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self._cos = self._sin = None
 
     @classmethod
     def of(cls, model) -> StepWeights:
@@ -114,13 +113,3 @@ class StepWeights:
         weights = cls(model)
         _SNAPSHOTS[model] = (key, weights)
         return weights
-
-    def rope_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [positions, D] in the model dtype, computed by the backbone's own rotary
-        module for every position at once (elementwise in the position: batch-invariant)."""
-        if self._cos is None or self._cos.shape[0] < positions:
-            n = max(positions, 2 * (0 if self._cos is None else self._cos.shape[0]))
-            probe = torch.zeros(1, dtype=self.embed.dtype, device=self.device)
-            cos, sin = self.rope(probe, torch.arange(n, device=self.device)[None])
-            self._cos, self._sin = cos[0], sin[0]
-        return self._cos, self._sin

@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from infer.results import ERROR_KINDS, RESULT_COLUMNS, CaptionResult, caption_config_hash, caption_each, video_ids  # noqa: F401
+from infer.results import RESULT_COLUMNS, CaptionResult, caption_config_hash, caption_each, video_ids
 from pipeline import storage
 from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, ConfigError, load_config
@@ -282,15 +282,6 @@ class OncePerVideo:
         missing = [v for v in listed if v not in self.kept]
         if missing:
             raise RuntimeError(f"captioning returned no row for {len(missing)} of {len(listed)} videos: {missing[:5]}")
-
-
-def once_per_video(result: list[dict[str, Any]], listed: list[str]) -> tuple[list[dict[str, Any]], int]:
-    """A chunk's rows -> (one row per listed video, in listing order; duplicates dropped): OncePerVideo."""
-    once = OncePerVideo()
-    for r in result:
-        once.take(r)
-    once.check(listed)
-    return [once.kept[v] for v in listed], once.dropped
 
 
 def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed_fraction: float,

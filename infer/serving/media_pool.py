@@ -130,6 +130,16 @@ class DecodePool:
     def _new_worker(self) -> _Worker:
         return _Worker(self._ctx, self._factory, self._cfg_json, self._max_reply_bytes)
 
+    def _counted_worker(self) -> _Worker:
+        """A new worker for a slot already counted; if it cannot start, the slot goes back (and a waiter wakes)."""
+        try:
+            return self._new_worker()
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+
     def _take(self, timeout: float) -> _Worker:
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -145,13 +155,7 @@ class DecodePool:
                 if left <= 0:
                     raise DecodeTimeout(f"no decode worker free within {timeout} s")
                 self._cond.wait(left)
-        try:
-            return self._new_worker()
-        except BaseException:
-            with self._cond:
-                self._count -= 1
-                self._cond.notify()
-            raise
+        return self._counted_worker()
 
     def _give_back(self, worker: _Worker) -> None:
         with self._cond:
@@ -169,14 +173,7 @@ class DecodePool:
             if self._closed:
                 self._count -= 1
                 return
-        try:
-            successor = self._new_worker()
-        except BaseException:
-            with self._cond:
-                self._count -= 1
-                self._cond.notify()
-            raise
-        self._give_back(successor)
+        self._give_back(self._counted_worker())
 
     def decode(self, path: str, annotation: Any, timeout: float) -> Any:
         """The reader's result for (path, annotation), from a worker, within `timeout` s."""

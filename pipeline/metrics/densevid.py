@@ -22,7 +22,6 @@ from pipeline.metrics.common import Prepared, caption_pairs, detection_pr, f1, m
 
 DENSEVID_TIOUS = (0.3, 0.5, 0.7, 0.9)
 MISSING_POLICIES = ("skip", "zero")
-CAPTION_METRICS = ("METEOR", "CIDEr")
 
 
 def densevid_groups(prep: Prepared, tious=DENSEVID_TIOUS) -> tuple[list[tuple[int, str]], list[list[tuple[str, str]]]]:

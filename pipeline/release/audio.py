@@ -156,17 +156,13 @@ class ReleaseAudio(nn.Module):
         self.qformer = WindowQFormer(q)
         self.audio_proj = nn.Linear(q["hidden_size"], llm_width)
 
-    @property
-    def tokens_per_chunk(self) -> int:
-        return self.frames // self.window * self.q_tokens.shape[1]
-
     def encode(self, mel: torch.Tensor) -> torch.Tensor:
         """mel [C, n_mels, 3000] -> Whisper states [C, 1500, dw] (each chunk alone)."""
         w = self.whisper
         return w(mel.to(w.conv1.weight.dtype)).last_hidden_state
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        """mel [C, n_mels, 3000] -> audio tokens [C, tokens_per_chunk, d]."""
+        """mel [C, n_mels, 3000] -> audio tokens [C, frames // window * queries, d]."""
         states = self.encode(mel)
         c, f, dw = states.shape
         n = f // self.window
