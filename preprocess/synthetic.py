@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import multiprocessing as mp
 import os
 import sys
@@ -55,6 +54,7 @@ from pipeline.caption_grammar import (  # noqa: F401  (re-exported: the corpus's
     visual_caption,
 )
 from pipeline.config import SyntheticConfig
+from preprocess.synthetic_hard import min_frames, script_hard_video, validate_hard
 from preprocess.synthetic_media import EventSpec, VideoScript, render_audio, render_frames, write_mp4
 
 # 2: visual captions 'the <colour> <shape>' ('striped square' for stripes) instead of 'a' / 'an' / 'a set of'
@@ -102,8 +102,6 @@ class CorpusInfo:
 def validate_config(cfg: SyntheticConfig) -> None:
     """Raise ValueError naming the first impossible setting (the hard regime's: synthetic_hard.py)."""
     if cfg.regime == "hard":
-        from preprocess.synthetic_hard import validate_hard
-
         validate_hard(cfg)
     if cfg.num_videos < 1:
         raise ValueError(f"synthetic.num_videos must be >= 1, got {cfg.num_videos}")
@@ -119,28 +117,21 @@ def validate_config(cfg: SyntheticConfig) -> None:
     if cfg.fps < 1 or cfg.sample_rate not in (16000, 22050, 44100, 48000):
         raise ValueError(f"synthetic fps must be >= 1 and sample_rate one of 16000/22050/44100/48000, "
                          f"got {cfg.fps} / {cfg.sample_rate}")
-    min_ev, min_gap = _min_frames(cfg)
+    min_ev, min_gap = min_frames(cfg)
     shortest = int(round(cfg.min_duration * cfg.fps))
     if cfg.regime == "default" and shortest < cfg.min_events * (min_ev + min_gap) + min_gap:
         raise ValueError(f"synthetic.min_duration {cfg.min_duration}s cannot hold {cfg.min_events} events of "
                          f">= {cfg.min_event_seconds}s with gaps of >= {cfg.min_gap_seconds}s")
 
 
-def _min_frames(cfg: SyntheticConfig) -> tuple[int, int]:
-    return max(1, math.ceil(cfg.min_event_seconds * cfg.fps)), max(1, math.ceil(cfg.min_gap_seconds * cfg.fps))
-
-
 def script_video(cfg: SyntheticConfig, index: int, split: str) -> VideoScript:
     """The deterministic script of video `index`: length, event layout and attributes
     (`cfg.regime == "hard"`: preprocess/synthetic_hard.py's planner)."""
     if cfg.regime == "hard":
-        from preprocess.synthetic_hard import script_hard_video
-
         return script_hard_video(cfg, index, split)
     rng = np.random.default_rng([cfg.seed, index, 0])
-    fps = cfg.fps
-    n = int(round(rng.uniform(cfg.min_duration, cfg.max_duration) * fps))
-    min_ev, min_gap = _min_frames(cfg)
+    n = int(round(rng.uniform(cfg.min_duration, cfg.max_duration) * cfg.fps))
+    min_ev, min_gap = min_frames(cfg)
     fit = (n - min_gap) // (min_ev + min_gap)
     k = int(min(rng.integers(cfg.min_events, cfg.max_events + 1), fit))
     free = n - k * min_ev - (k + 1) * min_gap
@@ -157,17 +148,7 @@ def script_video(cfg: SyntheticConfig, index: int, split: str) -> VideoScript:
         events.append(EventSpec(start, end, COLOURS[colours[i]], SHAPES[shapes[i]], MOTIONS[motions[i]], SOUNDS[sounds[i]]))
         cursor = end + int(gap_len[i + 1])
     assert cursor == n, (cursor, n)
-    return VideoScript(
-        video_id=f"synth_{index:05d}",
-        split=split,
-        num_frames=n,
-        fps=fps,
-        sample_rate=cfg.sample_rate,
-        width=cfg.width,
-        height=cfg.height,
-        events=tuple(events),
-        entropy=(int(cfg.seed), int(index), 1),
-    )
+    return VideoScript.of(cfg, index, split, n, events)
 
 
 def script_corpus(cfg: SyntheticConfig) -> list[VideoScript]:
@@ -196,10 +177,6 @@ def render_video(script: VideoScript, path: str) -> str:
     write_mp4(tmp, frames, audio, script.fps, script.sample_rate)
     os.replace(tmp, path)
     return path
-
-
-def _render_job(args: tuple[VideoScript, str]) -> str:
-    return render_video(*args)
 
 
 def _event_records(script: VideoScript) -> list[dict]:
@@ -295,10 +272,6 @@ def _info(root: Path, scripts: list[VideoScript], reused: bool) -> CorpusInfo:
     )
 
 
-def _default_workers(n_videos: int) -> int:
-    return max(1, min(os.cpu_count() or 1, n_videos, 8))
-
-
 def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite: bool = False,
                     progress: bool = True) -> CorpusInfo:
     """Generate (or reuse, when an identical corpus is already in `out_dir`) the corpus.
@@ -323,16 +296,16 @@ def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite:
     (root / "videos").mkdir(parents=True, exist_ok=True)
     if man_path.exists():
         man_path.unlink()
-    jobs = [(p, info.videos[p.video_id]) for p in scripts]
-    workers = cfg.num_workers or _default_workers(len(jobs))
-    bar = tqdm(total=len(jobs), desc="synthetic videos", unit="video", disable=not progress)
+    paths = [info.videos[p.video_id] for p in scripts]
+    workers = cfg.num_workers or max(1, min(os.cpu_count() or 1, len(scripts), 8))  # 0: one per core, at most 8
+    bar = tqdm(total=len(scripts), desc="synthetic videos", unit="video", disable=not progress)
     if workers <= 1:
-        for job in jobs:
-            _render_job(job)
+        for script, path in zip(scripts, paths):
+            render_video(script, path)
             bar.update(1)
     else:
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
-            for _ in pool.map(_render_job, jobs):
+            for _ in pool.map(render_video, scripts, paths):
                 bar.update(1)
     bar.close()
     write_annotations(scripts, root)

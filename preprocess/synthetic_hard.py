@@ -33,6 +33,7 @@ import math
 
 import numpy as np
 
+from pipeline.caption_grammar import COLOURS, MOTIONS, SHAPES, SOUNDS
 from pipeline.config_synthetic import HardOptions, SyntheticConfig
 from preprocess.synthetic_media import EventSpec, SoundSpec, VideoScript
 
@@ -41,7 +42,7 @@ GAP, BACK_TO_BACK, OVERLAP = 0, 1, 2
 _TRIES = 200  # rejection-sampling attempts per event / distractor (constraints are loose)
 
 
-def _frames(cfg: SyntheticConfig) -> tuple[int, int]:
+def min_frames(cfg: SyntheticConfig) -> tuple[int, int]:
     """(minimum event frames, minimum gap frames)."""
     return max(1, math.ceil(cfg.min_event_seconds * cfg.fps)), max(1, math.ceil(cfg.min_gap_seconds * cfg.fps))
 
@@ -65,7 +66,7 @@ def validate_hard(cfg: SyntheticConfig) -> None:
     if not 0 < h.min_distractor_seconds <= h.max_distractor_seconds:
         raise ValueError(f"synthetic.hard distractor seconds must satisfy 0 < min <= max, "
                          f"got {h.min_distractor_seconds}..{h.max_distractor_seconds}")
-    min_ev, min_gap = _frames(cfg)
+    min_ev, min_gap = min_frames(cfg)
     if min_ev * h.min_overlap < 1:
         raise ValueError(f"synthetic.hard.min_overlap {h.min_overlap} of a {min_ev}-frame event is under one frame")
     shortest = int(round(h.min_duration * cfg.fps))
@@ -81,7 +82,7 @@ def layout(cfg: SyntheticConfig, rng: np.random.Generator) -> tuple[int, list[tu
     """(frames n, event intervals [start, end) in start order, relation of each event to the previous)."""
     h = cfg.hard
     n = int(round(rng.uniform(h.min_duration, h.max_duration) * cfg.fps))
-    min_ev, min_gap = _frames(cfg)
+    min_ev, min_gap = min_frames(cfg)
     fit = (n - min_gap) // (min_ev + min_gap)
     k = int(min(rng.integers(h.min_events, h.max_events + 1), fit))
     p_gap = 1.0 - h.overlap_prob - h.back_to_back_prob
@@ -123,8 +124,6 @@ def _lanes(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[int]:
 
 def _attributes(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[tuple[str, str, str, str]]:
     """(colour, shape, motion, sound) per event, independent draws under the module doc's constraints."""
-    from pipeline.caption_grammar import COLOURS, MOTIONS, SHAPES, SOUNDS
-
     chosen: list[tuple[str, str, str, str]] = []
     for i, span in enumerate(spans):
         for _ in range(_TRIES):
@@ -142,8 +141,6 @@ def _attributes(spans: list[tuple[int, int]], rng: np.random.Generator) -> list[
 
 def _distractors(cfg: SyntheticConfig, n: int, events: list[EventSpec], rng: np.random.Generator) -> list[SoundSpec]:
     """Audio-only sounds that belong to no event (module doc); a draw that fits nowhere is left out."""
-    from pipeline.caption_grammar import SOUNDS
-
     h = cfg.hard
     lo, hi = int(round(h.min_distractor_seconds * cfg.fps)), int(round(h.max_distractor_seconds * cfg.fps))
     edges = {f for ev in events for f in (ev.start_frame, ev.end_frame)}
@@ -169,15 +166,4 @@ def script_hard_video(cfg: SyntheticConfig, index: int, split: str) -> VideoScri
     n, spans, _ = layout(cfg, rng)
     lanes = _lanes(spans, rng)
     events = [EventSpec(s, e, *attrs, lane=lane) for (s, e), attrs, lane in zip(spans, _attributes(spans, rng), lanes)]
-    return VideoScript(
-        video_id=f"synth_{index:05d}",
-        split=split,
-        num_frames=n,
-        fps=cfg.fps,
-        sample_rate=cfg.sample_rate,
-        width=cfg.width,
-        height=cfg.height,
-        events=tuple(events),
-        entropy=(int(cfg.seed), int(index), 1),
-        distractors=tuple(_distractors(cfg, n, events, rng)),
-    )
+    return VideoScript.of(cfg, index, split, n, events, _distractors(cfg, n, events, rng))

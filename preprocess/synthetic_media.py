@@ -99,6 +99,13 @@ class VideoScript:
     entropy: tuple[int, ...]  # seeds the rendering noise: numpy SeedSequence entropy
     distractors: tuple[SoundSpec, ...] = ()
 
+    @classmethod
+    def of(cls, cfg, index: int, split: str, num_frames: int, events, distractors=()) -> VideoScript:
+        """Video `index` of the corpus `cfg` (a SyntheticConfig): its id, frame size, rates and rendering seed."""
+        return cls(video_id=f"synth_{index:05d}", split=split, num_frames=num_frames, fps=cfg.fps,
+                   sample_rate=cfg.sample_rate, width=cfg.width, height=cfg.height, events=tuple(events),
+                   entropy=(int(cfg.seed), int(index), 1), distractors=tuple(distractors))
+
     @property
     def duration(self) -> float:
         return self.num_frames / self.fps
