@@ -34,7 +34,7 @@ import json
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -255,9 +255,8 @@ def _duplicate_errors(obj: dict, source: str) -> Iterator[AnnotationError]:
                               "duplicate_id", source)
 
 
-def read_longvale(data: Any, split: str = "", source: str = "longvale", limits: _Limits | None = None) -> Iterator[Record]:
+def read_longvale(data: Any, split: str, source: str, limits: _Limits) -> Iterator[Record]:
     """LongVALE / ActivityNet Captions: {id: {duration, timestamps, sentences}}."""
-    limits = limits or _Limits()
     if not isinstance(data, dict):
         raise AnnotationFormatError(f"{source}: expected an object keyed by video id, got {type(data).__name__}")
     yield from _duplicate_errors(data, source)
@@ -272,9 +271,8 @@ def read_longvale(data: Any, split: str = "", source: str = "longvale", limits: 
             yield AnnotationError(str(vid), e.reason, e.kind, source)
 
 
-def read_chronusav(data: Any, split: str = "", source: str = "chronusav", limits: _Limits | None = None) -> Iterator[Record]:
+def read_chronusav(data: Any, split: str, source: str, limits: _Limits) -> Iterator[Record]:
     """ChronusAV: a list of per-video records (or an object keyed by id)."""
-    limits = limits or _Limits()
     if isinstance(data, dict):
         yield from _duplicate_errors(data, source)
         items = [(str(k), v) for k, v in data.items()]
@@ -331,14 +329,13 @@ def normalize_split(name: str) -> str:
     return _SUBSETS.get(name.strip().lower(), name.strip().lower())
 
 
-def read_youcook2(data: Any, split: str = "", source: str = "youcook2", limits: _Limits | None = None) -> Iterator[Record]:
+def read_youcook2(data: Any, split: str, source: str, limits: _Limits) -> Iterator[Record]:
     """YouCook2: {"database": {id: {duration, subset, annotations: [{segment, sentence}]}}}.
 
     With `split` one of train/val/test (or training/validation/testing), only videos of
     that subset are read; with any other `split` every video is read and labelled with
     it; with no `split`, each video is labelled with its own subset.
     """
-    limits = limits or _Limits()
     db = data.get("database") if isinstance(data, dict) else None
     if not isinstance(db, dict):
         raise AnnotationFormatError(f"{source}: expected {{'database': {{id: record}}}}")
@@ -436,23 +433,13 @@ def read_annotations(path: str, fmt: str = "auto", split: str | None = None, *,
         raise AnnotationFormatError(f"unknown annotation format {fmt!r}; expected one of {FORMATS} or 'auto'")
     if split is None:
         split = "" if fmt == "youcook2" else guess_split(path)
-    records = []
-    for r in READERS[fmt](data, split, fmt, _Limits(overshoot_s, overshoot_frac)):
+    anns: list[VideoAnnotation] = []
+    errors: list[AnnotationError] = []
+    for r in READERS[fmt](data, split, fmt, _Limits(overshoot_s, overshoot_frac)):  # every record's source is fmt
         if not _is_unicode(r.video_id):  # would break every Arrow row and the manifest later
             reason = "video id is not valid Unicode (it holds a lone UTF-16 surrogate)"
             if isinstance(r, AnnotationError):
                 reason = f"{reason}; {r.reason}"
             r = AnnotationError(_printable_id(r.video_id), reason, "bad_record", fmt)
-        records.append(r)
-    anns, errors = partition(records)
-    for e in errors:
-        e.source = e.source or fmt
-    return anns, errors
-
-
-def partition(records: Iterable[VideoAnnotation | AnnotationError]) -> tuple[list[VideoAnnotation], list[AnnotationError]]:
-    anns: list[VideoAnnotation] = []
-    errors: list[AnnotationError] = []
-    for r in records:
         (errors if isinstance(r, AnnotationError) else anns).append(r)
     return anns, errors
