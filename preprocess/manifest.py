@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
-from pipeline.schema import FIELDS, KEY, META
+from pipeline.schema import FIELDS, KEY
 
 COLUMNS: dict[str, pa.DataType] = {
     "video_id": pa.string(),
@@ -177,17 +177,6 @@ def write_chunk_shards(out_dir: str, chunk: str, records: list[tuple[str, dict[s
     return where
 
 
-def shard_keys(shard_path: str) -> list[str]:
-    """Sample keys stored in one tar (reads headers only; data is skipped by seeking)."""
-    fs, inner = storage.filesystem(shard_path)
-    keys: list[str] = []
-    with fs.open(inner, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
-        for member in tar:
-            if member.name.endswith("." + META):
-                keys.append(member.name[: -len(META) - 1])
-    return keys
-
-
 def iter_shard(shard_path: str):
     """The WebDataset field dicts of one tar (local or remote), in file order."""
     fs, inner = storage.filesystem(shard_path)
@@ -232,7 +221,3 @@ def ok_shards(rows: list[dict[str, Any]], split: str | None = None) -> list[str]
     """The shard files holding the ok samples (of one split), sorted."""
     return sorted({r["shard"] for r in rows if r["status"] == "ok" and (split is None or r["split"] == split)})
 
-
-__all__ = ["COLUMNS", "DUPLICATE_ID_ERROR", "KEY", "annotation_hash", "consolidate", "committed_parts", "current_keys",
-           "done_videos", "empty_row", "iter_shard", "manifest_path", "ok_shards",
-           "read_table", "remove_uncommitted", "removed_videos", "shard_keys", "shards_dir", "write_table"]
