@@ -1,14 +1,17 @@
 """Annotated events against a video's media length: clipped a little, refused when far off.
 
-`align_events` is used by both featurizers (`preprocess/featurize.py`, the release's in
-`preprocess/release_encoders.py`); it lives here so neither imports the other.
+`annotated_sample` (events aligned by `align_events`, then the encoded media) is used by both
+featurizers (`preprocess/featurize.py`, the release's in `preprocess/release_encoders.py`); it lives
+here so neither imports the other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from pipeline.schema import Event
+from pipeline.config import Config
+from pipeline.schema import Event, Sample, validate
 from preprocess.media_errors import MediaError
 
 
@@ -34,3 +37,16 @@ def align_events(events: Sequence[Event], media_duration: float, tolerance: floa
         out.append(Event(start=start, end=end, caption=e.caption, visual_caption=e.visual_caption,
                          audio_caption=e.audio_caption))
     return out
+
+
+def annotated_sample(annotation: Any, duration: float, cfg: Config, feature_hash: str,
+                     media: Callable[[], dict[str, Any]]) -> Sample:
+    """A validated Sample of one video: its annotation's events aligned to the media's `duration` first, then
+    `media()`, the encoded media's Sample fields (segment_times, visual, audio, has_audio, ...)."""
+    events = align_events(annotation.events, duration, cfg.features.duration_tolerance_s, annotation.video_id,
+                          getattr(annotation, "duration", None))
+    sample = Sample(video_id=annotation.video_id, duration=duration, events=events, feature_hash=feature_hash,
+                    source=getattr(annotation, "source", "") or cfg.data.dataset,
+                    split=getattr(annotation, "split", "") or "", **media())
+    validate(sample)
+    return sample

@@ -4,11 +4,10 @@ This is what the preprocessing Ray Data job calls per video (pure python, no ray
 
     featurizer = Featurizer(cfg)          # builds the encoders once (an actor's __init__)
     sample = featurizer(uri, annotation)  # annotation: .video_id, .duration, .events (+ .split, .source)
-    sample = featurize(uri, annotation, cfg)  # one-off form
 
 It runs in two halves, so that the decoding and the encoders can live in different processes:
 
-    media = featurizer.read(uri)               # MediaReader: decode only, no weights (DecodedVideo /
+    media = featurizer.reader(uri)             # MediaReader: decode only, no weights (DecodedVideo /
                                                # the release media preparation's ReleaseInputs: picklable arrays)
     sample = featurizer.encode(media, annotation)   # the encoders (towers), then align the events
 
@@ -32,9 +31,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import Config, section_hash
-from pipeline.schema import Sample, validate
+from pipeline.schema import Sample
 from preprocess.encoders import get_audio_encoder, get_visual_encoder
-from preprocess.events import align_events  # noqa: F401  (also imported from here)
+from preprocess.events import annotated_sample
 from preprocess.media import DecodedVideo, decode_video
 from preprocess.release_encoders import ReleaseFeaturizer, ReleaseReader, uses_release
 from preprocess.release_media import ReleaseInputs
@@ -59,11 +58,10 @@ class MediaReader:
 
 
 class Featurizer:
-    """Encoders built once from `cfg.features`; call it per video (or `read` then `encode`)."""
+    """Encoders built once from `cfg.features`; call it per video (or `reader` then `encode`)."""
 
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
         self.cfg = cfg
-        self.storage_options = storage_options
         self.reader = MediaReader(cfg, storage_options)
         self.release = None
         if uses_release(cfg.features):  # the release's own media rules and towers (preprocess/release_encoders.py)
@@ -75,38 +73,15 @@ class Featurizer:
         self.feature_hash = section_hash(cfg.features)
 
     def __call__(self, uri: str, annotation: Any) -> Sample:
-        return self.encode(self.read(uri), annotation)
-
-    def read(self, uri: str) -> DecodedVideo | ReleaseInputs:
-        """Decode only (MediaReader)."""
-        return self.reader(uri)
+        return self.encode(self.reader(uri), annotation)
 
     def encode(self, media: DecodedVideo | ReleaseInputs, annotation: Any) -> Sample:
-        """What `read` gave -> the Sample (a schema-2 Sample, or a ReleaseVideo with release_features=online)."""
+        """What `reader` gave -> the Sample (a schema-2 Sample, or a ReleaseVideo with release_features=online)."""
         if self.release is not None:
             return self.release.encode(media, annotation)
-        decoded = media
-        events = align_events(annotation.events, decoded.duration, self.cfg.features.duration_tolerance_s,
-                              annotation.video_id, getattr(annotation, "duration", None))
-        sample = Sample(
-            video_id=annotation.video_id,
-            duration=decoded.duration,
-            segment_times=decoded.segment_times,
-            visual=self.visual.encode(decoded),
-            audio=self.audio.encode(decoded),
-            has_audio=decoded.has_audio,
-            events=events,
-            source=getattr(annotation, "source", "") or self.cfg.data.dataset,
-            feature_hash=self.feature_hash,
-            split=getattr(annotation, "split", "") or "",
-        )
-        validate(sample)
-        return sample
-
-
-def featurize(uri: str, annotation: Any, cfg: Config, storage_options: dict[str, Any] | None = None) -> Sample:
-    """Decode + encode + align one video (builds the encoders; use Featurizer for many videos)."""
-    return Featurizer(cfg, storage_options)(uri, annotation)
+        return annotated_sample(annotation, media.duration, self.cfg, self.feature_hash, lambda: dict(
+            segment_times=media.segment_times, visual=self.visual.encode(media), audio=self.audio.encode(media),
+            has_audio=media.has_audio))
 
 
 @dataclass

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from pipeline.config import Config, FeaturesConfig, section_hash
-from pipeline.schema import COUNT_DTYPE, FEATURE_DTYPE, Sample, validate
+from pipeline.schema import COUNT_DTYPE, FEATURE_DTYPE
 from preprocess.encoder_base import AudioEncoder, VisualEncoder, register_audio, register_visual
-from preprocess.events import align_events
+from preprocess.events import annotated_sample
 from preprocess.media import DecodedVideo
 from preprocess.release_media import MediaConfig, ReleaseInputs, read_release_inputs, whisper_extractor
 
@@ -171,12 +171,11 @@ class ReleaseReader:
 
 class ReleaseFeaturizer:
     """A video (+ annotation) -> schema-2 Sample (stored) or ReleaseVideo (online); see the module doc.
-    `inputs(uri)` is the media preparation (`ReleaseReader`), `encode(inputs, annotation)` the rest."""
+    `reader(uri)` is the media preparation (`ReleaseReader`), `encode(inputs, annotation)` the rest."""
 
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None, reader: ReleaseReader | None = None):
         features = cfg.features
         self.reader = reader or ReleaseReader(cfg, storage_options)
-        self.path = self.reader.path
         self.cfg = cfg
         self.online = features.release_features == "online"
         self.feature_hash = section_hash(features)
@@ -185,29 +184,18 @@ class ReleaseFeaturizer:
             self.visual = ReleaseVisualEncoder(features)
             self.audio = ReleaseAudioEncoder(features)
 
-    def inputs(self, uri: str) -> ReleaseInputs:
-        return self.reader(uri)
-
     def __call__(self, uri: str, annotation: Any):
-        return self.encode(self.inputs(uri), annotation)
+        return self.encode(self.reader(uri), annotation)
 
     def encode(self, inputs: ReleaseInputs, annotation: Any):
         """Prepared media -> a ReleaseVideo (online) or a schema-2 Sample through the towers (stored)."""
         if self.online:
             return inputs_video(inputs, annotation.video_id)
-        events = align_events(annotation.events, inputs.length_s, self.cfg.features.duration_tolerance_s,
-                              annotation.video_id, getattr(annotation, "duration", None))
-        sample = Sample(
-            video_id=annotation.video_id, duration=float(inputs.length_s), segment_times=inputs.segment_times(),
-            visual=self.visual.encode_inputs(inputs), audio=self.audio.encode_inputs(inputs),
-            has_audio=inputs.has_audio, events=events,
-            source=getattr(annotation, "source", "") or self.cfg.data.dataset, feature_hash=self.feature_hash,
-            split=getattr(annotation, "split", "") or "",
+        return annotated_sample(annotation, float(inputs.length_s), self.cfg, self.feature_hash, lambda: dict(
+            segment_times=inputs.segment_times(), visual=self.visual.encode_inputs(inputs),
+            audio=self.audio.encode_inputs(inputs), has_audio=inputs.has_audio,
             audio_counts=np.asarray(inputs.audio_counts, dtype=COUNT_DTYPE), grid_thw=tuple(inputs.grid_thw),
-            seconds_per_timestep=float(inputs.seconds_per_timestep),
-        )
-        validate(sample)
-        return sample
+            seconds_per_timestep=float(inputs.seconds_per_timestep)))
 
 
 def inputs_video(inputs: ReleaseInputs, video_id: str):

@@ -11,7 +11,8 @@ import pytest
 from bench.mp4 import solid_frames, tone, write_mp4
 from pipeline.config import Config, SyntheticConfig, section_hash
 from pipeline.schema import Event, decode, encode
-from preprocess.featurize import Featurizer, align_events, featurize
+from preprocess.events import align_events
+from preprocess.featurize import Featurizer
 from preprocess.media import MediaError
 
 
@@ -37,7 +38,7 @@ def clip(tmp_path_factory):
 def test_featurize_builds_a_valid_sample(clip):
     cfg = Config()
     ann = Ann("vid/1", 4.2, [Event(0.5, 2.0, "a red square"), Event(2.0, 4.3, "a blue square", "blue", "a beep")])
-    sample = featurize(clip["av"], ann, cfg)
+    sample = Featurizer(cfg)(clip["av"], ann)
     assert sample.video_id == "vid/1" and sample.duration == pytest.approx(4.0)
     assert sample.visual.shape == (32, 8, 17) and sample.audio.shape == (32, 1, 34)
     assert sample.has_audio and sample.feature_hash == section_hash(cfg.features)
@@ -53,7 +54,7 @@ def test_featurize_builds_a_valid_sample(clip):
 def test_annotation_beyond_the_video_is_an_error(clip):
     cfg = Config()
     with pytest.raises(MediaError, match="annotation points beyond the video") as err:
-        featurize(clip["av"], Ann("v", 9.0, [Event(1.0, 2.0, "ok"), Event(5.0, 9.0, "too late")]), cfg)
+        Featurizer(cfg)(clip["av"], Ann("v", 9.0, [Event(1.0, 2.0, "ok"), Event(5.0, 9.0, "too late")]))
     assert err.value.kind == "annotation" and "event 1" in str(err.value)
     with pytest.raises(MediaError, match="empty once clipped"):
         align_events([Event(4.5, 5.0, "after the end")], 4.0, 2.0, "v")

@@ -20,7 +20,7 @@ import pytest
 from bench.mp4 import write_timed
 from pipeline.config import FeaturesConfig
 from pipeline.schema import Event
-from preprocess.featurize import align_events
+from preprocess.events import align_events
 from preprocess.media import MediaError, decode_video
 
 VFR_TIMES = [i / 30 for i in range(60)] + [2.0, 2.5, 3.0, 3.5]
