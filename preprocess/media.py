@@ -146,10 +146,6 @@ def frame_schedule(duration: float, cfg: FeaturesConfig) -> tuple[np.ndarray, np
 # --------------------------------------------------------------------------- reading
 
 
-def _is_local(uri: str) -> bool:
-    return uri.startswith("file://") or "://" not in uri
-
-
 def _check_size(uri: str, size: int, max_bytes: int) -> None:
     if size == 0:
         raise MediaError(f"zero-byte file: {uri}", "empty")
@@ -163,7 +159,7 @@ def open_media(uri: str, storage_options: dict[str, Any] | None = None, max_byte
 
     Raises MediaError: missing (no such file/object), empty (zero bytes), too_large.
     """
-    if _is_local(uri):
+    if uri.startswith("file://") or "://" not in uri:  # local: read in place
         path = uri[len("file://"):] if uri.startswith("file://") else uri
         if not os.path.isfile(path):
             raise MediaError(f"missing file: {uri}", "missing")
@@ -238,7 +234,6 @@ def _sniff(path: str, uri: str) -> None:
 
 @dataclass
 class _Probe:
-    has_video: bool
     has_audio: bool
     video_start: float  # seconds
     width: int
@@ -246,33 +241,26 @@ class _Probe:
     timing: Timing | None = None  # the demuxer's view of the video timeline (None: no video packets)
 
 
-def _probe(path: str, uri: str) -> _Probe:
+def probe_video(path: str, uri: str) -> _Probe:
+    """A local media file's streams, after the sniff; MediaError (not_media, no_video, ...) when it holds no video."""
     import av
 
+    _sniff(path, uri)
     try:
         with av.open(path, metadata_errors=METADATA_ERRORS) as container:
             vs = container.streams.video
             aus = container.streams.audio
             if not vs:
-                return _Probe(False, bool(aus), 0.0, 0, 0)
+                what = "an audio-only file" if aus else "a container without streams"
+                raise MediaError(f"no video stream ({what}): {uri}", "no_video")
             v = vs[0]
             if v.codec_context is None:  # PyAV leaves it unset when no decoder matches the codec tag
                 raise MediaError(f"video stream uses a codec this build has no decoder for: {uri}", "undecodable")
             start = float(v.start_time * v.time_base) if v.start_time is not None and v.time_base else 0.0
             width, height = int(v.codec_context.width or 0), int(v.codec_context.height or 0)
-            return _Probe(True, bool(aus), start, width, height, read_timing(container))
+            return _Probe(bool(aus), start, width, height, read_timing(container))
     except av.error.FFmpegError as e:
         raise MediaError(f"not a readable media container ({e.__class__.__name__}: {e}): {uri}", "not_media") from e
-
-
-def probe_video(path: str, uri: str) -> _Probe:
-    """A local media file's streams, after the sniff; MediaError (not_media, no_video, ...) when it holds no video."""
-    _sniff(path, uri)
-    probe = _probe(path, uri)
-    if not probe.has_video:
-        what = "an audio-only file" if probe.has_audio else "a container without streams"
-        raise MediaError(f"no video stream ({what}): {uri}", "no_video")
-    return probe
 
 
 def _read_frames(path: str, uri: str, cfg: FeaturesConfig,
@@ -331,11 +319,9 @@ def _read_audio(path: str, uri: str, sample_rate: int, offset: float, duration: 
                     first_time = float(frame.time) if frame.time is not None else 0.0
                     layout = frame.layout.name
                     resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
-                for out in resampler.resample(frame):
-                    pieces.append(out.to_ndarray().mean(axis=0))
+                pieces.extend(out.to_ndarray().mean(axis=0) for out in resampler.resample(frame))
             if resampler is not None:
-                for out in resampler.resample(None):
-                    pieces.append(out.to_ndarray().mean(axis=0))
+                pieces.extend(out.to_ndarray().mean(axis=0) for out in resampler.resample(None))
     except (av.error.FFmpegError, ValueError) as e:  # ValueError: format change mid-stream
         raise MediaError(f"audio stream cannot be decoded ({e.__class__.__name__}: {e}): {uri}", "undecodable") from e
     if not pieces:
