@@ -121,8 +121,8 @@ def pool_frames_to_segments(
 # --------------------------------------------------------------------------- base classes
 
 
-class VisualEncoder:
-    """Frames -> `tokens` vectors of size `dim` per frame; subclasses set both in __init__.
+class _Encoder:
+    """What both kinds of encoder share: the config, the device, the registered `name` and the `version`.
 
     `version` changes whenever the same config would give different features, so shards
     written by an older encoder are redone (it is part of the preprocess stage hash).
@@ -131,7 +131,6 @@ class VisualEncoder:
     name = ""
     version = 1
     dim: int
-    tokens: int
 
     def __init__(self, cfg: FeaturesConfig):
         self.cfg = cfg
@@ -141,6 +140,12 @@ class VisualEncoder:
     def config_dim(cls, cfg: FeaturesConfig) -> int | None:
         """`dim` without building the encoder (no weights), when the config tells it; None: build to know."""
         return None
+
+
+class VisualEncoder(_Encoder):
+    """Frames -> `tokens` vectors of size `dim` per frame; subclasses set both in __init__."""
+
+    tokens: int
 
     def encode_batch(self, frames: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         """uint8 [B, H, W, 3] on self.device (+ the frame before them, [H, W, 3], or None) -> [B, tokens, dim]."""
@@ -160,22 +165,12 @@ class VisualEncoder:
         return feats.reshape(t, -1, feats.shape[-1]).numpy().astype(np.float16)
 
 
-class AudioEncoder:
-    """Mono audio -> a frame sequence, pooled onto the segments; subclasses set `dim` (`version`: as VisualEncoder)."""
-
-    name = ""
-    version = 1
-    dim: int
+class AudioEncoder(_Encoder):
+    """Mono audio -> a frame sequence, pooled onto the segments; subclasses set `dim`."""
 
     def __init__(self, cfg: FeaturesConfig):
-        self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        super().__init__(cfg)
         self.tokens = cfg.audio_tokens_per_second  # tokens per second (see audio_tokens_per_segment)
-
-    @classmethod
-    def config_dim(cls, cfg: FeaturesConfig) -> int | None:
-        """As VisualEncoder.config_dim."""
-        return None
 
     def frames(self, audio: np.ndarray, sample_rate: int) -> tuple[torch.Tensor, float, float]:
         """float32 [S] -> (feats [F, dim], frame rate in Hz, centre time of frame 0 in s)."""

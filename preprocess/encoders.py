@@ -108,8 +108,7 @@ class PixelsEncoder(VisualEncoder):
            a patch with no coloured pixel gives its plain mean.
     """
 
-    version = 4  # 2: + edge energy and orientation histogram (dim 9 -> 14); 3: histogram as 4*f - 1;
-    # 4: + chroma-weighted colour (dim 14 -> 17)
+    version = 4  # 4: + chroma-weighted colour (dim 14 -> 17)
     LK_REG = 1e-3  # ridge on the 2x2 LK system (flat patches give ~zero motion)
     EDGE_GAIN = 150.0  # the edge energy of a patch crossed by one full-contrast edge is ~0.005-0.01
     EDGE_EPS = 1e-4  # patches with less energy read as flat (uniform histogram)
@@ -147,9 +146,8 @@ class PixelsEncoder(VisualEncoder):
         dx = (syy * bx - sxy * by) / det
         dy = (sxx * by - sxy * bx) / det
         if previous is None:  # the first frame of the video has nothing before it
-            rms[0] = 0
-            dx[0] = 0
-            dy[0] = 0
+            for v in (rms, dx, dy):
+                v[0] = 0
         feats = torch.cat(
             [
                 2 * mean - 1,
@@ -195,9 +193,8 @@ class PixelsEncoder(VisualEncoder):
 # --------------------------------------------------------------------------- mel
 
 
-def mel_filterbank(n_mels: int, n_fft: int, sample_rate: int, fmin: float = 0.0, fmax: float | None = None) -> torch.Tensor:
-    """Slaney-style triangular mel filters, area-normalised: [n_mels, n_fft // 2 + 1]."""
-    fmax = sample_rate / 2 if fmax is None else fmax
+def mel_filterbank(n_mels: int, n_fft: int, sample_rate: int) -> torch.Tensor:
+    """Slaney-style triangular mel filters, area-normalised, from 0 Hz to Nyquist: [n_mels, n_fft // 2 + 1]."""
     f_sp, min_log_hz = 200.0 / 3, 1000.0
     min_log_mel, logstep = min_log_hz / f_sp, math.log(6.4) / 27.0
 
@@ -207,7 +204,7 @@ def mel_filterbank(n_mels: int, n_fft: int, sample_rate: int, fmin: float = 0.0,
     def mel_to_hz(m: torch.Tensor) -> torch.Tensor:
         return torch.where(m < min_log_mel, m * f_sp, min_log_hz * torch.exp(logstep * (m - min_log_mel)))
 
-    mels = torch.linspace(float(hz_to_mel(torch.tensor(fmin))), float(hz_to_mel(torch.tensor(fmax))), n_mels + 2, dtype=torch.float64)
+    mels = torch.linspace(float(hz_to_mel(torch.tensor(0.0))), float(hz_to_mel(torch.tensor(sample_rate / 2))), n_mels + 2, dtype=torch.float64)
     hz = mel_to_hz(mels)
     bins = torch.linspace(0, sample_rate / 2, n_fft // 2 + 1, dtype=torch.float64)
     lower, centre, upper = hz[:-2, None], hz[1:-1, None], hz[2:, None]

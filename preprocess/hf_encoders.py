@@ -111,9 +111,7 @@ class WhisperAudioEncoder(AudioEncoder):
         self.extractor = WhisperFeatureExtractor.from_pretrained(path)
         if self.extractor.sampling_rate != cfg.sample_rate:
             raise ValueError(f"{path}: the feature extractor wants {self.extractor.sampling_rate} Hz, features.sample_rate is {cfg.sample_rate}")
-        model = WhisperModel.from_pretrained(path, dtype=_dtype(self.device))
-        self.encoder = model.get_encoder().to(self.device).eval()
-        del model  # the decoder is not needed
+        self.encoder = WhisperModel.from_pretrained(path, dtype=_dtype(self.device)).get_encoder().to(self.device).eval()
         conv_stride = self.encoder.conv1.stride[0] * self.encoder.conv2.stride[0]
         self.samples_per_frame = self.extractor.hop_length * conv_stride  # 320 -> 50 frames/s
         self.window = int(self.extractor.n_samples)  # 30 s
