@@ -51,7 +51,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from pipeline.release.geometry import CHUNK_SECONDS as WHISPER_SECONDS
 from pipeline.release.geometry import RELEASE, Geometry
 from pipeline.release.layout import AVGrid, audio_counts, index_sets
+from preprocess.media import METADATA_ERRORS, MediaError, _first_line, open_media, probe_video
 
 # patch / temporal patch / merge sizes, tokens per second and the audio window are the checkpoint's
 # (pipeline/release/geometry.py: MediaConfig.geometry, the 3B's by default)
@@ -94,13 +95,11 @@ class MediaConfig:
         geometry from the config.json of `features.release_path` when that is a release directory."""
         from pipeline.release.checkpoint import is_release_dir
 
-        path = getattr(features, "release_path", "") or ""
+        path = features.release_path
         geometry = Geometry.from_dir(path) if path and is_release_dir(path) else RELEASE
         return cls(seconds_per_frame=float(features.seconds_per_frame), min_frames=int(features.min_frames),
-                   max_frames=int(features.max_frames),
-                   max_frame_pixels=float(getattr(features, "release_max_frame_pixels", cls.max_frame_pixels)),
-                   min_frame_pixels=float(getattr(features, "release_min_frame_pixels", cls.min_frame_pixels)),
-                   geometry=geometry)
+                   max_frames=int(features.max_frames), max_frame_pixels=float(features.release_max_frame_pixels),
+                   min_frame_pixels=float(features.release_min_frame_pixels), geometry=geometry)
 
 
 # --------------------------------------------------------------------------- frames
@@ -244,6 +243,8 @@ def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int, geo: Geo
 
 # --------------------------------------------------------------------------- one video
 
+_ARRAYS = ("frames", "frame_indices", "mel")  # ReleaseInputs fields stored as arrays by to_bytes, not as numbers
+
 
 @dataclass
 class ReleaseInputs:
@@ -298,10 +299,8 @@ class ReleaseInputs:
 
     def to_bytes(self) -> bytes:
         """A compact serialisation (uint8 frames, float32 mel, the numbers) to ship between processes."""
-        numbers = {"length_s": self.length_s, "seconds_per_timestep": self.seconds_per_timestep,
-                   "grid_thw": list(self.grid_thw), "audio_samples": self.audio_samples, "audio_total": self.audio_total,
-                   "source_size": list(self.source_size), "num_source_frames": self.num_source_frames,
-                   "average_fps": self.average_fps, "meta": self.meta, "geometry": self.geometry.to_dict()}
+        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _ARRAYS}  # in field order
+        numbers["geometry"] = self.geometry.to_dict()
         arrays = {"frames": self.frames.numpy(), "frame_indices": np.asarray(self.frame_indices, np.int64),
                   "numbers": np.frombuffer(json.dumps(numbers).encode("utf-8"), dtype=np.uint8)}
         if self.mel is not None:
@@ -314,12 +313,10 @@ class ReleaseInputs:
     def from_bytes(cls, data: bytes) -> ReleaseInputs:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             n = json.loads(z["numbers"].tobytes().decode("utf-8"))
-            return cls(frames=torch.from_numpy(z["frames"]), frame_indices=z["frame_indices"], length_s=n["length_s"],
-                       seconds_per_timestep=n["seconds_per_timestep"], grid_thw=tuple(n["grid_thw"]),
-                       mel=z["mel"] if "mel" in z.files else None, audio_samples=n["audio_samples"],
-                       audio_total=n["audio_total"], source_size=tuple(n["source_size"]),
-                       num_source_frames=n["num_source_frames"], average_fps=n["average_fps"], meta=n["meta"],
-                       geometry=Geometry.from_dict(n.get("geometry")))
+            n.update(grid_thw=tuple(n["grid_thw"]), source_size=tuple(n["source_size"]),
+                     geometry=Geometry.from_dict(n.get("geometry")))
+            return cls(frames=torch.from_numpy(z["frames"]), frame_indices=z["frame_indices"],
+                       mel=z["mel"] if "mel" in z.files else None, **n)
 
     def pixel_values(self) -> torch.Tensor:
         """float32 [T*gh*gw, patch_dim (1176)]: normalised, padded to whole temporal patches, patchified."""
@@ -379,8 +376,6 @@ def scan_metadata(path: str) -> tuple[int, float] | None:
     """
     import av
 
-    from preprocess.media import METADATA_ERRORS
-
     count, lo, hi = 0, None, None
     with av.open(path, metadata_errors=METADATA_ERRORS) as container:
         stream = container.streams.video[0]
@@ -407,8 +402,6 @@ def read_frames(path: str, uri: str, cfg: MediaConfig,
     """
     import decord
 
-    from preprocess.media import MediaError, _first_line
-
     try:
         vr = decord.VideoReader(path, num_threads=threads)
         count, fps = len(vr), float(vr.get_avg_fps())
@@ -416,10 +409,7 @@ def read_frames(path: str, uri: str, cfg: MediaConfig,
         raise MediaError(f"video stream cannot be opened by decord ({_first_line(e)}): {uri}", "undecodable") from e
     scanned = scan_metadata(path)
     num_frames, average_fps = scanned if scanned is not None else (count, fps)
-    try:
-        idx, _ = sample_indices(num_frames, average_fps, cfg)
-    except FrontendError as e:
-        raise MediaError(f"{e}: {uri}", "undecodable") from e
+    idx, _ = sample_indices(num_frames, average_fps, cfg)  # its FrontendError: read_release_inputs words it
     try:
         frames = vr.get_batch(np.minimum(idx, count - 1).tolist()).asnumpy()
     except Exception as e:
@@ -436,8 +426,6 @@ def read_audio(path: str) -> np.ndarray | None:
     then captioned without audio tokens).
     """
     import av
-
-    from preprocess.media import METADATA_ERRORS
 
     pieces: list[np.ndarray] = []
     first: float | None = None
@@ -464,16 +452,13 @@ def read_audio(path: str) -> np.ndarray | None:
 def read_release_inputs(uri: str, cfg: MediaConfig, storage_options: dict[str, Any] | None = None,
                         max_bytes: int = 0, threads: int = 0, extractor=None) -> ReleaseInputs:
     """A video file or fsspec URI -> ReleaseInputs. Raises preprocess.media.MediaError for unusable files."""
-    from preprocess.media import MediaError, open_media, probe_video
-
-    with open_media(uri, storage_options, max_bytes) as path:
-        probe = probe_video(path, uri)
-        frames, idx, count, fps, decodable = read_frames(path, uri, cfg, threads)
-        waveform = read_audio(path) if probe.has_audio else None
-
     try:
+        with open_media(uri, storage_options, max_bytes) as path:
+            probe = probe_video(path, uri)
+            frames, idx, count, fps, decodable = read_frames(path, uri, cfg, threads)
+            waveform = read_audio(path) if probe.has_audio else None
         inputs = build_inputs(frames, idx, count, fps, waveform, cfg, extractor)
-    except FrontendError as e:
+    except FrontendError as e:  # sample_indices' or build_inputs' refusal
         raise MediaError(f"{e}: {uri}", "undecodable") from e
     inputs.meta["uri"] = uri
     if decodable != count:  # torchcodec's packet count and decord's frame count disagree: indices were clipped
