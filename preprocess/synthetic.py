@@ -179,23 +179,6 @@ def render_video(script: VideoScript, path: str) -> str:
     return path
 
 
-def _event_records(script: VideoScript) -> list[dict]:
-    return [
-        {
-            "start": _seconds(e.start_frame, script.fps),
-            "end": _seconds(e.end_frame, script.fps),
-            "start_frame": e.start_frame,
-            "end_frame": e.end_frame,
-            "colour": e.colour,
-            "shape": e.shape,
-            "motion": e.motion,
-            "sound": e.sound,
-            "caption": dense_caption(e.colour, e.shape, e.motion, e.sound),
-        }
-        for e in script.events
-    ]
-
-
 def _write_json(path: Path, data) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=False, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -250,26 +233,26 @@ def _manifest(cfg: SyntheticConfig, scripts: list[VideoScript]) -> dict:
                 "num_samples": p.num_samples,
                 "width": p.width,
                 "height": p.height,
-                "events": _event_records(p),
+                "events": [
+                    {
+                        "start": _seconds(e.start_frame, p.fps),
+                        "end": _seconds(e.end_frame, p.fps),
+                        "start_frame": e.start_frame,
+                        "end_frame": e.end_frame,
+                        "colour": e.colour,
+                        "shape": e.shape,
+                        "motion": e.motion,
+                        "sound": e.sound,
+                        "caption": dense_caption(e.colour, e.shape, e.motion, e.sound),
+                    }
+                    for e in p.events
+                ],
                 "distractors": [{"start": _seconds(d.start_frame, p.fps), "end": _seconds(d.end_frame, p.fps),
                                  "sound": d.sound} for d in p.distractors],
             }
             for p in scripts
         ],
     }
-
-
-def _info(root: Path, scripts: list[VideoScript], reused: bool) -> CorpusInfo:
-    return CorpusInfo(
-        root=str(root),
-        video_dir=str(root / "videos"),
-        videos={p.video_id: str(root / "videos" / f"{p.video_id}.mp4") for p in scripts},
-        splits={s: [p.video_id for p in scripts if p.split == s] for s in ("train", "test")},
-        longvale={s: str(root / f"longvale_{s}.json") for s in ("train", "test")},
-        chronusav={s: str(root / f"chronusav_{s}.json") for s in ("train", "test")},
-        manifest=str(root / "synthetic_manifest.json"),
-        reused=reused,
-    )
 
 
 def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite: bool = False,
@@ -284,7 +267,15 @@ def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite:
     scripts = script_corpus(cfg)
     manifest = _manifest(cfg, scripts)
     man_path = root / "synthetic_manifest.json"
-    info = _info(root, scripts, reused=False)
+    info = CorpusInfo(
+        root=str(root),
+        video_dir=str(root / "videos"),
+        videos={p.video_id: str(root / "videos" / f"{p.video_id}.mp4") for p in scripts},
+        splits={s: [p.video_id for p in scripts if p.split == s] for s in ("train", "test")},
+        longvale={s: str(root / f"longvale_{s}.json") for s in ("train", "test")},
+        chronusav={s: str(root / f"chronusav_{s}.json") for s in ("train", "test")},
+        manifest=str(man_path),
+    )
     if not overwrite and man_path.exists():
         try:
             old = json.loads(man_path.read_text(encoding="utf-8"))
@@ -292,10 +283,9 @@ def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite:
             old = None
         files = list(info.videos.values()) + list(info.longvale.values()) + list(info.chronusav.values())
         if old == json.loads(json.dumps(manifest)) and all(os.path.exists(f) for f in files):
-            return _info(root, scripts, reused=True)
+            return dataclasses.replace(info, reused=True)
     (root / "videos").mkdir(parents=True, exist_ok=True)
-    if man_path.exists():
-        man_path.unlink()
+    man_path.unlink(missing_ok=True)
     paths = [info.videos[p.video_id] for p in scripts]
     workers = cfg.num_workers or max(1, min(os.cpu_count() or 1, len(scripts), 8))  # 0: one per core, at most 8
     bar = tqdm(total=len(scripts), desc="synthetic videos", unit="video", disable=not progress)
