@@ -184,9 +184,8 @@ def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str, 
         runtime_env={"env_vars": storage.forwarded_env()},
     )
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        rows = batch.to_pylist()
         by_chunk: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
+        for r in batch.to_pylist():
             by_chunk.setdefault(r["chunk"], []).append(r)
         yield from by_chunk.items()
 

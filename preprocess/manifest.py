@@ -68,13 +68,9 @@ def empty_row(**values: Any) -> dict[str, Any]:
     return row
 
 
-def to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=pa.schema(COLUMNS))
-
-
 def write_table(path: str, rows: list[dict[str, Any]]) -> None:
     buf = io.BytesIO()
-    pq.write_table(to_table(rows), buf)
+    pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=pa.schema(COLUMNS)), buf)
     storage.write_bytes(path, buf.getvalue())
 
 

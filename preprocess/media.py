@@ -191,8 +191,7 @@ def open_media(uri: str, storage_options: dict[str, Any] | None = None, max_byte
             raise MediaError(f"zero-byte file: {uri}", "empty")
         yield tmp
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _sniff(path: str, uri: str) -> None:
@@ -317,8 +316,7 @@ def _read_audio(path: str, uri: str, sample_rate: int, offset: float, duration: 
             for frame in container.decode(stream):
                 if first_time is None:
                     first_time = float(frame.time) if frame.time is not None else 0.0
-                    layout = frame.layout.name
-                    resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
+                    resampler = av.AudioResampler(format="fltp", layout=frame.layout.name, rate=sample_rate)
                 pieces.extend(out.to_ndarray().mean(axis=0) for out in resampler.resample(frame))
             if resampler is not None:
                 pieces.extend(out.to_ndarray().mean(axis=0) for out in resampler.resample(None))
