@@ -7,6 +7,7 @@ here so neither imports the other.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,8 +35,7 @@ def align_events(events: Sequence[Event], media_duration: float, tolerance: floa
                 f"duration {media_duration:.3f}s",
                 "annotation",
             )
-        out.append(Event(start=start, end=end, caption=e.caption, visual_caption=e.visual_caption,
-                         audio_caption=e.audio_caption))
+        out.append(dataclasses.replace(e, start=start, end=end))
     return out
 
 

@@ -63,14 +63,13 @@ class Featurizer:
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
         self.cfg = cfg
         self.reader = MediaReader(cfg, storage_options)
+        self.feature_hash = section_hash(cfg.features)
         self.release = None
         if uses_release(cfg.features):  # the release's own media rules and towers (preprocess/release_encoders.py)
             self.release = ReleaseFeaturizer(cfg, storage_options, reader=self.reader.release)
-            self.feature_hash = self.release.feature_hash
             return
         self.visual = get_visual_encoder(cfg.features)
         self.audio = get_audio_encoder(cfg.features)
-        self.feature_hash = section_hash(cfg.features)
 
     def __call__(self, uri: str, annotation: Any) -> Sample:
         return self.encode(self.reader(uri), annotation)

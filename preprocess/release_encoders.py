@@ -89,7 +89,8 @@ class _ReleaseTower:
 
     version = 1
 
-    def _setup(self, cfg: FeaturesConfig) -> None:
+    def __init__(self, cfg: FeaturesConfig):
+        super().__init__(cfg)  # the encoder kind's set-up (VisualEncoder / AudioEncoder, next in the MRO), then the checkpoint's
         self.path = _need_release_path(cfg)
         self.dim = release_width(self.path)
 
@@ -111,8 +112,7 @@ class ReleaseVisualEncoder(_ReleaseTower, VisualEncoder):
     """The checkpoint's Qwen2.5-VL vision tower + merger: V merged tokens of width d per timestep."""
 
     def __init__(self, cfg: FeaturesConfig):
-        VisualEncoder.__init__(self, cfg)
-        self._setup(cfg)
+        super().__init__(cfg)
         self.tokens = 0  # per video: (gh/2)(gw/2), from the frame grid
 
     @torch.inference_mode()
@@ -130,10 +130,6 @@ class ReleaseVisualEncoder(_ReleaseTower, VisualEncoder):
 @register_audio("release")
 class ReleaseAudioEncoder(_ReleaseTower, AudioEncoder):
     """The checkpoint's Whisper encoder + window Q-Former: 60 tokens of width d per 30 s chunk."""
-
-    def __init__(self, cfg: FeaturesConfig):
-        AudioEncoder.__init__(self, cfg)
-        self._setup(cfg)
 
     @torch.inference_mode()
     def encode_inputs(self, inputs: ReleaseInputs) -> np.ndarray:
