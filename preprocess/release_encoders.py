@@ -167,7 +167,7 @@ class ReleaseReader:
 
 class ReleaseFeaturizer:
     """A video (+ annotation) -> schema-2 Sample (stored) or ReleaseVideo (online); see the module doc.
-    `reader(uri)` is the media preparation (`ReleaseReader`), `encode(inputs, annotation)` the rest."""
+    `inputs(uri)` is the media preparation (`ReleaseReader`), `encode(inputs, annotation)` the rest."""
 
     def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None, reader: ReleaseReader | None = None):
         features = cfg.features
@@ -180,8 +180,9 @@ class ReleaseFeaturizer:
             self.visual = ReleaseVisualEncoder(features)
             self.audio = ReleaseAudioEncoder(features)
 
-    def __call__(self, uri: str, annotation: Any):
-        return self.encode(self.reader(uri), annotation)
+    def inputs(self, uri: str) -> ReleaseInputs:
+        """The media preparation alone (infer/offline/job.py's front end with online release features)."""
+        return self.reader(uri)
 
     def encode(self, inputs: ReleaseInputs, annotation: Any):
         """Prepared media -> a ReleaseVideo (online) or a schema-2 Sample through the towers (stored)."""
