@@ -64,12 +64,11 @@ def _type_name(tp: Any) -> str:
 
 
 def _default(f: dataclasses.Field) -> str:
+    """Every config field has a default (`Config()` builds them all): a value or a factory."""
     if f.default is not dataclasses.MISSING:
         return repr(f.default)
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
-        return "(section)" if dataclasses.is_dataclass(value) else repr(value)
-    return "(required)"
+    value = f.default_factory()  # type: ignore[misc]
+    return "(section)" if dataclasses.is_dataclass(value) else repr(value)
 
 
 def config_fields(cls: type = Config, prefix: str = "") -> list[FieldDoc]:
@@ -112,16 +111,10 @@ def config_reference() -> str:
              "`python -m pipeline.reference_docs docs/reference`. Set a key in a YAML preset (`--config FILE`)",
              "or on the command line with `--set KEY=VALUE` (repeatable); `padcap config` prints the result.",
              "Unknown keys and values of the wrong type are errors that name the key.", ""]
-    top = [f for f in fields if "." not in f.key]
-    if top:
-        parts += ["## (root)", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        parts += [f"| `{f.key}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.description)} |" for f in top]
-        parts.append("")
-    for section, doc in _sections():
-        rows = [f for f in fields if f.key.rsplit(".", 1)[0] == section]
-        if not rows:
-            continue
-        parts += [f"## `{section}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    for section, doc in [("", "")] + _sections():  # the root's own keys first (run_dir)
+        rows = [f for f in fields if f.key.rpartition(".")[0] == section]
+        parts += [f"## `{section}`", "", doc, ""] if section else ["## (root)", ""]
+        parts += ["| key | type | default | meaning |", "|---|---|---|---|"]
         parts += [f"| `{f.key}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.description)} |" for f in rows]
         parts.append("")
     return "\n".join(parts)
