@@ -23,31 +23,23 @@ import time
 from typing import Any
 
 from pipeline.metrics.common import prepare
-from pipeline.metrics.densevid import DENSEVID_TIOUS, densevid_groups, evaluate_densevid
-from pipeline.metrics.etbench import ETBENCH_TIOUS, etbench_sentences, evaluate_etbench
-from pipeline.metrics.io import MAX_PREDICTIONS, EvalInput, InputError, load_inputs
+from pipeline.metrics.densevid import densevid_groups, evaluate_densevid
+from pipeline.metrics.etbench import etbench_sentences, evaluate_etbench
+from pipeline.metrics.io import MAX_PREDICTIONS, EvalInput, load_inputs
 from pipeline.metrics.report import write_report
 from pipeline.metrics.scorers import Scorers
 from pipeline.metrics.soda import DIRECTIONS as SODA_DIRECTIONS
-from pipeline.metrics.soda import evaluate_soda, soda_dp, soda_plan
-from pipeline.metrics.tiou import tiou, tiou_matrix
+from pipeline.metrics.soda import evaluate_soda, soda_plan
+from pipeline.metrics.tiou import tiou
 
 PROTOCOLS = ("densevid", "soda", "etbench", "padcaptioner")
 
 __all__ = [
-    "DENSEVID_TIOUS",
-    "ETBENCH_TIOUS",
     "PROTOCOLS",
     "SODA_DIRECTIONS",
-    "EvalInput",
-    "InputError",
-    "Scorers",
     "evaluate",
-    "load_inputs",
     "public_result",
-    "soda_dp",
     "tiou",
-    "tiou_matrix",
     "write_report",
 ]
 

@@ -76,15 +76,11 @@ _DIRECTION_TEXT = {
 }
 
 
-def _check_direction(direction: str) -> None:
-    if direction not in DIRECTIONS:
-        raise ValueError(f"unknown SODA direction {direction!r}; expected one of {DIRECTIONS}")
-
-
 def soda_plan(prep: Prepared, direction: str = "published") -> tuple[dict, list[tuple[str, str]]]:
     """Per video (sort orders, tIoU [R, P], overlapping index pairs, captions, slice) and
     the (hyp, ref) pairs whose METEOR is needed (tIoU > 0); published: (reference, prediction)."""
-    _check_direction(direction)
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown SODA direction {direction!r}; expected one of {DIRECTIONS}")
     plans = {}
     needed: list[tuple[str, str]] = []
     for vid in prep.with_predictions():
