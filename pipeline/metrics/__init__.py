@@ -94,8 +94,8 @@ def evaluate(
 ) -> dict:
     """Score predictions against references with one protocol.
 
-    pred / ref: paths or loaded objects in any form `pipeline.metrics.io` reads (or an
-    EvalInput as `pred`). missing: "skip" (default) or "zero"; "zero" is densevid-only
+    pred / ref: paths or loaded objects in any form `pipeline.metrics.io` reads.
+    missing: "skip" (default) or "zero"; "zero" is densevid-only
     (the other protocols always leave videos without predictions out).
     soda_direction: "published" (fujiso/SODA's pair direction, default) or "documented"
     (METEOR's own); see pipeline/metrics/soda.py.
@@ -109,23 +109,20 @@ def evaluate(
     if soda_direction not in SODA_DIRECTIONS:
         raise ValueError(f"unknown soda_direction {soda_direction!r}; expected one of {SODA_DIRECTIONS}")
     timing: dict[str, float] = {}
+
+    def timed(name, fn, *args, **kw):
+        start = time.perf_counter()
+        out = fn(*args, **kw)
+        timing[name] = time.perf_counter() - start
+        return out
+
     t0 = time.perf_counter()
-    data = load_inputs(pred, ref, ref_format, max_predictions)
-    timing["read"] = time.perf_counter() - t0
+    data = timed("read", load_inputs, pred, ref, ref_format, max_predictions)
     sc = scorers if scorers is not None else Scorers(progress=progress)
     try:
         if protocol != "etbench" and any(p.has_predictions for p in data.preds.values()):
             sc.start_meteor()  # the JVM loads its tables while the PTB tokenizer runs
-        t = time.perf_counter()
-        prep = prepare(data, sc, seed)
-        timing["tokenize"] = time.perf_counter() - t
-
-        def timed(name, fn, *args, **kw):
-            start = time.perf_counter()
-            out = fn(*args, **kw)
-            timing[name] = time.perf_counter() - start
-            return out
-
+        prep = timed("tokenize", prepare, data, sc, seed)
         if protocol == "densevid":
             result = timed("densevid", evaluate_densevid, prep, sc, missing=missing)
         elif protocol == "soda":
