@@ -418,8 +418,6 @@ def read_predictions(src: Any, max_predictions: int = MAX_PREDICTIONS) -> tuple[
 
 def load_inputs(pred: Any, ref: Any, ref_format: str | None = None, max_predictions: int = MAX_PREDICTIONS) -> EvalInput:
     """Read and align: one PredVideo per evaluable reference video, all problems listed."""
-    if isinstance(pred, EvalInput):
-        return pred
     refs_all, problems, rfmt = read_references(ref, ref_format)
     preds_all, pred_problems, pfmt = read_predictions(pred, max_predictions)
     refs: dict[str, RefVideo] = {}
