@@ -195,9 +195,7 @@ class QuietConsole:
     def _pass(self, data: bytes, log: bool = True) -> None:
         """Passthrough: `data` to the log and the terminal, each as far as it can be written."""
         with self._lock:
-            for sink, wanted in ((self._log, log), (self.out, True)):
-                if not wanted:
-                    continue
+            for sink in ([self._log] if log else []) + [self.out]:
                 try:
                     if sink is self.out:
                         sink.flush()  # what was written as text goes first
