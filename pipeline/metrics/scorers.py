@@ -24,8 +24,7 @@ METEOR and CIDEr-D are pycocoevalcap's own scorers, not re-implementations:
   Python; the IDF comes from that group's references, as in the public evaluators).
 - PTB: `pycocoevalcap.tokenizer.ptbtokenizer.PTBTokenizer` (lower-cases, strips
   punctuation), called once per batch of new captions.
-The METEOR JVM gets `METEOR_JAVA_OPTS` (serial GC, C1 JIT only) through
-JAVA_TOOL_OPTIONS: same scores, about 1.6x less CPU per pair on 2 cores.
+The METEOR JVM gets `METEOR_JAVA_OPTS` through JAVA_TOOL_OPTIONS (speed only, see there).
 `prefetch_meteor` / `prefetch_embeddings` run the JVM stream and MiniLM in background
 threads so CIDEr (pure Python) and the three overlap; MiniLM uses one torch thread
 while `busy` is set and all of them afterwards (embeddings do not depend on it).
