@@ -20,6 +20,7 @@ closes the JVM at the end. CLI: `python -m pipeline.metrics --help`. No ray impo
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 from pipeline.metrics.common import prepare
@@ -58,7 +59,6 @@ def _missing_policy(protocol: str, missing: str | None) -> str | None:
 
 def _video_summary(data: EvalInput, max_predictions: int) -> tuple[dict, dict]:
     videos, counts = {}, {"reference_events": 0, "predicted_events": 0, "predicted_events_dropped": 0, "predicted_events_truncated": 0}
-    status_counts: dict[str, int] = {}
     for vid, ref in data.refs.items():
         pred = data.preds[vid]
         truncated = max(0, pred.raw_count - max_predictions)
@@ -73,8 +73,7 @@ def _video_summary(data: EvalInput, max_predictions: int) -> tuple[dict, dict]:
         counts["predicted_events"] += len(pred.captions)
         counts["predicted_events_dropped"] += dropped
         counts["predicted_events_truncated"] += truncated
-        status_counts[pred.status] = status_counts.get(pred.status, 0) + 1
-    counts["prediction_status"] = status_counts
+    counts["prediction_status"] = dict(Counter(data.preds[vid].status for vid in data.refs))  # first-seen order
     return videos, counts
 
 
