@@ -67,7 +67,7 @@ def _video_summary(data: EvalInput, max_predictions: int) -> tuple[dict, dict]:
             "status": pred.status,
             "predictions": len(pred.captions),
             "references": len(ref.captions),
-            "problems": data.video_problems(vid),
+            "problems": [p["problem"] for p in data.problems if p["video_id"] == vid],
         }
         counts["reference_events"] += len(ref.captions)
         counts["predicted_events"] += len(pred.captions)

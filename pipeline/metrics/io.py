@@ -82,9 +82,6 @@ class EvalInput:
     ref_format: str = ""
     pred_format: str = ""
 
-    def video_problems(self, video_id: str) -> list[str]:
-        return [p["problem"] for p in self.problems if p["video_id"] == video_id]
-
 
 # ---------------------------------------------------------------- small parsers
 
