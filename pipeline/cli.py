@@ -52,11 +52,9 @@ VERBS: dict[str, Verb] = {
 }
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """A usage error is one line naming the flag, and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+def _one_line_error(self: argparse.ArgumentParser, message: str):
+    """argparse's `error` while a verb runs: a usage error is one line naming the flag, and exit status 2."""
+    self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def config_main(argv: list[str]) -> int:
@@ -85,7 +83,7 @@ def run_verb(name: str, argv: list[str]) -> int:
     verb = VERBS[name]
     prog = f"padcap {name}"
     real_error, real_argv0 = argparse.ArgumentParser.error, sys.argv[0]
-    argparse.ArgumentParser.error = OneLineParser.error  # the tools' own parsers, for this call only
+    argparse.ArgumentParser.error = _one_line_error  # the tools' own parsers, for this call only
     sys.argv[0] = prog  # argparse's default prog
     try:
         main = config_main if not verb.module else importlib.import_module(verb.module).main

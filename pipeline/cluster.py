@@ -57,18 +57,13 @@ def init_ray(cfg: Config) -> None:
         ray.init(**kwargs)
 
 
-def uses_custom_gpu(cc: ClusterConfig) -> bool:
-    """True when "GPUs" are a custom resource (no CUDA device is assigned with them)."""
-    return cc.gpu_resource != GPU
-
-
 def placement(cc: ClusterConfig, num_cpus: float, num_gpus: float = 0.0) -> dict[str, Any]:
     """Ray remote options (`num_cpus`, `num_gpus`, `resources`, `accelerator_type`) for one actor,
     task or replica that needs `num_cpus` CPUs and `num_gpus` GPUs, by the rule of this module."""
     opts: dict[str, Any] = {"num_cpus": num_cpus}
     resources: dict[str, float] = {}
     if num_gpus > 0:
-        if uses_custom_gpu(cc):
+        if cc.gpu_resource != GPU:  # a custom resource: no CUDA device is assigned with it
             resources[cc.gpu_resource] = num_gpus
         else:
             opts["num_gpus"] = num_gpus

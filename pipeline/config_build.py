@@ -1,7 +1,7 @@
 """Typed building of the config dataclasses from mappings (YAML, JSON, overrides).
 
 `from_dict(cls, data)` checks every value against the field's annotation (Literal, list, dict,
-nested sections, Optional; ints widen to floats; NaN is refused) and raises `ConfigError` naming
+nested sections; ints widen to floats; NaN is refused) and raises `ConfigError` naming
 the key. Keys removed or renamed since an earlier version are dealt with first
 (pipeline/config_retired.py), so older run dirs and checkpoints keep loading.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from typing import Any, Literal
 
@@ -36,7 +35,6 @@ class ConfigError(ValueError):
     """A config key is unknown, missing or of the wrong type; the message names it."""
 
 
-
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -45,20 +43,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp` and return it (ints widen to floats)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{key}: {value!r} does not match {_type_name(tp)}")
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{key}: {value!r} is not one of {list(args)}")

@@ -89,6 +89,4 @@ def is_retired(section: str, key: str) -> bool:
 def _same(value: Any, default: Any) -> bool:
     if isinstance(value, bool) or isinstance(default, bool):
         return value is default
-    if isinstance(default, (int, float)) and isinstance(value, (int, float)):
-        return float(value) == float(default)
-    return value == default
+    return value == default  # ints and floats compare by value: 0 == 0.0

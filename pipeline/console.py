@@ -1,9 +1,8 @@
 """A quiet console for the job driver: one progress bar per stage, the summary, the errors.
 
-`make run` used to print about a thousand lines: Ray Train's "Reporting training result"
-per report, Ray Data's progress blocks per dataset, Ray's start-up notes, warnings. With
-`QuietConsole` active (pipeline/run.py, unless --verbose) the driver's file descriptors 1
-and 2 are a pipe read by one thread, which
+With `QuietConsole` active (pipeline/run.py, unless --verbose) the driver's file descriptors
+1 and 2 (Ray's start-up notes and warnings, Ray Train's and Ray Data's reports) are a pipe
+read by one thread, which
 
   - appends everything, as it came, to a log file under the run directory
     (`<run_dir>/logs/run-<time>.log`; a temp dir when the run directory is remote),
@@ -195,9 +194,7 @@ class QuietConsole:
     def _pass(self, data: bytes, log: bool = True) -> None:
         """Passthrough: `data` to the log and the terminal, each as far as it can be written."""
         with self._lock:
-            for sink, wanted in ((self._log, log), (self.out, True)):
-                if not wanted:
-                    continue
+            for sink in ([self._log] if log else []) + [self.out]:
                 try:
                     if sink is self.out:
                         sink.flush()  # what was written as text goes first

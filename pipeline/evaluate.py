@@ -25,16 +25,6 @@ from pipeline.config import Config, ConfigError
 from pipeline.metrics import evaluate, tiou, write_report
 
 
-def read_caption_rows(captions_dir: str) -> list[dict[str, Any]]:
-    text = storage.read_bytes(storage.join(captions_dir, "captions.jsonl")).decode("utf-8")
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def predictions(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Engine-output form the metrics read: {video_id: {"events": [...]}} for captioned videos."""
-    return {r["video_id"]: {"events": r["events"]} for r in rows if r["status"] == "ok"}
-
-
 def attribute_accuracy(pred: dict[str, dict[str, Any]], ref_path: str) -> dict[str, float]:
     """Synthetic corpus only: per reference event, the prediction with the best tIoU; the share
     of its caption's attribute words (colour, shape, motion, sound) that equal the reference's."""
@@ -72,8 +62,10 @@ def missing_policy(cfg: Config) -> str | None:
 
 def evaluate_run(cfg: Config, captions_dir: str, ref_path: str, ref_format: str, out_dir: str) -> dict[str, Any]:
     missing = missing_policy(cfg)
-    rows = read_caption_rows(captions_dir)
-    pred = predictions(rows)
+    text = storage.read_bytes(storage.join(captions_dir, "captions.jsonl")).decode("utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    # the engine-output form the metrics read, {video_id: {"events": [...]}}, of the captioned videos
+    pred = {r["video_id"]: {"events": r["events"]} for r in rows if r["status"] == "ok"}
     result = evaluate(pred, ref_path, protocol=cfg.eval.protocol, ref_format=ref_format, missing=missing,
                       seed=cfg.eval.seed, soda_direction=cfg.eval.soda_direction)
     if cfg.data.dataset == "synthetic":

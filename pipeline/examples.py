@@ -79,7 +79,6 @@ def make_example(
     generator: torch.Generator | None = None,
     response: str | None = None,
     with_targets: bool = True,
-    instruction_ids: Sequence[int] | None = None,
 ) -> Example:
     """Sample -> Example. Events are sorted by (start, end); captions are cut to
     `max_caption_tokens`; with a generator, aggregation intervals get +-`aggregation_jitter`."""
@@ -98,8 +97,6 @@ def make_example(
         raise ExampleError(f"{vid}: feature dims {visual.shape[2]}/{sample.audio.shape[2]} do not match the model's "
                            f"{model_cfg.visual_dim}/{model_cfg.audio_dim}")
     preamble, instruction = prompt
-    if instruction_ids is not None:
-        instruction = instruction_ids
     options = LayoutOptions.from_config(model_cfg)
     events = sorted(sample.events, key=lambda e: (e.start, e.end)) if (with_targets and response is None) else []
     cap_tokens = model_cfg.max_caption_tokens

@@ -64,38 +64,31 @@ def _type_name(tp: Any) -> str:
 
 
 def _default(f: dataclasses.Field) -> str:
+    """Every config field has a default (`Config()` builds them all): a value or a factory."""
     if f.default is not dataclasses.MISSING:
         return repr(f.default)
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
-        return "(section)" if dataclasses.is_dataclass(value) else repr(value)
-    return "(required)"
+    value = f.default_factory()  # type: ignore[misc]
+    return "(section)" if dataclasses.is_dataclass(value) else repr(value)
 
 
-def config_fields(cls: type = Config, prefix: str = "") -> list[FieldDoc]:
-    """Every leaf field of the config, with its description ("" when the source has none)."""
+def _sections(cls: type = Config, prefix: str = "") -> list[tuple[str, str, list[FieldDoc]]]:
+    """(dotted section ("" = the root), its docstring's first line, its leaf fields with their
+    descriptions ("" when the source has none)), depth first."""
     hints = typing.get_type_hints(cls)
     comments = _comments(cls)
-    out = []
+    leaves, below = [], []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            out += config_fields(tp, f"{prefix}{f.name}.")
-            continue
-        out.append(FieldDoc(f"{prefix}{f.name}", _type_name(tp), _default(f), comments.get(f.name, "")))
-    return out
+            below += _sections(tp, f"{prefix}{f.name}.")
+        else:
+            leaves.append(FieldDoc(f"{prefix}{f.name}", _type_name(tp), _default(f), comments.get(f.name, "")))
+    return [(prefix.rstrip("."), (inspect.getdoc(cls) or "").split("\n")[0], leaves)] + below
 
 
-def _sections(cls: type = Config, prefix: str = "") -> list[tuple[str, str]]:
-    """(dotted section, its docstring's first line), depth first."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            out.append((f"{prefix}{f.name}", (inspect.getdoc(tp) or "").split("\n")[0]))
-            out += _sections(tp, f"{prefix}{f.name}.")
-    return out
+def config_fields() -> list[FieldDoc]:
+    """Every leaf field of the config, section by section."""
+    return [f for _, _, leaves in _sections() for f in leaves]
 
 
 def _cell(text: str) -> str:
@@ -112,16 +105,9 @@ def config_reference() -> str:
              "`python -m pipeline.reference_docs docs/reference`. Set a key in a YAML preset (`--config FILE`)",
              "or on the command line with `--set KEY=VALUE` (repeatable); `padcap config` prints the result.",
              "Unknown keys and values of the wrong type are errors that name the key.", ""]
-    top = [f for f in fields if "." not in f.key]
-    if top:
-        parts += ["## (root)", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        parts += [f"| `{f.key}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.description)} |" for f in top]
-        parts.append("")
-    for section, doc in _sections():
-        rows = [f for f in fields if f.key.rsplit(".", 1)[0] == section]
-        if not rows:
-            continue
-        parts += [f"## `{section}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    for section, doc, rows in _sections():  # the root's own keys first (run_dir)
+        parts += [f"## `{section}`", "", doc, ""] if section else ["## (root)", ""]
+        parts += ["| key | type | default | meaning |", "|---|---|---|---|"]
         parts += [f"| `{f.key}` | `{_cell(f.type)}` | `{_cell(f.default)}` | {_cell(f.description)} |" for f in rows]
         parts.append("")
     return "\n".join(parts)

@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 import time
 import uuid
@@ -239,14 +238,11 @@ def run(cfg: Config, stages: list[str] | None = None, force: bool = False, conso
     pipeline.console.QuietConsole that draws each stage's bar (None: plain prints only)."""
     paths = RunPaths(cfg.run_dir)
     available = {s.name: s for s in _available_stages()}
-    wanted = [s for s in STAGE_ORDER if s in available and (stages is None or s in stages)]
+    wanted = [s for s in STAGE_ORDER if stages is None or s in stages]
     if stages:
         unknown = [s for s in stages if s not in STAGE_ORDER]
         if unknown:
             raise SystemExit(f"unknown stage(s) {unknown}; stages are {list(STAGE_ORDER)}")
-        missing = [s for s in stages if s not in available]
-        if missing:
-            raise SystemExit(f"stage(s) {missing} are not available in this build")
     # settings only the last stages read fail here, not after hours of preprocess and train
     if "caption" in wanted or "evaluate" in wanted:
         reference_annotations(cfg, paths)  # they caption and score the `test` split
@@ -260,8 +256,6 @@ def run(cfg: Config, stages: list[str] | None = None, force: bool = False, conso
     results: dict[str, dict[str, Any]] = {}
     upstream = ""
     for name in STAGE_ORDER:
-        if name not in available:
-            continue
         stage = available[name]
         h = stage_hash(cfg, stage, upstream)
         stamp = storage.join(paths.stage_dir(name), "_STAGE.json")
@@ -312,7 +306,7 @@ def format_summary(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _run_quietly(cfg: Config, stages: list[str] | None, force: bool) -> dict[str, dict[str, Any]]:
+def _run_quietly(cfg: Config, stages: list[str] | None, force: bool) -> None:
     """`run` with the quiet console: bars and the summary on the terminal, all else in the log."""
     import traceback
 
@@ -344,7 +338,6 @@ def _run_quietly(cfg: Config, stages: list[str] | None, force: bool) -> dict[str
         console.print(line)
     console.print(f"\nrun directory: {cfg.run_dir}")
     finish()
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,9 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_summary(results))
         print(f"\nrun directory: {cfg.run_dir}")
     else:
-        results = _run_quietly(cfg, stages, args.force)
-    failed = sum(int(r.get("failed", 0) or 0) for r in results.values())
-    return 1 if failed and os.environ.get("PADCAP_STRICT") else 0
+        _run_quietly(cfg, stages, args.force)
+    return 0
 
 
 if __name__ == "__main__":

@@ -47,8 +47,7 @@ def filesystem(path: str, carry_credentials: bool = False) -> tuple[fsspec.Abstr
         if carry_credentials and path.startswith("s3://"):
             named = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}
             opts.update({k: os.environ[v] for k, v in named.items() if os.environ.get(v)})
-        fs, inner = fsspec.core.url_to_fs(path, **opts)
-        return fs, inner
+        return fsspec.core.url_to_fs(path, **opts)
     return fsspec.filesystem("file"), os.path.abspath(path)
 
 

@@ -120,9 +120,7 @@ class ParseFailures:
 
     videos: int = 0  # text outputs
     unparsable_videos: int = 0  # no valid event (an empty text included): the video scores nothing
-    lines: int = 0  # non-empty lines
     problems: int = 0  # parse problems (each dropped line, interval or caption, or a caption given twice)
-    events: int = 0  # events parsed
 
     @property
     def unparsable_share(self) -> float:
@@ -136,12 +134,10 @@ class ParseFailures:
 
 def parse_failures(texts: Iterable[str]) -> ParseFailures:
     """Count `parse_events_text`'s results over texts (a run's raw outputs)."""
-    videos = unparsable = lines = problems = events = 0
+    videos = unparsable = problems = 0
     for text in texts:
         parsed, found = parse_events_text(text)
         videos += 1
         unparsable += int(not parsed)
-        lines += sum(1 for line in text.splitlines() if line.strip())
         problems += len(found)
-        events += len(parsed)
-    return ParseFailures(videos, unparsable, lines, problems, events)
+    return ParseFailures(videos, unparsable, problems)

@@ -82,7 +82,7 @@ def test_batched_meteor_equals_compute_score_per_group(sc):
     toks = sc.tokenize(CAPTIONS)
     groups = [[(rng.choice(toks), rng.choice(toks)) for _ in range(rng.randint(1, 6))] for _ in range(8)]
     corpus = sc.meteor_corpus_scores(groups)
-    meteor = sc.meteor_scorer()
+    meteor = sc.start_meteor()
     for group, got in zip(groups, corpus):
         gts = {k: [ref] for k, (_, ref) in enumerate(group)}
         res = {k: [hyp] for k, (hyp, _) in enumerate(group)}
@@ -111,12 +111,12 @@ def test_minilm_matches_sentence_transformers(sc):
 
 def test_meteor_jvm_is_closed():
     scorers = Scorers()
-    proc = scorers.meteor_scorer().meteor_p
+    proc = scorers.start_meteor().meteor_p
     assert proc.poll() is None
     scorers.close()
     assert proc.poll() is not None
     with Scorers() as other:
-        proc = other.meteor_scorer().meteor_p
+        proc = other.start_meteor().meteor_p
     assert proc.poll() is not None
 
 
@@ -128,7 +128,7 @@ def _public_densevid(ref: dict, pred: dict, tious, sc: Scorers, seed: int, missi
     texts = sorted({c for v in ref.values() for c in v["sentences"]} | {p["sentence"] for v in pred.values() for p in v})
     ptb = PTBTokenizer().tokenize({i: [{"caption": c}] for i, c in enumerate(texts)})
     tok = {c: ptb[i][0] for i, c in enumerate(texts)}
-    meteor = sc.meteor_scorer()
+    meteor = sc.start_meteor()
     rows = []
     for t in tious:
         m, c, p_, r_ = [], [], [], []
@@ -294,7 +294,7 @@ def test_soda_c_default_is_the_published_direction_documented_is_an_option(sc):
     pred_times = [[0.0, 9.0], [9.0, 21.0], [19.0, 26.0], [24.0, 30.0]]  # sorted by start, like the references
     ref = {"v": {"duration": 30.0, "timestamps": ref_times, "sentences": ref_caps}}
     pred = {"results": {"v": [{"timestamp": t, "sentence": c} for t, c in zip(pred_times, pred_caps)]}}
-    meteor = sc.meteor_scorer()
+    meteor = sc.start_meteor()
     published = _published_soda_c(sc, ref_caps, ref_times, pred_caps, pred_times, meteor)
     got = evaluate(pred, ref, "soda", scorers=sc, soda_cider=True)
     assert got["metrics"]["SODA_c"] == pytest.approx(published, abs=1e-9)

@@ -20,34 +20,27 @@ closes the JVM at the end. CLI: `python -m pipeline.metrics --help`. No ray impo
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 from pipeline.metrics.common import prepare
-from pipeline.metrics.densevid import DENSEVID_TIOUS, densevid_groups, evaluate_densevid
-from pipeline.metrics.etbench import ETBENCH_TIOUS, etbench_sentences, evaluate_etbench
-from pipeline.metrics.io import MAX_PREDICTIONS, EvalInput, InputError, load_inputs
+from pipeline.metrics.densevid import densevid_groups, evaluate_densevid
+from pipeline.metrics.etbench import etbench_sentences, evaluate_etbench
+from pipeline.metrics.io import MAX_PREDICTIONS, EvalInput, load_inputs
 from pipeline.metrics.report import write_report
 from pipeline.metrics.scorers import Scorers
 from pipeline.metrics.soda import DIRECTIONS as SODA_DIRECTIONS
-from pipeline.metrics.soda import evaluate_soda, soda_dp, soda_plan
-from pipeline.metrics.tiou import tiou, tiou_matrix
+from pipeline.metrics.soda import evaluate_soda, soda_plan
+from pipeline.metrics.tiou import tiou
 
 PROTOCOLS = ("densevid", "soda", "etbench", "padcaptioner")
 
 __all__ = [
-    "DENSEVID_TIOUS",
-    "ETBENCH_TIOUS",
     "PROTOCOLS",
     "SODA_DIRECTIONS",
-    "EvalInput",
-    "InputError",
-    "Scorers",
     "evaluate",
-    "load_inputs",
     "public_result",
-    "soda_dp",
     "tiou",
-    "tiou_matrix",
     "write_report",
 ]
 
@@ -66,7 +59,6 @@ def _missing_policy(protocol: str, missing: str | None) -> str | None:
 
 def _video_summary(data: EvalInput, max_predictions: int) -> tuple[dict, dict]:
     videos, counts = {}, {"reference_events": 0, "predicted_events": 0, "predicted_events_dropped": 0, "predicted_events_truncated": 0}
-    status_counts: dict[str, int] = {}
     for vid, ref in data.refs.items():
         pred = data.preds[vid]
         truncated = max(0, pred.raw_count - max_predictions)
@@ -75,14 +67,13 @@ def _video_summary(data: EvalInput, max_predictions: int) -> tuple[dict, dict]:
             "status": pred.status,
             "predictions": len(pred.captions),
             "references": len(ref.captions),
-            "problems": data.video_problems(vid),
+            "problems": [p["problem"] for p in data.problems if p["video_id"] == vid],
         }
         counts["reference_events"] += len(ref.captions)
         counts["predicted_events"] += len(pred.captions)
         counts["predicted_events_dropped"] += dropped
         counts["predicted_events_truncated"] += truncated
-        status_counts[pred.status] = status_counts.get(pred.status, 0) + 1
-    counts["prediction_status"] = status_counts
+    counts["prediction_status"] = dict(Counter(data.preds[vid].status for vid in data.refs))  # first-seen order
     return videos, counts
 
 
@@ -102,8 +93,8 @@ def evaluate(
 ) -> dict:
     """Score predictions against references with one protocol.
 
-    pred / ref: paths or loaded objects in any form `pipeline.metrics.io` reads (or an
-    EvalInput as `pred`). missing: "skip" (default) or "zero"; "zero" is densevid-only
+    pred / ref: paths or loaded objects in any form `pipeline.metrics.io` reads.
+    missing: "skip" (default) or "zero"; "zero" is densevid-only
     (the other protocols always leave videos without predictions out).
     soda_direction: "published" (fujiso/SODA's pair direction, default) or "documented"
     (METEOR's own); see pipeline/metrics/soda.py.
@@ -117,23 +108,20 @@ def evaluate(
     if soda_direction not in SODA_DIRECTIONS:
         raise ValueError(f"unknown soda_direction {soda_direction!r}; expected one of {SODA_DIRECTIONS}")
     timing: dict[str, float] = {}
+
+    def timed(name, fn, *args, **kw):
+        start = time.perf_counter()
+        out = fn(*args, **kw)
+        timing[name] = time.perf_counter() - start
+        return out
+
     t0 = time.perf_counter()
-    data = load_inputs(pred, ref, ref_format, max_predictions)
-    timing["read"] = time.perf_counter() - t0
+    data = timed("read", load_inputs, pred, ref, ref_format, max_predictions)
     sc = scorers if scorers is not None else Scorers(progress=progress)
     try:
         if protocol != "etbench" and any(p.has_predictions for p in data.preds.values()):
             sc.start_meteor()  # the JVM loads its tables while the PTB tokenizer runs
-        t = time.perf_counter()
-        prep = prepare(data, sc, seed)
-        timing["tokenize"] = time.perf_counter() - t
-
-        def timed(name, fn, *args, **kw):
-            start = time.perf_counter()
-            out = fn(*args, **kw)
-            timing[name] = time.perf_counter() - start
-            return out
-
+        prep = timed("tokenize", prepare, data, sc, seed)
         if protocol == "densevid":
             result = timed("densevid", evaluate_densevid, prep, sc, missing=missing)
         elif protocol == "soda":

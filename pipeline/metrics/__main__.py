@@ -17,7 +17,7 @@ import json
 import sys
 
 from pipeline.metrics import PROTOCOLS, SODA_DIRECTIONS, evaluate, public_result, write_report
-from pipeline.metrics.io import REF_FORMATS, InputError
+from pipeline.metrics.io import REF_FORMATS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,10 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             args.pred, args.ref, args.protocol, ref_format=args.ref_format, missing=args.missing,
             seed=args.seed, soda_cider=args.soda_cider, soda_direction=args.soda_direction, progress=args.progress,
         )
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
+    except ValueError as exc:  # InputError included
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.report:

@@ -82,9 +82,6 @@ class EvalInput:
     ref_format: str = ""
     pred_format: str = ""
 
-    def video_problems(self, video_id: str) -> list[str]:
-        return [p["problem"] for p in self.problems if p["video_id"] == video_id]
-
 
 # ---------------------------------------------------------------- small parsers
 
@@ -418,8 +415,6 @@ def read_predictions(src: Any, max_predictions: int = MAX_PREDICTIONS) -> tuple[
 
 def load_inputs(pred: Any, ref: Any, ref_format: str | None = None, max_predictions: int = MAX_PREDICTIONS) -> EvalInput:
     """Read and align: one PredVideo per evaluable reference video, all problems listed."""
-    if isinstance(pred, EvalInput):
-        return pred
     refs_all, problems, rfmt = read_references(ref, ref_format)
     preds_all, pred_problems, pfmt = read_predictions(pred, max_predictions)
     refs: dict[str, RefVideo] = {}

@@ -4,7 +4,7 @@
     -> report/index.html, report/metrics.png, report/videos/<key>.png
 
 `result` is what `pipeline.metrics.evaluate` returned; `pred` / `ref` are the same
-inputs (paths, objects, or an EvalInput as `pred`). A timeline shows one video's
+inputs (paths or loaded objects). A timeline shows one video's
 reference events (top lanes) and valid predicted events (bottom lanes, coloured by
 their best tIoU with any reference) with their captions; at most `max_videos`
 videos (input order) and `max_events` events per side are drawn. Matplotlib's Agg
@@ -135,7 +135,7 @@ def write_report(result: dict, pred: Any, ref: Any = None, out_dir: str | Path =
     """Write index.html, metrics.png and up to `max_videos` timeline PNGs; returns index.html's path."""
     out = Path(out_dir)
     (out / "videos").mkdir(parents=True, exist_ok=True)
-    data = pred if isinstance(pred, EvalInput) else load_inputs(pred, ref, ref_format or result.get("inputs", {}).get("ref_format"), result.get("inputs", {}).get("max_predictions", 1000))
+    data = load_inputs(pred, ref, ref_format or result.get("inputs", {}).get("ref_format"), result.get("inputs", {}).get("max_predictions", 1000))
     _metrics_png(result, out / "metrics.png")
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>evaluation report</title>",

@@ -24,8 +24,7 @@ METEOR and CIDEr-D are pycocoevalcap's own scorers, not re-implementations:
   Python; the IDF comes from that group's references, as in the public evaluators).
 - PTB: `pycocoevalcap.tokenizer.ptbtokenizer.PTBTokenizer` (lower-cases, strips
   punctuation), called once per batch of new captions.
-The METEOR JVM gets `METEOR_JAVA_OPTS` (serial GC, C1 JIT only) through
-JAVA_TOOL_OPTIONS: same scores, about 1.6x less CPU per pair on 2 cores.
+The METEOR JVM gets `METEOR_JAVA_OPTS` through JAVA_TOOL_OPTIONS (speed only, see there).
 `prefetch_meteor` / `prefetch_embeddings` run the JVM stream and MiniLM in background
 threads so CIDEr (pure Python) and the three overlap; MiniLM uses one torch thread
 while `busy` is set and all of them afterwards (embeddings do not depend on it).
@@ -78,19 +77,20 @@ def minilm_path() -> Path:
 class MiniLM:
     """all-MiniLM-L6-v2 sentence embeddings: mean-pooled, L2-normalised, float32 [n, 384]."""
 
-    def __init__(self, path: str | Path | None = None, batch_tokens: int = 8192):
+    batch_tokens = 8192  # a batch holds at most this many (padded) tokens
+
+    def __init__(self):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         import torch
         from transformers import AutoModel, AutoTokenizer
 
         self._torch = torch
-        path = Path(path) if path is not None else minilm_path()
+        path = minilm_path()
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModel.from_pretrained(str(path)).eval()
         cfg = path / "sentence_bert_config.json"
         self.max_length = int(json.loads(cfg.read_text())["max_seq_length"]) if cfg.exists() else 256
-        self.batch_tokens = batch_tokens
 
     def encode(self, texts: Sequence[str], progress: bool = False, threads=None) -> np.ndarray:
         """texts -> float32 [n, d]; batches are length-sorted so padding stays small.
@@ -127,10 +127,8 @@ class MiniLM:
 class Scorers:
     """One run's scorers; use as a context manager so the METEOR JVM is always closed."""
 
-    def __init__(self, progress: bool = False, minilm_dir: str | Path | None = None, meteor_java_opts: str = METEOR_JAVA_OPTS):
+    def __init__(self, progress: bool = False):
         self.progress = progress
-        self.minilm_dir = minilm_dir
-        self.meteor_java_opts = meteor_java_opts
         # While `busy`, the other scorers (METEOR's JVM, CIDEr) hold a core, so the
         # background MiniLM thread uses one torch thread; otherwise all of them.
         self.busy = False
@@ -177,16 +175,16 @@ class Scorers:
 
     # ------------------------------------------------------------ METEOR
 
-    def start_meteor(self) -> None:
-        """Start the METEOR JVM now (it loads for seconds; start it before other work)."""
+    def start_meteor(self):
+        """Start the METEOR JVM now (it loads for seconds; start it before other work); returns
+        the run's pycocoevalcap `Meteor` object (its JVM)."""
         if self._meteor is not None:
-            return
+            return self._meteor
         from pycocoevalcap.meteor.meteor import Meteor
 
         with _ENV_LOCK:  # the jar inherits our environment: add the JIT flags for it alone
             saved = os.environ.get("JAVA_TOOL_OPTIONS")
-            if self.meteor_java_opts:
-                os.environ["JAVA_TOOL_OPTIONS"] = f"{saved} {self.meteor_java_opts}" if saved else self.meteor_java_opts
+            os.environ["JAVA_TOOL_OPTIONS"] = f"{saved} {METEOR_JAVA_OPTS}" if saved else METEOR_JAVA_OPTS
             try:
                 self._meteor = Meteor()
             finally:
@@ -202,10 +200,6 @@ class Scorers:
                 self._stderr_tail = (self._stderr_tail + [raw.decode(errors="replace").rstrip()])[-20:]
 
         threading.Thread(target=drain, daemon=True, name="meteor-stderr").start()
-
-    def meteor_scorer(self):
-        """The pycocoevalcap `Meteor` object of this run (its JVM), started if needed."""
-        self.start_meteor()
         return self._meteor
 
     def clear_caches(self) -> None:
@@ -281,15 +275,19 @@ class Scorers:
                 self._stats[pair] = stat
         return [self._stats[p] for p in pairs]
 
+    def _eval(self, groups: Sequence[Sequence[Pair]], desc: str) -> list[list[str]]:
+        """One EVAL line per group of scored pairs; the jar answers each pair's score, then the group's."""
+        lines = ["EVAL ||| " + " ||| ".join(self._stats[p] for p in g) + "\n" for g in groups]
+        answers = self._exchange(lines, [len(g) + 1 for g in groups], desc) if lines else []
+        self.counters["meteor_eval_lines"] += len(lines)
+        return answers
+
     def meteor_pair_scores(self, pairs: Sequence[Pair]) -> np.ndarray:
         """Per-item METEOR of each (hyp, ref) pair (what compute_score returns as `scores`)."""
         self.meteor_stats(pairs)
         todo = list(dict.fromkeys(p for p in pairs if p not in self._pair_score))
         chunks = [todo[i : i + _EVAL_CHUNK] for i in range(0, len(todo), _EVAL_CHUNK)]
-        lines = ["EVAL ||| " + " ||| ".join(self._stats[p] for p in chunk) + "\n" for chunk in chunks]
-        answers = self._exchange(lines, [len(c) + 1 for c in chunks], "METEOR items") if lines else []
-        self.counters["meteor_eval_lines"] += len(lines)
-        for chunk, got in zip(chunks, answers):
+        for chunk, got in zip(chunks, self._eval(chunks, "METEOR items")):
             for pair, value in zip(chunk, got[:-1]):
                 self._pair_score[pair] = float(value)
         return np.asarray([self._pair_score[p] for p in pairs], dtype=np.float64)
@@ -302,9 +300,7 @@ class Scorers:
             if len(g):
                 first.setdefault(tuple(g), i)
         idx = list(first.values())
-        lines = ["EVAL ||| " + " ||| ".join(self._stats[p] for p in groups[i]) + "\n" for i in idx]
-        answers = self._exchange(lines, [len(groups[i]) + 1 for i in idx], "METEOR corpus") if lines else []
-        self.counters["meteor_eval_lines"] += len(lines)
+        answers = self._eval([groups[i] for i in idx], "METEOR corpus")
         score = {tuple(groups[i]): float(got[-1]) for i, got in zip(idx, answers)}
         out = np.full(len(groups), np.nan)
         for i, g in enumerate(groups):
@@ -353,7 +349,7 @@ class Scorers:
                 import torch
 
                 self._threads_before = self._threads_all = torch.get_num_threads()
-                self._embedder = MiniLM(self.minilm_dir)
+                self._embedder = MiniLM()
             vecs = self._embedder.encode(texts, progress=self.progress, threads=self._batch_threads)
             self._emb.update(zip(texts, vecs))
             self.counters["embedded"] += len(texts)
@@ -387,14 +383,12 @@ class Scorers:
     def close(self) -> None:
         """Stop the METEOR JVM and the background threads (idempotent)."""
         self._closing.set()
-        if self._meteor_pool is not None:
-            self._meteor_pool.shutdown(wait=True, cancel_futures=True)
-            self._meteor_pool = None
-            self._meteor_pending.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-            self._pending.clear()
+        for pool in (self._meteor_pool, self._pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._meteor_pool = self._pool = None
+        self._meteor_pending.clear()
+        self._pending.clear()
         if self._threads_before is not None:  # MiniLM batches may have changed it
             import torch
 

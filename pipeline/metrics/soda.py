@@ -76,15 +76,11 @@ _DIRECTION_TEXT = {
 }
 
 
-def _check_direction(direction: str) -> None:
-    if direction not in DIRECTIONS:
-        raise ValueError(f"unknown SODA direction {direction!r}; expected one of {DIRECTIONS}")
-
-
 def soda_plan(prep: Prepared, direction: str = "published") -> tuple[dict, list[tuple[str, str]]]:
     """Per video (sort orders, tIoU [R, P], overlapping index pairs, captions, slice) and
     the (hyp, ref) pairs whose METEOR is needed (tIoU > 0); published: (reference, prediction)."""
-    _check_direction(direction)
+    if direction not in DIRECTIONS:
+        raise ValueError(f"unknown SODA direction {direction!r}; expected one of {DIRECTIONS}")
     plans = {}
     needed: list[tuple[str, str]] = []
     for vid in prep.with_predictions():
@@ -117,7 +113,7 @@ def evaluate_soda(prep: Prepared, scorers, cider: bool = False, direction: str =
     plans, needed = soda_plan(prep, direction)
     meteor = scorers.meteor_pair_scores(needed)
 
-    per_video, fs, ps_, rs_, fs_cider = {}, [], [], [], []
+    per_video = {}
     for vid in videos:
         po, ro, iou, rs, ps, hyps, refs, a, b = plans[vid]
         score = np.zeros_like(iou)
@@ -134,15 +130,13 @@ def evaluate_soda(prep: Prepared, scorers, cider: bool = False, direction: str =
             cmat = _cider_matrix(scorers, hyps, refs, direction)
             cbest, _ = soda_dp(iou * cmat)
             entry["SODA_c_CIDEr"] = f1(cbest / iou.shape[1], cbest / iou.shape[0])
-            fs_cider.append(entry["SODA_c_CIDEr"])
         per_video[vid] = entry
-        fs.append(entry["SODA_c"])
-        ps_.append(p)
-        rs_.append(r)
 
-    metrics = {"SODA_c": mean(fs), "Precision": mean(ps_), "Recall": mean(rs_)}
+    rows = per_video.values()  # video order
+    metrics = {"SODA_c": mean(e["SODA_c"] for e in rows), "Precision": mean(e["precision"] for e in rows),
+               "Recall": mean(e["recall"] for e in rows)}
     if cider:
-        metrics["SODA_c_CIDEr"] = mean(fs_cider)
+        metrics["SODA_c_CIDEr"] = mean(e["SODA_c_CIDEr"] for e in rows)
     return {
         "protocol": "soda",
         "variant": {
