@@ -179,12 +179,10 @@ class Aggregator(nn.Module):
                 inside: torch.Tensor, attn_row: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """hidden [S, d], visual_index [T, V], audio_index [T, A], inside [K, T] -> ([K, d], weights)."""
         k = inside.shape[0]
-        weights: dict[str, torch.Tensor] = {}
         if self.mode == "none" or k == 0:
-            return hidden.new_zeros(k, hidden.shape[-1]), weights
+            return hidden.new_zeros(k, hidden.shape[-1]), {}
         parts = [("visual", visual_index)]
         if audio_index is not None and audio_index.numel():
             parts.append(("audio", audio_index))
-        for name, index in parts:
-            weights[name] = self.token_weights(hidden, index, inside, attn_row)
+        weights = {name: self.token_weights(hidden, index, inside, attn_row) for name, index in parts}
         return pooled(hidden, [(weights[name], index.reshape(-1), 1.0) for name, index in parts]), weights

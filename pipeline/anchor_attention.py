@@ -4,17 +4,13 @@
     mass = own_anchor_mass(decoder, layer, adapter, hidden_in, pos, mask, rows, anchors)  # [R], with grad
     loss = anchor_guide_loss(mass, target=0.25)                     # 0 once the mass reaches the target
 
-Why (issue #27, measured with bench/attr_probe.py on the embedded default): a branch token can
-only name its event's colour, shape or sound by attending to its anchor, one key among the
-~300 of the prefix. From a random-init backbone that route has to be found by gradient
-descent, and it is found late: the head-averaged mass on the own anchor falls from uniform
-(0.0037) to ~0.0017 in the first 1,000 steps (the anchor's varying value is noise to the
-grammar tokens that dominate the early loss) and only jumps (to ~0.01) after ~2,500 steps,
-while a linear read-out of the anchors' aggregated features keeps colour at ~0.7 and sound at
-~0.9-1.0 accuracy throughout: the information is there, the branches do not look at it.
-The guide is the remedy speech synthesis uses for the same plateau (guided attention: a loss
-on where an attention map should look while the alignment is learnt): a hinge on the log of
-the head-averaged mass that each labelled branch row puts on its own anchor at one layer,
+Why: a branch token can only name its event's colour, shape or sound by attending to its anchor,
+one key among the ~300 of the prefix, and from a random-init backbone gradient descent finds that
+route late, while the anchors' features carry the attributes throughout (the measurements:
+docs/benchmarks.md, "The fix, now the default"). The guide is the remedy speech synthesis uses
+for the same plateau (guided attention: a loss on where an attention map should look while the
+alignment is learnt): a hinge on the log of the head-averaged mass that each labelled branch
+row puts on its own anchor at one layer,
 `model.anchor_guide_weight * mean(relu(log(target) - log(mass)))`, which stops pushing once
 the mass reaches `model.anchor_guide_target`. A pretrained backbone finds the route by itself;
 the guide is for random-init presets (the embedded default). Pure torch; no ray.

@@ -44,9 +44,9 @@ class BackboneError(ValueError):
     """The backbone cannot be built or is not supported; the message says why."""
 
 
-def preset_config(name: str, vocab_size: int, init_std: float = 0.0) -> Qwen2Config:
-    """A Qwen2Config for a preset; the vocabulary grows to hold `vocab_size` ids; `init_std`: the
-    std of its random weights (0 = HF's initializer_range, 0.02)."""
+def preset_config(name: str, vocab_size: int) -> Qwen2Config:
+    """A Qwen2Config for a preset; the vocabulary grows to hold `vocab_size` ids; its random weights
+    have HF's initializer_range (0.02)."""
     if name not in PRESETS:
         raise BackboneError(f"unknown backbone preset {name!r} (presets: {sorted(PRESETS)}; or give a local path)")
     p = dict(PRESETS[name])
@@ -55,7 +55,7 @@ def preset_config(name: str, vocab_size: int, init_std: float = 0.0) -> Qwen2Con
     return Qwen2Config(
         **p, vocab_size=vocab, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": theta}, use_sliding_window=False,
-        hidden_act="silu", attention_dropout=0.0, **({"initializer_range": init_std} if init_std > 0 else {}),
+        hidden_act="silu", attention_dropout=0.0,
     )
 
 
@@ -118,7 +118,6 @@ def load_backbone(model_cfg, vocab_size: int) -> tuple[PreTrainedModel, dict]:
         if model.get_input_embeddings().weight.shape[0] < vocab_size:
             model.resize_token_embeddings(vocab_size, mean_resizing=False)
         ref = {"kind": "path", "path": str(path.resolve())}
-    position_adapter(model.config)  # fail early on unsupported backbones
     return model, ref
 
 

@@ -46,9 +46,7 @@ def visual_caption(colour: str, shape: str, motion: str) -> str:
     """'the red circle moves to the left.' / 'the orange square grows.' / 'the red striped square moves up.'
 
     Every colour word follows the same word ('the') and comes before the shape, so the model decides the
-    colour on the same row in every caption. (With 'a' / 'an' and 'a set of red stripes', orange's article
-    and the stripes' colour were decided on rows that see 1/8 and 1/4 of the colour examples, and were the
-    colour errors of the default run: docs/benchmarks.md, "Learning the attribute words".)"""
+    colour on the same row in every caption (why: docs/benchmarks.md, "Learning the attribute words")."""
     noun = "striped square" if shape == "stripes" else shape
     return f"the {colour} {noun} {motion}."
 
@@ -82,10 +80,7 @@ def parse_caption(text: str) -> dict[str, str | None]:
     so 'white noise' is never read as the colour white).
     """
     low = " ".join(text.lower().split())
-    if "audio:" in low:
-        visual, audio = low.split("audio:", 1)
-    else:
-        visual, audio = low, low
+    visual, audio = low.split("audio:", 1) if "audio:" in low else (low, low)
     sound = _first_match(SOUNDS, audio)
     if sound is None and re.search(r"\bsilent\b", audio):
         sound = "silence"

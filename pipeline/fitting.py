@@ -64,10 +64,8 @@ def drop_segments(sample: Sample, keep: int) -> Sample:
         return sample
     idx = keep_indices(t, keep)
     times = np.ascontiguousarray(sample.segment_times[idx])
-    events = []
-    for e in sample.events:
-        s, en = remap_interval(e.start, e.end, times)
-        events.append(Event(s, en, e.caption, e.visual_caption, e.audio_caption))
+    events = [Event(*remap_interval(e.start, e.end, times), e.caption, e.visual_caption, e.audio_caption)
+              for e in sample.events]
     return replace(sample, segment_times=times, visual=np.ascontiguousarray(sample.visual[idx]),
                    audio=np.ascontiguousarray(sample.audio[idx]), events=events)
 
@@ -101,13 +99,8 @@ def fit_for_decoding(sample: Sample, model, reserve: int) -> tuple[Sample, bool]
     <G>s and the longest branch: infer.max_events + infer.max_branch_tokens) stay within
     model.max_seq_len, so every position the decoder uses is one training could use."""
     cfg = model.cfg
-    t, v = sample.num_segments, sample.visual.shape[1]
-    a = sample.audio.shape[1] if sample.has_audio else 0
     prompt = (len(model.prompt[0]), len(model.prompt[1]))
-    budget = cfg.max_seq_len - reserve
-    if sequence_length(prompt, t, v, a, []) <= budget and t <= cfg.max_segments:
-        return sample, False
     try:
-        return fit_segments(sample, prompt, [], budget, cfg.max_segments)
+        return fit_segments(sample, prompt, [], cfg.max_seq_len - reserve, cfg.max_segments)
     except ExampleError as e:
         raise ExampleError(f"{e} (after reserving {reserve} tokens for planning and one branch)") from None

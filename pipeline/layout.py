@@ -2,7 +2,7 @@
 
 Pure torch functions (no model, no tokenizer): token ids and sizes in, a `Layout`
 out. Training (`dense_layout`, `plain_layout`; pipeline/examples.py `pack`) and decoding (infer/, which
-calls `visible` / `mask_between` / `shared_position` / `anchor_position` /
+calls `mask_between` / `shared_position` / `anchor_position` /
 `branch_position` / `event_order` itself) use the SAME functions, so the two can
 never disagree about who sees whom or where a token sits.
 
@@ -25,7 +25,7 @@ predicts <S> (K = 0: the instruction predicts <S>); <S> is never an input. Ancho
 b_i[0]; the input b_i[j-1] (branch step j) predicts b_i[j]. The last token b_i[N-1]
 is never an input. Labels of the <eos> padding count iff `eos_padding_loss`.
 
-Visibility rule (`visible`): key k is visible to query q iff
+Visibility rule (`mask_between`): key k is visible to query q iff
     order(k) <= order(q) and (event(k) == -1 or event(k) == event(q))
 where event is -1 for the shared tokens (prefix, serial <G>, plain responses) and i
 for anchor i and branch i. `mask="causal"` (ablation) drops the event condition.
@@ -128,43 +128,6 @@ def is_av(role: torch.Tensor) -> torch.Tensor:
     return (role == Role.VISUAL) | (role == Role.AUDIO)
 
 
-def visible(
-    q_order: torch.Tensor,
-    q_role: torch.Tensor,
-    q_event: torch.Tensor,
-    k_order: torch.Tensor,
-    k_role: torch.Tensor,
-    k_event: torch.Tensor,
-    mask: str = "factorized",
-    av_bidirectional: bool = True,
-    k_plan: torch.Tensor | None = None,
-    g_visibility: str = "all",
-) -> torch.Tensor:
-    """THE visibility rule; broadcasting (e.g. q [Lq, 1], k [1, Lk]) -> bool [Lq, Lk].
-
-    Visible iff order(k) <= order(q) and (k is shared (event -1) or same event), or
-    (av_bidirectional) both are audio-visual slots. `mask="causal"` keeps only the
-    order condition. `g_visibility="own"` also hides from an event-i query every serial
-    <G> whose plan index (k_plan) is not i. PAD tokens are never visible and see
-    nothing (`pack` lets a PAD row see itself so softmax stays finite).
-    """
-    if mask not in ("factorized", "causal"):
-        raise LayoutError(f"unknown mask mode {mask!r}")
-    if g_visibility not in ("all", "own"):
-        raise LayoutError(f"unknown g_visibility {g_visibility!r}")
-    vis = k_order <= q_order
-    if mask == "factorized":
-        vis = vis & ((k_event < 0) | (k_event == q_event))
-    if g_visibility == "own" and bool((q_event >= 0).any()):  # shared queries (planning) see every <G>
-        if k_plan is None:
-            raise LayoutError("g_visibility='own' needs the keys' plan_index (TokenMeta.plan_index)")
-        vis = vis & ~((k_role == Role.SERIAL_G) & (q_event >= 0) & (k_plan != q_event))
-    if av_bidirectional:
-        vis = vis | (is_av(q_role) & is_av(k_role))
-    real = (q_role != Role.PAD) & (k_role != Role.PAD)
-    return vis & real
-
-
 @dataclass
 class TokenMeta:
     """What the rule needs about a set of tokens: order key, role, event; each [N].
@@ -189,14 +152,29 @@ def cat_meta(*parts: TokenMeta) -> TokenMeta:
 
 
 def mask_between(queries: TokenMeta, keys: TokenMeta, options: LayoutOptions) -> torch.Tensor:
-    """bool [Lq, Lk]: which keys each query sees (any query set, any key set)."""
-    plan = keys.plan_index[None, :] if keys.plan_index is not None else None
-    return visible(
-        queries.order[:, None], queries.role[:, None], queries.event[:, None],
-        keys.order[None, :], keys.role[None, :], keys.event[None, :],
-        mask=options.mask, av_bidirectional=options.av_bidirectional,
-        k_plan=plan, g_visibility=options.g_visibility,
-    )
+    """THE visibility rule: bool [Lq, Lk], which keys each query sees (any query set, any key set).
+
+    Visible iff order(k) <= order(q) and (k is shared (event -1) or same event), or
+    (av_bidirectional) both are audio-visual slots. `mask="causal"` keeps only the
+    order condition. `g_visibility="own"` also hides from an event-i query every serial
+    <G> whose plan index (keys.plan_index) is not i. PAD tokens are never visible and see
+    nothing (`pack` lets a PAD row see itself so softmax stays finite).
+    """
+    if options.mask not in ("factorized", "causal"):
+        raise LayoutError(f"unknown mask mode {options.mask!r}")
+    q_role, q_event = queries.role[:, None], queries.event[:, None]
+    k_role, k_event = keys.role[None, :], keys.event[None, :]
+    vis = keys.order[None, :] <= queries.order[:, None]
+    if options.mask == "factorized":
+        vis = vis & ((k_event < 0) | (k_event == q_event))
+    if options.g_visibility == "own" and bool((q_event >= 0).any()):  # shared queries (planning) see every <G>
+        if keys.plan_index is None:
+            raise LayoutError("g_visibility='own' needs the keys' plan_index (TokenMeta.plan_index)")
+        vis = vis & ~((k_role == Role.SERIAL_G) & (q_event >= 0) & (keys.plan_index[None, :] != q_event))
+    if options.av_bidirectional:
+        vis = vis | (is_av(q_role) & is_av(k_role))
+    real = (q_role != Role.PAD) & (k_role != Role.PAD)
+    return vis & real
 
 
 def additive_mask(vis: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -323,10 +301,23 @@ class Layout:
 
 
 class _Builder:
-    """Accumulates tokens column-wise; `finish` sorts by order and builds the mask."""
+    """Accumulates tokens column-wise, starting with the prefix (P = `prefix_len` tokens); `finish` sorts
+    by order and builds the mask (the Layout's sizes and P come from the prefix)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preamble_ids, instruction_ids, num_segments: int, visual: int, audio: int) -> None:
         self.cols: dict[str, list[int]] = {k: [] for k in ("ids", "labels", "event", "role", "segment", "slot", "step", "order", "position")}
+        if num_segments < 1 or visual < 1 or audio < 0:
+            raise LayoutError(f"need T >= 1, V >= 1, A >= 0 (got T={num_segments}, V={visual}, A={audio})")
+        if len(instruction_ids) < 1:
+            raise LayoutError("the instruction must have at least one token (its last token predicts <G>/<S>)")
+        self.add(preamble_ids, Role.PREAMBLE)
+        for t in range(num_segments):
+            self.add([FEATURE_ID] * visual, Role.VISUAL, segment=t, slot=range(t * visual, (t + 1) * visual))
+            if audio:
+                self.add([FEATURE_ID] * audio, Role.AUDIO, segment=t, slot=range(t * audio, (t + 1) * audio))
+        self.add(instruction_ids, Role.INSTRUCTION)
+        self.prefix_len = len(self)
+        self.sizes = dict(num_segments=num_segments, visual_per_segment=visual, audio_per_segment=audio, prefix_len=self.prefix_len)
 
     def add(self, ids, role, *, labels=None, event=-1, segment=-1, slot=-1, step=-1, order=None, position=None) -> None:
         ids = list(ids)
@@ -360,34 +351,18 @@ class _Builder:
         layout = Layout(
             input_ids=t["ids"], labels=t["labels"], event=t["event"], role=t["role"], segment=t["segment"],
             slot=t["slot"], step=t["step"], order=t["order"], position=t["position"],
-            mask=torch.empty(0), **attrs,
+            mask=torch.empty(0), **self.sizes, **attrs,
         )
         meta = layout.meta()
         layout.mask = additive_mask(mask_between(meta, meta, options))[None, None]
         return layout
 
 
-def _add_prefix(b: _Builder, preamble_ids, instruction_ids, num_segments: int, visual: int, audio: int) -> int:
-    if num_segments < 1 or visual < 1 or audio < 0:
-        raise LayoutError(f"need T >= 1, V >= 1, A >= 0 (got T={num_segments}, V={visual}, A={audio})")
-    if len(instruction_ids) < 1:
-        raise LayoutError("the instruction must have at least one token (its last token predicts <G>/<S>)")
-    b.add(preamble_ids, Role.PREAMBLE)
-    for t in range(num_segments):
-        b.add([FEATURE_ID] * visual, Role.VISUAL, segment=t, slot=range(t * visual, (t + 1) * visual))
-        if audio:
-            b.add([FEATURE_ID] * audio, Role.AUDIO, segment=t, slot=range(t * audio, (t + 1) * audio))
-    b.add(instruction_ids, Role.INSTRUCTION)
-    return len(b)
-
-
 def prefix_layout(preamble_ids, instruction_ids, num_segments: int, visual_per_segment: int,
                   audio_per_segment: int, options: LayoutOptions = LayoutOptions()) -> Layout:
     """The prefix alone (what decoding starts from): no labels, no events."""
-    b = _Builder()
-    p = _add_prefix(b, preamble_ids, instruction_ids, num_segments, visual_per_segment, audio_per_segment)
-    return b.finish(options, num_segments=num_segments, visual_per_segment=visual_per_segment,
-                    audio_per_segment=audio_per_segment, num_events=0, prefix_len=p, split=p, kind="prefix")
+    b = _Builder(preamble_ids, instruction_ids, num_segments, visual_per_segment, audio_per_segment)
+    return b.finish(options, num_events=0, split=b.prefix_len, kind="prefix")
 
 
 def branch_targets(captions: Sequence[Sequence[int]], eos_id: int, padded: bool = True) -> tuple[list[list[int]], list[int]]:
@@ -412,8 +387,8 @@ def dense_layout(
     options: LayoutOptions = LayoutOptions(),
 ) -> Layout:
     """A dense-captioning training sequence with K = len(captions) events (module notes)."""
-    b = _Builder()
-    p = _add_prefix(b, preamble_ids, instruction_ids, num_segments, visual_per_segment, audio_per_segment)
+    b = _Builder(preamble_ids, instruction_ids, num_segments, visual_per_segment, audio_per_segment)
+    p = b.prefix_len
     k = len(captions)
     b.cols["labels"][p - 1] = g_id if k else s_id
     if k:
@@ -438,8 +413,7 @@ def dense_layout(
             b.add(tgt[: n - 1], Role.BRANCH, labels=labels, event=i, step=steps.tolist(),
                   order=event_order(i, steps, base, k, options.branch_order).tolist(),
                   position=branch_position(a_pos, steps).tolist())
-    return b.finish(options, num_segments=num_segments, visual_per_segment=visual_per_segment,
-                    audio_per_segment=audio_per_segment, num_events=k, prefix_len=p, split=p + k, kind="dense")
+    return b.finish(options, num_events=k, split=p + k, kind="dense")
 
 
 def plain_layout(
@@ -454,10 +428,8 @@ def plain_layout(
     options: LayoutOptions = LayoutOptions(),
 ) -> Layout:
     """A plain instruction-response sample: the response (+ eos) is ordinary causal text."""
-    b = _Builder()
-    p = _add_prefix(b, preamble_ids, instruction_ids, num_segments, visual_per_segment, audio_per_segment)
+    b = _Builder(preamble_ids, instruction_ids, num_segments, visual_per_segment, audio_per_segment)
     target = list(response_ids) + [eos_id]
-    b.cols["labels"][p - 1] = target[0]
+    b.cols["labels"][b.prefix_len - 1] = target[0]
     b.add(target[:-1], Role.RESPONSE, labels=target[1:])
-    return b.finish(options, num_segments=num_segments, visual_per_segment=visual_per_segment,
-                    audio_per_segment=audio_per_segment, num_events=0, prefix_len=p, split=len(b), kind="plain")
+    return b.finish(options, num_events=0, split=len(b), kind="plain")

@@ -55,8 +55,8 @@ from pipeline.fitting import fit_to_model
 from pipeline.grounding import GroundingHead, readout, segment_hidden, similarity_logits, soft_targets
 from pipeline.layout import IGNORE, LayoutOptions, Role, additive_mask
 from pipeline.tokens import add_special_tokens, build_tokenizer, prompt_ids, special_ids
-from pipeline.two_stage import checkpointed, run_decoder, stage_cache, stage_two, train_outputs
-from pipeline.weights import folded_tables, with_row_logits, with_rows
+from pipeline.two_stage import run_decoder, stage_cache, stage_two, train_outputs
+from pipeline.weights import fold_rows, with_row_logits, with_rows
 
 FORMAT_VERSION = 1
 META_FILE = "padcaptioner.json"
@@ -95,8 +95,7 @@ class PadCaptioner(nn.Module):
         self.cfg = cfg
         self.options = LayoutOptions.from_config(cfg)
         self.tokenizer = add_special_tokens(tokenizer) if tokenizer is not None else build_tokenizer(cfg)
-        ids = special_ids(self.tokenizer)
-        self.ids = ids
+        self.ids = ids = special_ids(self.tokenizer)
         self.g_id, self.s_id, self.eos_id, self.pad_id = ids["g"], ids["s"], ids["eos"], ids["pad"]
         self.prompt = prompt_ids(self.tokenizer, cfg.instruction)
 
@@ -130,7 +129,7 @@ class PadCaptioner(nn.Module):
             noise = in_w.detach().float().std().item() * NEW_TOKEN_NOISE
 
             def rows(w: torch.Tensor) -> nn.Parameter:
-                return nn.Parameter(w.detach().float().mean(0).repeat(2, 1) + noise * torch.randn(2, d))
+                return nn.Parameter((w.detach().float().mean(0).repeat(2, 1) + noise * torch.randn(2, d)).to(dtype))
 
             self.new_embed = rows(in_w)
             self.new_out = None if tied else rows(out_w)
@@ -146,9 +145,6 @@ class PadCaptioner(nn.Module):
         for name, module in self.named_children():
             if name != "backbone":
                 module.to(dtype)
-        self.new_embed.data = self.new_embed.data.to(dtype)
-        if self.new_out is not None:
-            self.new_out.data = self.new_out.data.to(dtype)
         self.register_buffer("new_ids", torch.tensor([self.g_id, self.s_id]), persistent=False)
 
     # ------------------------------------------------------------------ pieces the engine uses
@@ -171,11 +167,6 @@ class PadCaptioner(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.new_embed.device
-
-    @property
-    def lm_head(self):
-        """hidden [N, d] -> logits [N, V] with the <G>/<S> columns (`lm_logits`)."""
-        return self.lm_logits
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., d]; <G>/<S> from `new_embed`; negative ids (feature slots) give zeros' row 0."""
@@ -225,14 +216,7 @@ class PadCaptioner(nn.Module):
             emb[b, is_a] = aud[slot[b, is_a]].to(emb.dtype)
         return emb
 
-    def embed_prefix(self, ex: Example) -> torch.Tensor:
-        """[1, split, d]: input embeddings of an example's stage-1 tokens (prefix [+ serial <G>s])."""
-        return self.embed(collate([ex]).packed, [ex], slice(0, ex.layout.split))
-
-    def run_decoder(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
-                    cache=None, output_hidden_states: bool = False):
-        """The backbone's base model with a layout mask made additive (pipeline/two_stage.py `run_decoder`)."""
-        return run_decoder(self, embeds, mask, position_ids, cache, output_hidden_states)
+    run_decoder = run_decoder  # the backbone's base model with a layout mask made additive (pipeline/two_stage.py)
 
     def event_vectors(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[K, d] grounding-layer states at the rows that predict each <G> -> event vectors [K, d]."""
@@ -273,9 +257,8 @@ class PadCaptioner(nn.Module):
         inside = interval_mask(intervals.cpu(), segment_times.cpu()).to(hidden_in.device)
         if row is None:
             row = self.aggregation_row(hidden_in, layout, position_ids, key_visible)
-        feats, weights = self.aggregator(hidden_in, layout.visual_index.to(hidden_in.device),
-                                         layout.audio_index.to(hidden_in.device), inside, row)
-        return feats, weights
+        return self.aggregator(hidden_in, layout.visual_index.to(hidden_in.device), layout.audio_index.to(hidden_in.device),
+                               inside, row)
 
     def anchor_embeddings(self, hidden_in, layout, segment_times, intervals, position_ids, key_visible,
                           row: torch.Tensor | None = None) -> torch.Tensor:
@@ -354,7 +337,16 @@ class PadCaptioner(nn.Module):
         return self.cfg.grounding_layer % (n_layers + 1), self.aggregation_layer
 
     def step_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return folded_tables(self)
+        """(embed [V, d], head [V, d], head bias): copies of the backbone's tables with the <G>/<S> rows
+        of `new_embed` / `new_out` folded in (one tensor when tied)."""
+        base = self.backbone.get_base_model()
+        in_w, out_w = base.get_input_embeddings().weight, base.get_output_embeddings().weight
+        embed = fold_rows(in_w, self.new_ids, self.new_embed)
+        if in_w.data_ptr() == out_w.data_ptr() and self.new_out is None:
+            head = embed
+        else:
+            head = fold_rows(out_w, self.new_ids, self.new_embed if self.new_out is None else self.new_out)
+        return embed, head, getattr(base.get_output_embeddings(), "bias", None)
 
     def banned_ids(self) -> list[int]:
         return [self.g_id, self.s_id]
@@ -405,10 +397,6 @@ class PadCaptioner(nn.Module):
         """Checkpoint every decoder layer (non-reentrant); stage 2 then reruns the full sequence."""
         self.backbone.get_base_model().activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
-
-    @property
-    def activation_checkpointing(self) -> bool:
-        return checkpointed(self.decoder)
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.named_parameters() if p.requires_grad}

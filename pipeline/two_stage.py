@@ -1,7 +1,7 @@
 """The two-stage training forward of both model families, its shared steps once (pipeline/model.py
 `PadCaptioner.forward_train`, pipeline/release/finetune.py `ReleaseFinetune.forward_one`).
 
-    cache = stage_cache(model)                        # None when stage 2 must rerun stage 1 (`reruns`)
+    cache = stage_cache(model)                        # None when stage 2 must rerun stage 1
     out1 = run_decoder(model, emb1, mask1, pos1, cache, output_hidden_states=True)  # stage 1 (the family's)
     two = stage_two(model, emb1, emb2, mask_rows, positions, cache)                   # stage 2
     out = train_outputs(lm_logits, text_logits, text_labels, (branch_hidden, labels, pad), grounding_logits=[...])
@@ -11,7 +11,7 @@ grounding-layer and aggregation-layer states. The family then grounds its events
 intervals into features, and builds stage 2's inputs (anchors carrying the features, branches; for the
 release the serial <G>s too, whose inputs carry them). Stage 2 attends to stage 1 through the cache
 with its own rows of the same mask. HF drops caches under activation checkpointing when a backward
-follows (`reruns`): stage 2 then runs the whole sequence again, stage 1 in front, and keeps its own
+follows (`stage_cache` None): stage 2 then runs the whole sequence again, stage 1 in front, and keeps its own
 columns. `train_outputs` is the dict train/losses.py reads. Pure torch + HF.
 """
 
@@ -26,20 +26,12 @@ from transformers.cache_utils import DynamicCache
 from pipeline.layout import additive_mask
 
 
-def checkpointed(decoder) -> bool:
-    """Whether the decoder's layers run under activation checkpointing."""
-    return any(getattr(layer, "gradient_checkpointing", False) for layer in decoder.layers)
-
-
-def reruns(decoder) -> bool:
-    """Whether stage 2 must rerun stage 1 instead of reading its cache: HF's own condition for dropping
-    caches (checkpointed layers, training mode, gradients on)."""
-    return checkpointed(decoder) and decoder.training and torch.is_grad_enabled()
-
-
 def stage_cache(model) -> DynamicCache | None:
-    """Stage 1's KV cache for stage 2, or None when stage 2 reruns stage 1 (`reruns`)."""
-    return None if reruns(model.decoder) else DynamicCache(config=model.hf_config)
+    """Stage 1's KV cache for stage 2, or None when stage 2 must rerun stage 1 instead of reading it:
+    HF's own condition for dropping caches (checkpointed layers, training mode, gradients on)."""
+    dec = model.decoder
+    checkpointed = any(getattr(layer, "gradient_checkpointing", False) for layer in dec.layers)
+    return None if checkpointed and dec.training and torch.is_grad_enabled() else DynamicCache(config=model.hf_config)
 
 
 def run_decoder(model, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache=None,
@@ -75,7 +67,7 @@ class StageTwo:
 def stage_two(model, emb1: torch.Tensor, emb2: torch.Tensor, mask_rows: Callable[[int], torch.Tensor],
               positions: torch.Tensor, cache, output_hidden_states: bool = False) -> StageTwo:
     """Stage 2 over the columns after stage 1's s, by the family's `run_decoder`: through `cache`, or
-    (cache None, `reruns`) over the whole sequence with stage 1 in front.
+    (cache None: `stage_cache`) over the whole sequence with stage 1 in front.
 
     emb1 [B, s, d], emb2 [B, n, d]; mask_rows(a) -> the mask of query columns a.. over every key
     [B, 1, s + n - a, s + n] (`run_decoder`'s convention); positions [..., s + n]."""

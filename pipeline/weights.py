@@ -4,7 +4,6 @@
     emb = with_rows(table_emb, ids, row_ids, rows)       # [..., d]: the trained <G>/<S> rows where ids hit
     logits = with_row_logits(base, hidden, row_ids, rows)  # [N, V]: those rows' logit columns replaced
     table = fold_rows(table, row_ids, rows)        # a copy of a [V, d] table with the rows in place
-    embed, head, bias = folded_tables(model)       # a PadCaptioner's tables with its <G>/<S> rows in place
 
 Both families train the two new rows (<G>, <S>) as a separate [2, d] parameter beside the frozen
 vocab-size table; these are the one way they are substituted (training) and folded (decoding, export).
@@ -54,18 +53,3 @@ def fold_rows(table: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor) ->
     out = table.detach().clone()
     out[row_ids] = rows.detach().to(out.dtype)
     return out
-
-
-def folded_tables(model) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A PadCaptioner's (embed [V, d], head [V, d], head bias): copies of the backbone's tables
-    with the <G>/<S> rows of `new_embed` / `new_out` folded in (one tensor when tied)."""
-    base = model.backbone.get_base_model()
-    in_w = base.get_input_embeddings().weight
-    out_w = base.get_output_embeddings().weight
-    ids = model.new_ids
-    embed = fold_rows(in_w, ids, model.new_embed)
-    if in_w.data_ptr() == out_w.data_ptr() and model.new_out is None:
-        head = embed
-    else:
-        head = fold_rows(out_w, ids, model.new_embed if model.new_out is None else model.new_out)
-    return embed, head, getattr(base.get_output_embeddings(), "bias", None)

@@ -36,7 +36,7 @@ def test_both_families_implement_the_interface(pad, release):
 def test_each_family_states_its_own_rules(pad, release):
     n = pad.hf_config.get_text_config(decoder=True).num_hidden_layers
     assert pad.capture_layers() == (pad.cfg.grounding_layer % (n + 1), pad.aggregation_layer)
-    assert release.capture_layers()[0] == release.hf_cfg.get_text_config(decoder=True).num_hidden_layers - 1
+    assert release.capture_layers()[0] == release.hf_config.get_text_config(decoder=True).num_hidden_layers - 1
     assert pad.banned_ids() == [pad.g_id, pad.s_id]
     assert release.banned_ids() == [release.g_id, release.s_id, release.shift_id]
     assert pad.default_caps() == (30, pad.cfg.max_caption_tokens + 1)

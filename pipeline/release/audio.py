@@ -103,32 +103,19 @@ class QFormerLayer(nn.Module):
         return self.output_query(self.intermediate_query(x), x)
 
 
-class _Embeddings(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.LayerNorm = nn.LayerNorm(dim, eps=eps)
+class WindowQFormer(nn.Module):
+    """queries [B, n, Hq] x windows [B, w, dw] -> [B, n, Hq] (`qformer.bert.*` of the release).
 
+    `bert.embeddings` and `bert.encoder` are plain containers: they only give the release's key names."""
 
-class _Encoder(nn.Module):
     def __init__(self, q: dict):
         super().__init__()
         every = int(q.get("cross_attention_freq", 1))
-        self.layer = nn.ModuleList(QFormerLayer(q, cross=i % every == 0) for i in range(q["num_hidden_layers"]))
-
-
-class _Bert(nn.Module):
-    def __init__(self, q: dict):
-        super().__init__()
-        self.embeddings = _Embeddings(q["hidden_size"], q.get("layer_norm_eps", 1e-12))
-        self.encoder = _Encoder(q)
-
-
-class WindowQFormer(nn.Module):
-    """queries [B, n, Hq] x windows [B, w, dw] -> [B, n, Hq] (`qformer.bert.*` of the release)."""
-
-    def __init__(self, q: dict):
-        super().__init__()
-        self.bert = _Bert(q)
+        self.bert = nn.Module()
+        self.bert.embeddings = nn.Module()
+        self.bert.embeddings.LayerNorm = nn.LayerNorm(q["hidden_size"], eps=q.get("layer_norm_eps", 1e-12))
+        self.bert.encoder = nn.Module()
+        self.bert.encoder.layer = nn.ModuleList(QFormerLayer(q, cross=i % every == 0) for i in range(q["num_hidden_layers"]))
 
     def forward(self, queries: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         x = self.bert.embeddings.LayerNorm(queries)

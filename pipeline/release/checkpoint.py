@@ -95,8 +95,7 @@ def mapped_safetensors(path: str | Path, prefixes: tuple[str, ...] | None = None
             raise ReleaseError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which the loader does not read")
         dtype, (begin, end) = SAFE_DTYPES[info["dtype"]], info["data_offsets"]
         chunk = raw[base + begin: base + end]
-        item = torch.empty(0, dtype=dtype).element_size()
-        if (base + begin) % item:
+        if (base + begin) % dtype.itemsize:
             chunk = chunk.clone()
         out[key] = chunk.view(dtype).reshape(info["shape"])
     return out
@@ -145,13 +144,8 @@ def map_state_dict(state: Mapping[str, torch.Tensor], rules: Iterable[tuple[str,
             continue
         out[target] = tensor
     missing = [k for k in targets if k not in out and k not in set(optional)]
-    problems = []
-    if unknown:
-        problems.append(f"{len(unknown)} unexpected tensor(s) {unknown[:4]}")
-    if missing:
-        problems.append(f"{len(missing)} missing tensor(s) {missing[:4]}")
-    if bad_shape:
-        problems.append(f"{len(bad_shape)} shape mismatch(es) {bad_shape[:4]}")
+    problems = [f"{len(keys)} {what} {keys[:4]}" for what, keys in
+                (("unexpected tensor(s)", unknown), ("missing tensor(s)", missing), ("shape mismatch(es)", bad_shape)) if keys]
     if problems:
         raise ReleaseError("checkpoint does not match the release model: " + "; ".join(problems))
     return out

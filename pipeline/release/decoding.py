@@ -21,7 +21,6 @@ import torch
 
 from pipeline.aggregation import attention_row
 from pipeline.family import DecodeError
-from pipeline.layout import additive_mask
 from pipeline.release.layout import LayoutError, ReleaseLayout, build_layout, mrope_ids, prompt_visible
 from pipeline.release.video import ReleaseVideo, as_release_video
 
@@ -40,12 +39,6 @@ class ReleasePrefill:
     last_ground: torch.Tensor  # [d] hidden_states[-2] of the last row
     attn_row: torch.Tensor  # [L] aggregation probabilities (0 on hidden keys)
     segments: torch.Tensor  # [T, d] segment keys
-
-
-def prefill_mask(lay: ReleaseLayout, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, L, L] additive: causal, and the AV block bidirectional within itself (the project's
-    visibility rule over the prompt, pipeline/release/layout.py `prompt_visible`)."""
-    return additive_mask(prompt_visible(lay), dtype)[None, None]
 
 
 def media_tokens(model, video: ReleaseVideo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,21 +94,19 @@ def aggregation_row(model, lay: ReleaseLayout, pos: torch.Tensor, h_agg: torch.T
     the model dtype, mean over heads; 0 on hidden keys) from the aggregation layer's input states."""
     dev = h_agg.device
     q = lay.query_index
-    keys = torch.zeros(lay.length, dtype=torch.bool, device=dev)
-    keys[: q + 1] = True
+    keys = torch.arange(lay.length, device=dev) <= q
     return attention_row(model.decoder, model.aggregation_layer, model.adapter, h_agg, pos.T.to(dev), q, keys,
                          probs_dtype=model.dtype)
 
 
-def prefill(model, video: ReleaseVideo, cache, embed=None, use_cache: bool = True) -> ReleasePrefill:
+def prefill(model, video: ReleaseVideo, cache, embed=None) -> ReleasePrefill:
     """Steps 1-3 of the module doc for one video (HF's forward), with gradients where the caller has
     them: fine-tuning's prefill (pipeline/release/finetune.py passes its `embed` and, when it reruns
     the prompt under activation checkpointing, no cache); decoding runs the same inputs and mask
-    through the engine's program (infer/engine/programs.py, infer/oracles/front.py)."""
+    through the engine's program (infer/engine/programs.py, infer/oracles/front.py). The mask: causal,
+    and the AV block bidirectional within itself (pipeline/release/layout.py `prompt_visible`)."""
     lay, emb, pos, delta = prefill_inputs(model, video, embed)
-    dev = model.device
-    out = model.decoder(inputs_embeds=emb[None], attention_mask=prefill_mask(lay, model.dtype).to(dev),
-                        position_ids=pos[:, None].to(dev), cache=cache, use_cache=use_cache, output_hidden_states=True)
+    out = model.run_decoder(emb[None], ~prompt_visible(lay)[None, None], pos[:, None], cache, output_hidden_states=True)
     hs = out.hidden_states
     h_ground, h_agg = hs[-2][0], hs[model.aggregation_layer][0]
     row = aggregation_row(model, lay, pos, h_agg.detach())

@@ -2,7 +2,7 @@
 
     tuner = ReleaseFinetune(ReleaseCaptioner.from_release(dir, settings), lora_r=128, lora_alpha=256)
     ex = tuner.make_example(TrainVideo(video, events))
-    out = tuner.forward_train(collate_release([ex]))   # the dict train/losses.py reads
+    out = tuner.forward_train(tuner.collate([ex]))   # the dict train/losses.py reads
     tuner.save_pretrained(out_dir)                     # a release-format directory again
 
 What trains, as the release trains (docs/design/release.md 1.1): LoRA (r 128, alpha 256 upstream) on
@@ -26,7 +26,7 @@ segment keys, BCE with the soft targets of pipeline/grounding.py. Intervals are 
 to timesteps [floor(s / d), ceil(e / d) - 1]. Two forwards per video: the prompt (decoding's
 own `prefill`, pipeline/release/decoding.py, whose states feed aggregation), then the rest through
 its cache, with the positions (`shared_position` / `anchor_position` / `branch_position`
-plus the rope delta) and the mask (`visible`) of pipeline/layout.py. Pure torch + HF + peft.
+plus the rope delta) and the mask (`mask_between`) of pipeline/layout.py. Pure torch + HF + peft.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from pipeline.release.layout import event_meta, prompt_meta, release_visible, sh
 from pipeline.release.model import ReleaseCaptioner, settings_from
 from pipeline.release.video import ReleaseVideo, as_release_video
 from pipeline.schema import Event
-from pipeline.two_stage import checkpointed, stage_cache, stage_two, train_outputs
+from pipeline.two_stage import stage_cache, stage_two, train_outputs
 from pipeline.weights import effective_linear, fold_rows, with_row_logits, with_rows
 
 LLM_QKV = r".*language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj)"
@@ -82,10 +82,6 @@ class ReleaseBatch:
     @property
     def num_tokens(self) -> int:
         return sum(e.num_tokens for e in self.examples)
-
-
-def collate_release(examples: list[ReleaseExample]) -> ReleaseBatch:
-    return ReleaseBatch(list(examples))
 
 
 @dataclass
@@ -147,10 +143,6 @@ class ReleaseFinetune(nn.Module):
         if self.model.audio is not None:
             self.model.audio.whisper.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
 
-    @property
-    def activation_checkpointing(self) -> bool:
-        return checkpointed(self.model.decoder)
-
     # the run's config beside the release's own config.json; checkpoints keep the trained tensors only, the
     # merged dir is train/export.py's (train/checkpoint.py)
     checkpoint = CheckpointFormat(config_file=RUN_CONFIG, merged_at_end=True)
@@ -161,7 +153,7 @@ class ReleaseFinetune(nn.Module):
         return self.model
 
     def collate(self, examples: list[ReleaseExample]) -> ReleaseBatch:
-        return collate_release(examples)
+        return ReleaseBatch(list(examples))
 
     def fit(self, sample):
         """Samples are not shortened (the release's test path does not either): a prompt over
@@ -179,10 +171,8 @@ class ReleaseFinetune(nn.Module):
         t = v.num_segments
         events = sorted(sample.events, key=lambda e: (e.start, e.end))
         steps = [timestep_interval(e.start, e.end, v.seconds_per_step, t) for e in events]
-        caps = []
-        for e in events:
-            ids = m.tokenizer(e.caption, add_special_tokens=False)["input_ids"][: self.max_caption_tokens]
-            caps.append(ids + [m.eos_id])
+        caps = [m.tokenizer(e.caption, add_special_tokens=False)["input_ids"][: self.max_caption_tokens] + [m.eos_id]
+                for e in events]
         iv = torch.tensor([[e.start, e.end] for e in events], dtype=torch.float32).reshape(-1, 2)
         return ReleaseExample(v, steps, iv, caps, num_tokens=len(events) * 2 + sum(map(len, caps)))
 
@@ -195,7 +185,7 @@ class ReleaseFinetune(nn.Module):
         m = self.model
         dev = m.device
         cache = stage_cache(m)
-        pre = prefill(m, ex.video, cache, embed=self.embed, use_cache=cache is not None)
+        pre = prefill(m, ex.video, cache, embed=self.embed)
         lay, k = pre.layout, len(ex.steps)
         L = lay.length
         plan_labels = torch.tensor([m.g_id] * k + [m.s_id], device=dev)
@@ -253,11 +243,7 @@ class ReleaseFinetune(nn.Module):
     def merged_release_state(self) -> dict[str, torch.Tensor]:
         """The release's key names with LoRA merged and the trained rows folded in (what it saves)."""
         m = self.model
-        state = {}
-        for k, v in m.state_dict().items():
-            if "lora_" in k:
-                continue
-            state[k.replace(".base_layer.", ".")] = v
+        state = {k.replace(".base_layer.", "."): v for k, v in m.state_dict().items() if "lora_" not in k}
         for name, mod in m.named_modules():
             if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
                 w, b = effective_linear(mod)
@@ -267,8 +253,7 @@ class ReleaseFinetune(nn.Module):
         key = "hf.model.language_model.embed_tokens.weight"
         state[key] = fold_rows(state[key], self.row_ids, self.rows)
         state.pop("hf.lm_head.weight", None)
-        rules = [(dst, src) for src, dst in m.release_rules()]
-        return {next(s + k[len(d):] for d, s in rules if k.startswith(d)): v.contiguous().cpu() for k, v in state.items()}
+        return {k: v.contiguous().cpu() for k, v in m.release_state_dict(state).items()}
 
     def save_pretrained(self, path: str | Path) -> Path:
         """A release-format directory (config.json, pytorch_model.bin, tokenizer files): loadable by
@@ -276,14 +261,12 @@ class ReleaseFinetune(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         m = self.model
-        m.hf_cfg.save_pretrained(path)
+        m.hf_config.save_pretrained(path)
         torch.save(self.merged_release_state(), path / "pytorch_model.bin")
         source = Path(getattr(m, "source", ""))
-        copied = False
-        for name in TOKENIZER_FILES:
-            if source.is_dir() and (source / name).is_file():
-                shutil.copy2(source / name, path / name)
-                copied = True
+        copied = [name for name in TOKENIZER_FILES if source.is_dir() and (source / name).is_file()]
+        for name in copied:
+            shutil.copy2(source / name, path / name)
         if not copied:
             m.tokenizer.save_pretrained(str(path))
         (path / "padcaptioner_release.json").write_text(json.dumps({"settings": m.describe()}, indent=2))

@@ -1,7 +1,7 @@
 """The release model's media geometry, read from its checkpoint's config.json.
 
     geo = Geometry.from_config(json.load(open(dir / "config.json")))   # or Geometry.from_dir(dir)
-    geo.factor, geo.patch_dim, geo.audio_tokens_per_chunk
+    geo.factor, geo.audio_tokens_per_chunk
 
 What the media preparation, the layout and the towers must agree on (docs/design/release.md 1.2, 2, 4.1-4.3), with
 the published 3B's values as the defaults when a key is absent: `vision_config.patch_size` (14 px),
@@ -34,11 +34,6 @@ class Geometry:
     def factor(self) -> int:
         """Resized frame sides are multiples of this (28 for the 3B)."""
         return self.patch_size * self.spatial_merge_size
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per vision patch row: 3 * temporal * patch * patch (1176 for the 3B)."""
-        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
     @property
     def audio_tokens_per_chunk(self) -> int:

@@ -25,7 +25,7 @@ the video grid in raster order whatever their type, everything later is text fro
 p0 + max(tau(T-1), H'-1, W'-1) + 1). After the prompt every token is text in both modes:
 position = cache index + delta on all three axes (pipeline/layout.py `shared_position`,
 `anchor_position`, `branch_position` with the rope delta).
-Masks: the project's visibility rule (pipeline/layout.py `visible`) over the release's
+Masks: the project's visibility rule (pipeline/layout.py `mask_between`) over the release's
 tokens (`prompt_meta`, `event_meta`): the prompt causal with its AV block bidirectional,
 serial <G>s shared, anchor and branch tokens of one event seeing the shared tokens and
 their own event only. Pure torch; no ray.
@@ -153,17 +153,14 @@ def mrope_ids(lay: ReleaseLayout, mode: str) -> tuple[torch.Tensor, int]:
     pos = torch.arange(L).repeat(3, 1)
     taus = tau(g)
     n_grid = g.timesteps * g.per_step
-    if mode == "release":
-        k = torch.arange(n_grid)
-        grid_ids = torch.stack([p0 + taus[k // g.per_step], p0 + (k % g.per_step) // g.cols, p0 + k % g.cols])
+    k = torch.arange(n_grid)
+    grid_ids = torch.stack([p0 + taus[k // g.per_step], p0 + (k % g.per_step) // g.cols, p0 + k % g.cols])
+    if mode == "release":  # the grid on the first T V tokens whatever their type, then text
         pos[:, p0:p0 + n_grid] = grid_ids
         start = p0 + max(int(taus[-1]), g.rows - 1, g.cols - 1) + 1
-        rest = torch.arange(L - p0 - n_grid)
-        pos[:, p0 + n_grid:] = start + rest
+        pos[:, p0 + n_grid:] = start + torch.arange(L - p0 - n_grid)
     else:
-        k = torch.arange(n_grid)
-        t, r, c = k // g.per_step, (k % g.per_step) // g.cols, k % g.cols
-        pos[:, lay.video_slots] = torch.stack([p0 + taus[t], p0 + r, p0 + c])
+        pos[:, lay.video_slots] = grid_ids
         j = torch.arange(g.audio_tokens)
         pos[:, lay.audio_slots] = torch.stack([p0 + j, torch.full_like(j, p0), p0 + j])
         block_end = p0 + lay.block_len

@@ -91,14 +91,14 @@ def settings_from(cfg, *, positions: str | None = None) -> ReleaseSettings:
 
 
 class ReleaseCaptioner(nn.Module):
-    """See the module docstring. Build with `from_release` (weights) or `from_config` (random)."""
+    """See the module docstring. Build with `from_release` (weights) or the constructor (random)."""
 
     def __init__(self, hf_config, tokenizer, settings: ReleaseSettings | None = None):
         super().__init__()
         settings = settings or ReleaseSettings()
         settings.check()
         self.settings = settings
-        self.hf_cfg = hf_config
+        self.hf_config = hf_config
         self.adapter = position_adapter(hf_config)  # M-RoPE (pipeline/backbone.py MRope)
         raw = hf_config.to_dict()
         text = hf_config.get_text_config(decoder=True)
@@ -187,23 +187,20 @@ class ReleaseCaptioner(nn.Module):
         if left:
             raise ReleaseError(f"{len(left)} tensor(s) the checkpoint did not fill: {left[:4]}")
 
-    def release_state_dict(self) -> dict[str, torch.Tensor]:
-        """This model's tensors under the release's key names (what the release saves; tied head left out)."""
+    def release_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """This model's tensors (or `state`, keyed as this model's) under the release's key names (what the
+        release saves; tied head left out)."""
         inverse = [(dst, src) for src, dst in self.release_rules()]
-        out = {}
-        for k, v in self.state_dict().items():
-            if k == "hf.lm_head.weight" and self.tied:
-                continue
-            src = next(s + k[len(d):] for d, s in inverse if k.startswith(d))
-            out[src] = v
-        return out
+        return {next(s + k[len(d):] for d, s in inverse if k.startswith(d)): v
+                for k, v in (self.state_dict() if state is None else state).items()
+                if not (k == "hf.lm_head.weight" and self.tied)}
 
     # ------------------------------------------------------------------ pieces the engine uses
 
     @property
     def tied(self) -> bool:
-        return bool(getattr(self.hf_cfg, "tie_word_embeddings", False) or
-                    getattr(self.hf_cfg.get_text_config(decoder=True), "tie_word_embeddings", False))
+        return bool(getattr(self.hf_config, "tie_word_embeddings", False) or
+                    getattr(self.hf_config.get_text_config(decoder=True), "tie_word_embeddings", False))
 
     @property
     def decoder(self) -> nn.Module:
@@ -213,10 +210,6 @@ class ReleaseCaptioner(nn.Module):
     @property
     def visual(self) -> nn.Module:
         return self.hf.model.visual
-
-    @property
-    def hf_config(self):
-        return self.hf_cfg
 
     @property
     def dtype(self) -> torch.dtype:
@@ -252,10 +245,7 @@ class ReleaseCaptioner(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.hf.lm_head(hidden)
 
-    def run_decoder(self, embeds: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, cache=None,
-                    output_hidden_states: bool = False):
-        """The LLM with a layout mask made additive (pipeline/two_stage.py `run_decoder`)."""
-        return run_decoder(self, embeds, mask, position_ids, cache, output_hidden_states)
+    run_decoder = run_decoder  # the LLM with a layout mask made additive (pipeline/two_stage.py)
 
     def plan_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> [N, 2]: the (<G>, <S>) columns of `lm_logits` alone (a planning decision's)."""
@@ -287,7 +277,7 @@ class ReleaseCaptioner(nn.Module):
 
     def capture_layers(self) -> tuple[int, int]:
         """(grounding layer, aggregation layer) in HF's numbering: the release grounds on hidden_states[-2]."""
-        return self.hf_cfg.get_text_config(decoder=True).num_hidden_layers - 1, self.aggregation_layer
+        return self.hf_config.get_text_config(decoder=True).num_hidden_layers - 1, self.aggregation_layer
 
     def banned_ids(self) -> list[int]:
         return [self.g_id, self.s_id, self.shift_id]
@@ -312,8 +302,7 @@ class ReleaseCaptioner(nn.Module):
     def encode_video(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [N, 3*2*14*14], grid_thw [1, 3] (patches) -> merged tokens [T*H'*W', d]."""
         vis, dev = self.visual, self.tower_device
-        out = vis(pixel_values.to(dev, vis.dtype), grid_thw=grid_thw.to(dev))
-        return out.pooler_output
+        return vis(pixel_values.to(dev, vis.dtype), grid_thw=grid_thw.to(dev)).pooler_output
 
     @torch.no_grad()
     def encode_audio(self, mel: torch.Tensor) -> torch.Tensor:
