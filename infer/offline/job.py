@@ -183,25 +183,23 @@ class CaptionVideos:
     def _caption(self, batch: dict[str, np.ndarray]) -> list[CaptionResult]:
         """One CaptionResult per video of `batch`: the engine's captions, or the reason it gave none."""
         fields = {"model_id": self.model_id, "config_hash": self.config_hash}
-        results: list[CaptionResult | None] = [None] * len(batch["video_id"])
-        todo, where = [], []
-        for i in range(len(results)):
+        items = []
+        for i in range(len(batch["video_id"])):
             video_id, uri = str(batch["video_id"][i]), str(batch["uri"][i])
             if str(batch["status"][i]) != "ok":  # the featurize actor's verdict
-                results[i] = CaptionResult.failed(video_id, uri, "input", str(batch["error"][i]), **fields)
+                items.append(CaptionResult.failed(video_id, uri, "input", str(batch["error"][i]), **fields))
                 continue
             try:
                 sample = engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch}, video_id)
             except Exception as e:
-                results[i] = CaptionResult.failed(video_id, uri, "input", f"{type(e).__name__}: {e}", **fields)
-                continue
-            todo.append((video_id, uri, sample))
-            where.append(i)
-        for i, result in zip(where, caption_each(self.engine, todo, **fields)):
-            if result.ok:
+                items.append(CaptionResult.failed(video_id, uri, "input", f"{type(e).__name__}: {e}", **fields))
+            else:
+                items.append((video_id, uri, sample))
+        results = caption_each(self.engine, items, **fields)
+        for i, result in enumerate(results):
+            if result.ok:  # captioned by the engine
                 result.timings.update(featurize_s=float(batch["seconds"][i]), kernel=self.kernel, caption_pid=self.pid,
                                       featurize_pid=int(batch.get("featurize_pid", [0] * len(results))[i]))
-            results[i] = result
         return results
 
 
