@@ -51,17 +51,11 @@ class Captioner:
         if isinstance(videos, (str, Path)):
             videos = [videos]
         fields = {"model_id": self.model_id, "config_hash": self.config_hash}
-        results: list[CaptionResult | None] = [None] * len(videos)
-        todo, where = [], []
+        items = []
         uris = [str(v) for v in videos]
-        for i, (video, video_id) in enumerate(zip(uris, video_ids(uris))):
+        for video, video_id in zip(uris, video_ids(uris)):
             try:
-                sample = self.featurizer(video, Unannotated(video_id=video_id, source="api"))
+                items.append((video_id, video, self.featurizer(video, Unannotated(video_id=video_id, source="api"))))
             except Exception as e:  # a video that cannot be read is its own result, not the batch's end
-                results[i] = CaptionResult.failed(video_id, video, "input", f"{type(e).__name__}: {e}", **fields)
-                continue
-            todo.append((video_id, video, sample))
-            where.append(i)
-        for i, result in zip(where, caption_each(self.engine, todo, **fields)):
-            results[i] = result
-        return results
+                items.append(CaptionResult.failed(video_id, video, "input", f"{type(e).__name__}: {e}", **fields))
+        return caption_each(self.engine, items, **fields)

@@ -68,12 +68,6 @@ class ModelCard:
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
 def feature_dims(cfg: Config) -> tuple[int, int]:
     """(Dv, Da) that the configured encoders produce, from their configs: a caption actor or a replica
     loading its model builds no encoder for this (the HF and release towers are not loaded)."""
@@ -119,13 +113,15 @@ def weights_fingerprint(model_dir: Path, length: int = 8) -> str:
     It names *these* weights: a retrained model saved to the same directory gets a new id,
     so captions written with the old one (infer/offline/job.py resume) are never taken for its own.
     Reading a 3B checkpoint's ~9 GB takes a while, and every caption actor and replica asks, so the
-    hash is kept in a per-machine cache (`fingerprint_cache_dir`) under the directory's file list
+    hash is kept in a per-machine cache ($PADCAP_CACHE_DIR/fingerprints, else
+    ~/.cache/padcaptioner/fingerprints) under the directory's file list
     with each file's size, mtime and inode: a file rewritten in any way changes that key.
     """
     files = {str(p.relative_to(model_dir)): p for p in sorted(model_dir.rglob("*")) if p.is_file()}
     stats = [(name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in ((n, f.stat()) for n, f in files.items())]
     key = hashlib.sha256(repr((str(model_dir.resolve()), length, stats)).encode()).hexdigest()
-    cache = fingerprint_cache_dir() / f"{key[:40]}.txt"
+    cache_root = os.environ.get("PADCAP_CACHE_DIR") or Path.home() / ".cache" / "padcaptioner"
+    cache = Path(cache_root) / "fingerprints" / f"{key[:40]}.txt"
     try:
         return cache.read_text().strip()
     except OSError:
@@ -145,12 +141,6 @@ def weights_fingerprint(model_dir: Path, length: int = 8) -> str:
     except OSError as e:  # a read-only home: hash every time
         log.debug("fingerprint cache %s not written: %s", cache, e)
     return digest
-
-
-def fingerprint_cache_dir() -> Path:
-    """$PADCAP_CACHE_DIR/fingerprints, else ~/.cache/padcaptioner/fingerprints."""
-    root = os.environ.get("PADCAP_CACHE_DIR") or Path.home() / ".cache" / "padcaptioner"
-    return Path(root) / "fingerprints"
 
 
 def release_config(cfg: Config, path: Path) -> Config:
@@ -185,29 +175,23 @@ def resolve_model(cfg: Config, model_dir: str) -> tuple[str, Config]:
     return f"tiny-random-seed{cfg.model.backbone_seed}", cfg
 
 
-def load_release(cfg: Config, path: Path, device: torch.device, model_id: str = "") -> tuple[Any, ModelCard, Config]:
-    """(ReleaseCaptioner in eval mode on its device, its card, cfg with the release encoders)."""
-    from pipeline.release.model import ReleaseCaptioner, settings_from
-
-    model = ReleaseCaptioner.from_release(path, settings_from(cfg), device=device).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    card = ModelCard(model_id=model_id or f"{path.name}-{weights_fingerprint(path)}",
-                     source=f"{path} (PadCaptioner release)", device=str(device), extra={"release": model.describe()})
-    return model, card, release_config(cfg, path)
-
-
 def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
     """(PadCaptioner or ReleaseCaptioner in eval mode on its device, its card, cfg with the matching
     features). model_dir may be a saved PadCaptioner or a release checkpoint directory
     (config.json + pytorch_model.bin / safetensors: pipeline/release)."""
+    from infer.engine.requests import resolve_device
     from pipeline.model import PadCaptioner
 
     device = resolve_device(cfg.infer.device)
-    model_id, resolved = resolve_model(cfg, model_dir)
+    model_id, resolved = resolve_model(cfg, model_dir)  # a release: cfg with the release encoders
     release = release_dir(model_dir)
     if release is not None:
-        return load_release(cfg, release, device, model_id)
+        from pipeline.release.model import ReleaseCaptioner, settings_from
+
+        model = ReleaseCaptioner.from_release(release, settings_from(cfg), device=device).eval().requires_grad_(False)
+        card = ModelCard(model_id=model_id, source=f"{release} (PadCaptioner release)", device=str(device),
+                         extra={"release": model.describe()})
+        return model, card, resolved
     cfg = resolved
     dv, da = feature_dims(cfg)
     if model_dir != RANDOM_MODEL:
@@ -223,9 +207,7 @@ def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
             torch.manual_seed(model_cfg.backbone_seed)
             model = PadCaptioner(model_cfg, visual_dim=dv, audio_dim=da)
         source = "tiny (random init, smoke mode: captions are noise)"
-    model = model.to(device).eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
     model.backbone.merge_adapter()  # LoRA folded into the weights: what the benchmark measures, no adapter matmuls
     card = ModelCard(model_id=model_id, source=source, device=str(device),
                      extra={"model_config_hash": section_hash(dataclasses.asdict(model.cfg))})

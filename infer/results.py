@@ -134,27 +134,28 @@ class CaptionResult:
                    segments_total=decoded.segments_total, timings=dict(decoded.timings), **fields)
 
 
-def caption_each(engine: Any, items: Iterable[tuple[str, str, Any]], **fields: Any) -> list[CaptionResult]:
-    """Caption (video_id, uri, engine input) items with `engine.caption`, in one call when it can.
+def caption_each(engine: Any, items: Iterable[tuple[str, str, Any] | CaptionResult], **fields: Any) -> list[CaptionResult]:
+    """Caption (video_id, uri, engine input) items with `engine.caption`, in one call when it can; an item
+    that is a CaptionResult already (a video that failed before the engine) stays as it is, in its place.
 
     When the batch raises, each video is captioned alone, so only the video at fault gets an "engine"
-    error. `fields` (model_id, config_hash, ...) go into every result."""
+    error. `fields` (model_id, config_hash, ...) go into every result the engine gives."""
     items = list(items)
-    if not items:
-        return []
+    todo = [item for item in items if not isinstance(item, CaptionResult)]
     try:
-        decoded: list[Any] = list(engine.caption([sample for _, _, sample in items]))
+        decoded: list[Any] = list(engine.caption([sample for _, _, sample in todo])) if todo else []
     except Exception:  # one bad video must not sink its batch: retry one by one
         decoded = []
-        for _, _, sample in items:
+        for _, _, sample in todo:
             try:
                 decoded.extend(engine.caption([sample]))
             except Exception as e:
                 decoded.append(e)
     out = []
-    for (video_id, uri, _), res in zip(items, decoded):
+    for (video_id, uri, _), res in zip(todo, decoded):
         if isinstance(res, Exception):
             out.append(CaptionResult.failed(video_id, uri, "engine", f"{type(res).__name__}: {res}", **fields))
         else:
             out.append(CaptionResult.from_decoded(res, video_id, uri, **fields))
-    return out
+    captioned = iter(out)
+    return [item if isinstance(item, CaptionResult) else next(captioned, None) for item in items]

@@ -42,7 +42,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,8 +54,6 @@ from pipeline import storage
 from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.schema import FIELDS, KEY, decode, encode
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SAMPLE_COLUMNS = [KEY, *FIELDS]
 RELEASE_INPUTS = "release_inputs"  # online release encoders: the media preparation's output (ReleaseInputs.to_bytes)
@@ -117,8 +114,7 @@ class FeaturizeForCaption:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         from preprocess.featurize import Unannotated
 
-        out: dict[str, list[Any]] = {c: [] for c in ["video_id", "uri", "chunk", "status", "error", "seconds",
-                                                      "featurize_pid", *SAMPLE_COLUMNS, RELEASE_INPUTS]}
+        rows = []
         for i in range(len(batch["video_id"])):
             vid, uri = str(batch["video_id"][i]), str(batch["uri"][i])
             t0 = time.perf_counter()
@@ -133,16 +129,10 @@ class FeaturizeForCaption:
                     fields.update(encode(self.featurizer(uri, Unannotated(video_id=vid))))
             except Exception as e:  # explained, never fatal
                 status, error = "error", f"{type(e).__name__}: {e}"
-            for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS):
-                out[c].append(fields[c])
-            out["video_id"].append(vid)
-            out["uri"].append(uri)
-            out["chunk"].append(str(batch["chunk"][i]))
-            out["status"].append(status)
-            out["error"].append(error)
-            out["seconds"].append(time.perf_counter() - t0)
-            out["featurize_pid"].append(self.pid)
-        return out
+            rows.append({**fields, "video_id": vid, "uri": uri, "chunk": str(batch["chunk"][i]), "status": status,
+                         "error": error, "seconds": time.perf_counter() - t0, "featurize_pid": self.pid})
+        columns = ["video_id", "uri", "chunk", "status", "error", "seconds", "featurize_pid", *SAMPLE_COLUMNS, RELEASE_INPUTS]
+        return {c: [r[c] for r in rows] for c in columns}
 
 
 def engine_input(fields: dict[str, Any], video_id: str):
@@ -183,25 +173,23 @@ class CaptionVideos:
     def _caption(self, batch: dict[str, np.ndarray]) -> list[CaptionResult]:
         """One CaptionResult per video of `batch`: the engine's captions, or the reason it gave none."""
         fields = {"model_id": self.model_id, "config_hash": self.config_hash}
-        results: list[CaptionResult | None] = [None] * len(batch["video_id"])
-        todo, where = [], []
-        for i in range(len(results)):
+        items = []
+        for i in range(len(batch["video_id"])):
             video_id, uri = str(batch["video_id"][i]), str(batch["uri"][i])
             if str(batch["status"][i]) != "ok":  # the featurize actor's verdict
-                results[i] = CaptionResult.failed(video_id, uri, "input", str(batch["error"][i]), **fields)
+                items.append(CaptionResult.failed(video_id, uri, "input", str(batch["error"][i]), **fields))
                 continue
             try:
                 sample = engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch}, video_id)
             except Exception as e:
-                results[i] = CaptionResult.failed(video_id, uri, "input", f"{type(e).__name__}: {e}", **fields)
-                continue
-            todo.append((video_id, uri, sample))
-            where.append(i)
-        for i, result in zip(where, caption_each(self.engine, todo, **fields)):
-            if result.ok:
+                items.append(CaptionResult.failed(video_id, uri, "input", f"{type(e).__name__}: {e}", **fields))
+            else:
+                items.append((video_id, uri, sample))
+        results = caption_each(self.engine, items, **fields)
+        for i, result in enumerate(results):
+            if result.ok:  # captioned by the engine
                 result.timings.update(featurize_s=float(batch["seconds"][i]), kernel=self.kernel, caption_pid=self.pid,
                                       featurize_pid=int(batch.get("featurize_pid", [0] * len(results))[i]))
-            results[i] = result
         return results
 
 
@@ -236,23 +224,21 @@ def consolidate(out: str, keep: set[str] | None = None) -> list[dict[str, Any]]:
             latest[row["video_id"]] = row
     rows = sorted(latest.values(), key=lambda r: r["video_id"])
     _write_parquet(storage.join(out, "captions.parquet"), rows)
-    lines = []
-    for r in rows:
-        rec = {**r, "events": json.loads(r["events"] or "[]"), "timings": json.loads(r["timings"] or "{}"),
-               "capped": json.loads(r.get("capped") or "[]")}
-        lines.append(json.dumps(rec, ensure_ascii=False))
+    lines = [json.dumps(_parsed(r), ensure_ascii=False) for r in rows]
     storage.write_bytes(storage.join(out, "captions.jsonl"), ("\n".join(lines) + "\n").encode("utf-8"))
     return rows
+
+
+def _parsed(row: dict[str, Any]) -> dict[str, Any]:
+    """A stored row with its JSON columns (events, timings, capped) parsed."""
+    return {**row, "events": json.loads(row["events"] or "[]"), "timings": json.loads(row["timings"] or "{}"),
+            "capped": json.loads(row.get("capped") or "[]")}
 
 
 def read_results(out: str) -> list[dict[str, Any]]:
     """The consolidated rows, events and timings parsed."""
     rows = pq.read_table(io.BytesIO(storage.read_bytes(storage.join(out, "captions.parquet")))).to_pylist()
-    for r in rows:
-        r["events"] = json.loads(r["events"] or "[]")
-        r["timings"] = json.loads(r["timings"] or "{}")
-        r["capped"] = json.loads(r.get("capped") or "[]")
-    return rows
+    return [_parsed(r) for r in rows]
 
 
 class OncePerVideo:
@@ -312,14 +298,6 @@ def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed
     return verdict
 
 
-def _commit_part(out: str, rows: list[dict[str, Any]], chunk: str) -> int:
-    """Write rows as one part named `chunk` (the commit); -> how many are ok."""
-    for r in rows:
-        r["chunk"] = chunk
-    _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), rows)
-    return sum(r["status"] == "ok" for r in rows)
-
-
 StageWrapper = Callable[[str, type], type]  # (stage name, stage class) -> the class Ray Data runs
 
 
@@ -365,7 +343,11 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
         def commit() -> None:  # every chunk_videos rows as they come back, and the last few
             nonlocal parts
             parts += 1  # names sort in commit order: a row that replaces an earlier part's is read last
-            ok = _commit_part(out, pending, f"{time.strftime('%Y%m%dT%H%M%S')}-{run_id}-{parts:05d}")
+            chunk = f"{time.strftime('%Y%m%dT%H%M%S')}-{run_id}-{parts:05d}"
+            for r in pending:
+                r["chunk"] = chunk
+            _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), pending)  # the commit
+            ok = sum(r["status"] == "ok" for r in pending)
             print(f"[caption] chunk {parts}/{total}: {ok} done, {len(pending) - ok} failed, "
                   f"{60.0 * len(once.kept) / (time.perf_counter() - t0):.1f} videos/min", flush=True)
             pending.clear()

@@ -44,19 +44,6 @@ def declared_length(header: str | None) -> int | None:
     return int(text)
 
 
-async def read_capped(chunks: AsyncIterator[bytes], declared: int | None, max_bytes: int, what: str) -> bytes:
-    """The whole body, refusing more than `max_bytes` (declared or actual)."""
-    if declared is not None and declared > max_bytes:
-        raise RequestError(413, "too_large", f"{what} declares {declared} bytes, the limit is {max_bytes}")
-    parts, total = [], 0
-    async for chunk in chunks:
-        total += len(chunk)
-        if total > max_bytes:
-            raise RequestError(413, "too_large", f"{what} is over the limit of {max_bytes} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
 def parse_json(data: bytes, what: str = "request body") -> Any:
     """bytes -> JSON value; 400 naming the position of a syntax error."""
     if not data.strip():
@@ -74,7 +61,16 @@ def parse_json(data: bytes, what: str = "request body") -> Any:
 
 
 async def read_json(chunks: AsyncIterator[bytes], declared: int | None, max_bytes: int) -> Any:
-    return parse_json(await read_capped(chunks, declared, max_bytes, "the JSON body"))
+    """The whole body as JSON, refusing more than `max_bytes` (declared or actual)."""
+    if declared is not None and declared > max_bytes:
+        raise RequestError(413, "too_large", f"the JSON body declares {declared} bytes, the limit is {max_bytes}")
+    parts, total = [], 0
+    async for chunk in chunks:
+        total += len(chunk)
+        if total > max_bytes:
+            raise RequestError(413, "too_large", f"the JSON body is over the limit of {max_bytes} bytes")
+        parts.append(chunk)
+    return parse_json(b"".join(parts))
 
 
 def spool_prefix(kind: str) -> str:
@@ -131,7 +127,6 @@ class UploadedForm:
 
     path: str
     filename: str
-    file_bytes: int
     options_text: str | None
 
     def cleanup(self) -> None:
@@ -290,4 +285,4 @@ async def receive_upload(chunks: AsyncIterator[bytes], content_type: str, declar
         except UnicodeDecodeError:
             receiver.discard()
             raise RequestError(400, "malformed_json", "the 'options' field is not UTF-8") from None
-    return UploadedForm(receiver.path, receiver.filename, receiver.file_bytes, options)
+    return UploadedForm(receiver.path, receiver.filename, options)

@@ -45,16 +45,12 @@ class CaptionError(RuntimeError):
         self.request_id = request_id
 
 
-def is_service_error(body: Any) -> bool:
-    """True for the service's own error body ({"error": {"code", "message", "request_id"}})."""
-    err = body.get("error") if isinstance(body, dict) else None
-    return isinstance(err, dict) and "code" in err and "request_id" in err
-
-
 def should_retry(status: int, body: Any) -> bool:
     """503 (back-pressure), or a 5xx from Ray Serve itself (a replica lost with the request in
     flight), not one the service answered (see the module docstring)."""
-    return status == 503 or (status >= 500 and not is_service_error(body))
+    err = body.get("error") if isinstance(body, dict) else None
+    service_error = isinstance(err, dict) and "code" in err and "request_id" in err  # {"error": {"code", "message", "request_id"}}
+    return status == 503 or (status >= 500 and not service_error)
 
 
 def _json_or_none(r: requests.Response) -> Any:

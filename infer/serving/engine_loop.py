@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from infer.engine.requests import Request
+from infer.engine.requests import Request, VideoOptions
 
 
 @dataclass(eq=False)
@@ -38,7 +38,7 @@ class _Item:
     key: Hashable
     engine: Any
     sample: Any
-    options: Any
+    options: VideoOptions
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     cancelled: bool = False
@@ -77,10 +77,10 @@ class EngineBatcher:
         self.in_flight = 0  # requests in the engine now
         self.max_in_flight = 0  # most requests in the engine at once
 
-    async def submit(self, key: Hashable, engine: Any, sample: Any, options: Any = None) -> Any:
+    async def submit(self, key: Hashable, engine: Any, sample: Any, options: VideoOptions | None = None) -> Any:
         """The engine's result for `sample` (options: the request's infer.engine.core.VideoOptions)."""
         loop = asyncio.get_running_loop()
-        item = _Item(key, engine, sample, options, loop.create_future(), loop)
+        item = _Item(key, engine, sample, options or VideoOptions(), loop.create_future(), loop)
         with self._lock:
             self._pending.append(item)
             start = not self._running
@@ -134,7 +134,7 @@ class EngineBatcher:
             taken.append(item)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            return _request(item)
+            return Request(item.sample, cancelled=item.gone, tag=item, options=item.options)
 
         def emit(req, result) -> None:
             self.in_flight -= 1
@@ -152,10 +152,4 @@ class EngineBatcher:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _request(item: _Item) -> Request:
-    if item.options is None:
-        return Request(item.sample, cancelled=item.gone, tag=item)
-    return Request(item.sample, cancelled=item.gone, tag=item, options=item.options)
 

@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import logging
 import math
+import os
 import re
 import threading
 import time
@@ -235,49 +236,45 @@ class CaptionService:
     async def caption_file(self, path: str, filename: str, options: CaptionOptions | dict | None = None) -> dict[str, Any]:
         """Caption an uploaded video already in a server-side temp file (the caller deletes it)."""
         opts = self.check_options(options)
-        name = filename or "upload"
-        return await self._caption(lambda: self._prepare_local(path, name, {}), opts)
+        return await self._caption(lambda: self._prepare_local(path, filename or "upload", {}), opts)
 
     async def _caption(self, prepare: Callable[[], tuple[Sample, dict[str, float]]], opts: CaptionOptions) -> dict[str, Any]:
         self.in_flight += 1
         try:
-            return await self._caption_counted(prepare, opts)
+            t0 = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            try:
+                sample, timings = await asyncio.wait_for(loop.run_in_executor(self._decode_pool, prepare), self._outer_timeout())
+            except TimeoutError:
+                self.counters["rejected"] += 1
+                raise RequestError(422, "decode_timeout", f"reading and decoding the video took longer than "
+                                   f"{self._outer_timeout()} s (serve.decode_timeout_s)") from None
+            except RequestError:
+                self.counters["rejected"] += 1
+                raise
+            t1 = time.perf_counter()
+            result = await self._batcher.submit("engine", self.engine(), sample, VideoOptions(**opts.overrides()))
+            timings["decode_s"] = time.perf_counter() - t1
+            error = getattr(result, "error", None)
+            if error:  # the engine refused this video (too many segments, too long a sequence, ...)
+                self.counters["rejected"] += 1
+                raise RequestError(422, "does_not_fit_model", f"the model cannot caption this video: {error}")
+            for key, value in (getattr(result, "timings", None) or {}).items():
+                timings.setdefault(f"engine_{key}" if not key.startswith("engine") else key, float(value))
+            timings["total_s"] = time.perf_counter() - t0
+            self.counters["served"] += 1
+            return {
+                "video_id": sample.video_id,
+                "duration": float(result.duration),
+                "events": [{"start": float(e.start), "end": float(e.end), "caption": str(e.caption), "capped": bool(c)}
+                           for e, c in zip(result.events, getattr(result, "capped", None) or [False] * len(result.events))],
+                "segments_kept": int(getattr(result, "segments_kept", 0)),
+                "segments_total": int(getattr(result, "segments_total", 0)),
+                "timings": {k: round(v, 6) for k, v in timings.items()},
+                "model": self.card.model_id,
+            }
         finally:
             self.in_flight -= 1
-
-    async def _caption_counted(self, prepare: Callable[[], tuple[Sample, dict[str, float]]], opts: CaptionOptions) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        try:
-            sample, timings = await asyncio.wait_for(loop.run_in_executor(self._decode_pool, prepare), self._outer_timeout())
-        except TimeoutError:
-            self.counters["rejected"] += 1
-            raise RequestError(422, "decode_timeout", f"reading and decoding the video took longer than "
-                               f"{self._outer_timeout()} s (serve.decode_timeout_s)") from None
-        except RequestError:
-            self.counters["rejected"] += 1
-            raise
-        t1 = time.perf_counter()
-        result = await self._batcher.submit("engine", self.engine(), sample, VideoOptions(**opts.overrides()))
-        timings["decode_s"] = time.perf_counter() - t1
-        error = getattr(result, "error", None)
-        if error:  # the engine refused this video (too many segments, too long a sequence, ...)
-            self.counters["rejected"] += 1
-            raise RequestError(422, "does_not_fit_model", f"the model cannot caption this video: {error}")
-        for key, value in (getattr(result, "timings", None) or {}).items():
-            timings.setdefault(f"engine_{key}" if not key.startswith("engine") else key, float(value))
-        timings["total_s"] = time.perf_counter() - t0
-        self.counters["served"] += 1
-        return {
-            "video_id": sample.video_id,
-            "duration": float(result.duration),
-            "events": [{"start": float(e.start), "end": float(e.end), "caption": str(e.caption), "capped": bool(c)}
-                       for e, c in zip(result.events, getattr(result, "capped", None) or [False] * len(result.events))],
-            "segments_kept": int(getattr(result, "segments_kept", 0)),
-            "segments_total": int(getattr(result, "segments_total", 0)),
-            "timings": {k: round(v, 6) for k, v in timings.items()},
-            "model": self.card.model_id,
-        }
 
     # ------------------------------------------------------------------ the decode thread
 
@@ -304,15 +301,12 @@ class CaptionService:
     def _prepare_uri(self, video: str) -> tuple[Sample, dict[str, float]]:
         t0 = time.perf_counter()
         source = self.policy.resolve(video)
-        name = source.name
         with materialize(source, self.serve_cfg.max_upload_bytes, self.serve_cfg.fetch_timeout_s,
                          self.serve_cfg.upload_dir or None) as path:
             timings = {"fetch_s": time.perf_counter() - t0}
-            return self._prepare_local(path, name, timings)
+            return self._prepare_local(path, source.name, timings)
 
     def _prepare_local(self, path: str, name: str, timings: dict[str, float]) -> tuple[Sample, dict[str, float]]:
-        import os
-
         limits = self.serve_cfg
         size = os.path.getsize(path)
         if size == 0:
@@ -366,8 +360,6 @@ class CaptionService:
         """What this replica holds now (a long soak watches these return to zero when idle): its
         process id, requests in flight, KV pages allocated or promised to admitted videos, live
         decode worker processes."""
-        import os
-
         pool = getattr(self._engine, "pool", None)
         return {"pid": os.getpid(), "in_flight": self.in_flight,
                 "kv_pages_in_use": (pool.usable - pool.free_pages) if pool is not None else 0,

@@ -234,8 +234,7 @@ def _copy_capped(read, out, max_bytes: int, what: str) -> int:
 
 
 @contextlib.contextmanager
-def materialize(source: Source, max_bytes: int, timeout_s: float, tmp_dir: str | None = None,
-                storage_options: dict | None = None) -> Iterator[str]:
+def materialize(source: Source, max_bytes: int, timeout_s: float, tmp_dir: str | None = None) -> Iterator[str]:
     """A local path holding the video: the real path itself, or a capped temp copy (removed on exit).
 
     Raises UriError: 404 (object gone), 413 (over `max_bytes`, checked before and
@@ -252,7 +251,7 @@ def materialize(source: Source, max_bytes: int, timeout_s: float, tmp_dir: str |
     try:
         with os.fdopen(fd, "wb") as out:
             if source.kind == "s3":
-                _fetch_s3(source, out, max_bytes, timeout_s, storage_options)
+                _fetch_s3(source, out, max_bytes, timeout_s)
             else:
                 _fetch_http(source, out, max_bytes, timeout_s)
         yield tmp
@@ -261,12 +260,12 @@ def materialize(source: Source, max_bytes: int, timeout_s: float, tmp_dir: str |
             os.remove(tmp)
 
 
-def _fetch_s3(source: Source, out, max_bytes: int, timeout_s: float, storage_options: dict | None) -> None:
+def _fetch_s3(source: Source, out, max_bytes: int, timeout_s: float) -> None:
     import fsspec
 
-    from pipeline.storage import storage_options as default_options
+    from pipeline.storage import storage_options
 
-    options = dict(storage_options if storage_options is not None else default_options(source.location))
+    options = dict(storage_options(source.location))
     options.setdefault("config_kwargs", {"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"max_attempts": 2}})
     try:
         fs, key = fsspec.core.url_to_fs(source.location, **options)
