@@ -16,7 +16,7 @@ import torch
 
 from infer.engine.decoded import to_events
 from infer.engine.sampling import DecodeControl
-from infer.oracles.ablation import decoder_for, engine_refusal, layout_ordered, text_chain
+from infer.oracles.ablation import decoder_for, layout_ordered, text_chain
 from infer.oracles.decoders import monolithic
 from pipeline.config import InferConfig
 from pipeline.examples import collate
@@ -74,8 +74,8 @@ def test_own_g_decoder_equals_training_forward():
     got = layout_ordered(model, video, CFG, CONTROL)
     assert max_gap(model, video, got) < 1e-4
     assert decoder_for(model, CFG) is layout_ordered
-    assert "factorized mask and global <G>" in engine_refusal(model, "parallel")
-    assert engine_refusal(model, "monolithic") is None  # its single-chain path runs layout_ordered
+    assert "factorized mask and global <G>" in model.engine_refusal("parallel")
+    assert model.engine_refusal("monolithic") is None  # its single-chain path runs layout_ordered
 
 
 def test_chain_layout_is_what_monolithic_decodes():
@@ -97,7 +97,7 @@ def test_text_chain_equals_training_forward():
     assert got.token_ids == ids and ids[-1] == model.eos_id
     assert (got.logits - out["text_logits"]).abs().max().item() < 1e-4
     assert got.text.startswith("2.0-5.0 seconds: Visual: a red circle")
-    assert "as text" in engine_refusal(model, "parallel")
+    assert "as text" in model.engine_refusal("parallel")
     assert (target.layout.role == Role.RESPONSE).sum() == len(ids) - 1
 
 

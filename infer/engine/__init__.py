@@ -1,4 +1,4 @@
 """The decoding engine: a token-budget scheduler and one decode step for many videos over a paged KV cache.
 
-Nothing here imports the slow reference decoders (`infer.oracles`) or serving; `core.Engine` is the entry point.
+Nothing here imports the slow reference decoders (`infer.oracles`) or serving; `core.CaptionEngine` is the entry point.
 """

@@ -61,11 +61,6 @@ class AttnMeta:
     q_block: int
     page_size: int
 
-    @property
-    def blocks(self) -> int:
-        """Query blocks (flex) or bins (gathering kernels)."""
-        raise NotImplementedError
-
     @staticmethod
     def build(blocks: Sequence[QueryBlock], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
               lim_b: Sequence[int], *, q_block: int, pool, kernel: KernelTraits, group: int = 1,
@@ -100,10 +95,6 @@ class GatherMeta(AttnMeta):
     q_head: torch.Tensor
     q_split: tuple[int, ...]
     out_rows: torch.Tensor
-
-    @property
-    def blocks(self) -> int:
-        return sum(c.bins for c in self.calls)
 
 
 @dataclass
@@ -269,9 +260,6 @@ def flex_block_mask(meta: FlexMeta, pool, indices: torch.Tensor | None = None):
                                     BLOCK_SIZE=(meta.q_block, S), mask_mod=mask_mod,
                                     seq_lengths=(meta.blocks * meta.q_block, pool.pages * S),
                                     compute_q_blocks=False)  # forward only: no transposed (q-block) index
-
-
-# ----------------------------------------------------------------------------------- kernels
 
 
 class Workspace:

@@ -47,12 +47,13 @@ import torch
 from infer.engine.decoded import Decoded, to_events
 from infer.engine.graphs import describe_graphs, step_graphs
 from infer.engine.kernels import choose_kernel
+from infer.engine.memory_plan import videos_that_fit
 from infer.engine.paged import PagePool, pages_for
 from infer.engine.programs import PROGRAMS
 from infer.engine.requests import Request, VideoResult, check_config, model_caps, resolve_device, resolve_dtype
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
 from infer.engine.scheduler import Branch, Phase, Scheduler, StepPlan, VideoState
-from infer.engine.step import Mode, ModelRunner
+from infer.engine.step import ModelRunner
 from infer.engine.step_weights import StepWeights
 from pipeline.config import InferConfig
 from pipeline.family import DecodeError
@@ -180,8 +181,6 @@ class CaptionEngine:
     def describe(self) -> dict[str, Any]:
         """The decoding settings, the kernel chosen and the KV pool with what fits in it (for logs,
         /v1/model, the offline rows, benchmarks): the same admission rule as `python -m infer.engine.memory_plan`."""
-        from infer.engine.memory_plan import videos_that_fit
-
         pool, c = self.pool, self.cfg
         fit = {str(p): videos_that_fit(pool.pages, p, c.max_events, c.max_branch_tokens, pool.page_size)
                for p in (2000, 10000, 32000)}
@@ -257,30 +256,27 @@ class CaptionEngine:
         """A request's program and its KV worst case; None (and the error emitted) if it cannot be decoded."""
         t0 = time.perf_counter()
         try:
-            return self._program(req, emit)
+            try:
+                opts = req.options.resolve(self.cfg)
+                prog = PROGRAMS[self.model.program](self.model, req.sample, opts, req.control)
+            except ValueError as e:  # DecodeError, or per-video options out of range
+                emit(req, e)
+                return None
+            S = self.pool.page_size
+            cap = opts.max_branch_tokens
+            worst = pages_for(prog.length + opts.max_events, S) + opts.max_events * pages_for(cap, S)
+            if worst > self.pool.usable:
+                emit(req, DecodeError(
+                    f"{req.sample.video_id}: needs up to {worst} KV pages ({prog.length} prefix tokens, {opts.max_events} "
+                    f"events x {cap} tokens), the pool has {self.pool.usable}: raise infer.kv_memory_gb or lower "
+                    f"infer.max_events / max_branch_tokens"))
+                return None
+            v = VideoState(req, opts, prog, worst, cap)
+            if opts.temperature > 0:
+                v.sampler = video_chooser(self.model.ids, opts, req.sample.video_id, self.device)
+            return v
         finally:
             self.stats["prepare_ms"] += (time.perf_counter() - t0) * 1000.0
-
-    def _program(self, req: Request, emit) -> VideoState | None:
-        try:
-            opts = req.options.resolve(self.cfg)
-            prog = PROGRAMS[self.model.program](self.model, req.sample, opts, req.control)
-        except ValueError as e:  # DecodeError, or per-video options out of range
-            emit(req, e)
-            return None
-        S = self.pool.page_size
-        cap = opts.max_branch_tokens
-        worst = pages_for(prog.length + opts.max_events, S) + opts.max_events * pages_for(cap, S)
-        if worst > self.pool.usable:
-            emit(req, DecodeError(
-                f"{req.sample.video_id}: needs up to {worst} KV pages ({prog.length} prefix tokens, {opts.max_events} "
-                f"events x {cap} tokens), the pool has {self.pool.usable}: raise infer.kv_memory_gb or lower "
-                f"infer.max_events / max_branch_tokens"))
-            return None
-        v = VideoState(req, opts, prog, worst, None, cap)  # type: ignore[arg-type]
-        if opts.temperature > 0:
-            v.sampler = video_chooser(self.model.ids, opts, req.sample.video_id, self.device)
-        return v
 
     def _start_branches(self, videos: list[VideoState]) -> None:
         """Planned videos whose branch rows fit under the row cap start their branches (next step)."""
@@ -313,7 +309,12 @@ class CaptionEngine:
         decisions += [(v, hidden[row], states[v.prog.ground_layer][row]) for v, row in plan.plan]
         if decisions:  # every decision row's (<G>, <S>) logits in one product, one copy to the host
             restricted = self.model.plan_logits(torch.stack([h for _, h, _ in decisions])).float().cpu()
-            planned = [v for (v, _, ground), r in zip(decisions, restricted) if not self._decide(v, r, ground)]
+            planned = []
+            for (v, _, ground), r in zip(decisions, restricted):  # another serial <G> next step, or planning ends
+                v.phase = Phase.PLAN
+                v.feed_g = v.prog.decide(r, ground)
+                if not v.feed_g:
+                    planned.append(v)
             if planned:
                 self._ground(planned)
         if plan.n_branch:
@@ -323,13 +324,6 @@ class CaptionEngine:
             videos.remove(v)
             self._release(v)
             emit(v.request, self._finish(v))
-
-    def _decide(self, v: VideoState, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
-        """A decision row of v (its (<G>, <S>) logits on the host): another serial <G> next step (True),
-        or the end of planning (False)."""
-        v.phase = Phase.PLAN
-        v.feed_g = v.prog.decide(restricted, ground)
-        return v.feed_g
 
     def _ground(self, planned: list[VideoState]) -> None:
         """The videos whose planning ended this step: grounding and anchors, all of them at once
@@ -385,13 +379,9 @@ class CaptionEngine:
             v.branches = alive
 
     def _account(self, plan: StepPlan, ms: float, cpu_ms: float) -> None:
-        mode = Mode.BRANCH if plan.n_branch else (Mode.PLAN if plan.plan else Mode.PREFILL)
         st = self.stats
         st["steps"] += 1
-        st["row_steps"] += plan.n_branch
-        st["tokens"] += plan.tokens
         st["step_ms"] += ms
-        st["mode_ms"][mode.value] += ms
         if len(st["step_log"]) < 100_000:
             videos = {id(v) for v, *_ in plan.branch + plan.plan + plan.prefill + plan.jobs}
             st["step_log"].append(StepRecord(plan.tokens, plan.n_branch, len(plan.plan),
@@ -434,16 +424,14 @@ class CaptionEngine:
                        grounding_logits=a.grounding_logits if trace else None)
 
     def _run_monolithic(self, feed, emit) -> None:
-        monolithic = self.single_chain
         poll = _poller(feed)
         while (req := poll()) is not None:
             if req.cancelled():
                 continue
             try:
-                dec = monolithic(self.model, req.sample, req.options.resolve(self.cfg), req.control)
+                dec = self.single_chain(self.model, req.sample, req.options.resolve(self.cfg), req.control)
             except ValueError as e:  # DecodeError, or options out of range
-                emit(req, e)
-                continue
+                dec = e
             emit(req, dec)
 
 
@@ -461,12 +449,9 @@ class StepRecord(NamedTuple):
 
 
 def _zero_stats() -> dict[str, Any]:
-    """`CaptionEngine.stats` at zero: steps, branch rows summed over steps, tokens, ms in steps (metadata +
-    forward + decisions), of that in planning ends (grounding, anchors), ms building programs (inputs of the
-    prefix), ms per Mode (a step with any branch row counts as BRANCH, else PLAN with a planning row, else
-    PREFILL), the step log (StepRecord)."""
-    return {"steps": 0, "row_steps": 0, "tokens": 0, "step_ms": 0.0, "front_ms": 0.0, "prepare_ms": 0.0,
-            "mode_ms": {m.value: 0.0 for m in Mode}, "step_log": []}
+    """`CaptionEngine.stats` at zero: steps, ms in steps (metadata + forward + decisions), of that in planning
+    ends (grounding, anchors), ms building programs (inputs of the prefix), the step log (StepRecord)."""
+    return {"steps": 0, "step_ms": 0.0, "front_ms": 0.0, "prepare_ms": 0.0, "step_log": []}
 
 
 def _prefilled(v: VideoState, cursor: int, captured: list[torch.Tensor]) -> bool:

@@ -119,9 +119,6 @@ class StepGraphs:
 
     def __init__(self, runner: ModelRunner, buckets: Buckets, q_block: int, capture_layers: tuple[int, ...],
                  capture: bool):
-        if runner.kernel.name != "flex":
-            raise ValueError(f"step graphs need infer.kernel=flex (the {runner.kernel.name} kernel's calls change "
-                             f"shape with the step's mix)")
         self.runner, self.buckets, self.q_block = runner, buckets, q_block
         self.capture_layers = tuple(sorted(set(capture_layers)))
         self.captured = False
@@ -287,6 +284,3 @@ def describe_graphs(graphs: StepGraphs | None, cfg) -> dict:
         return graphs.describe()
     why = "" if cfg.cuda_graphs == "off" else " (captured on CUDA with the flex kernel and the parallel decoder only)"
     return {"captured": False, "reason": f"infer.cuda_graphs={cfg.cuda_graphs}{why}"}
-
-
-__all__ = ["Buckets", "StepGraphs", "graph_buckets", "step_graphs", "describe_graphs"]

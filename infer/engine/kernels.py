@@ -230,9 +230,8 @@ INT32_ELEMENTS = 2 ** 31  # the elements a tensor's int32 offsets address (0 .. 
 # FlexAttention's compiled Triton kernel tiles queries by BLOCK_M and keys by BLOCK_N (128 x 64 for bf16 at
 # head dim 128, 128 x 32 for fp32 at 64 on sm80/sm90) and needs the BlockMask's block sizes divisible by
 # them: pages and query blocks of 128 on CUDA. Eager (and inductor's C++ backend) take multiples of 16.
-FLEX_CONTRACT = Contract(dtypes=_DTYPES, page_multiple=16, q_block_multiple=16, max_head_dim=256)
-FLEX_CUDA_CONTRACT = Contract(dtypes=_DTYPES, page_multiple=128, q_block_multiple=128, max_head_dim=256,
-                              max_layer_elements=INT32_ELEMENTS)
+FLEX_CONTRACT = Contract(page_multiple=16, q_block_multiple=16)
+FLEX_CUDA_CONTRACT = Contract(page_multiple=128, q_block_multiple=128, max_layer_elements=INT32_ELEMENTS)
 SDPA_CONTRACT = Contract()
 
 

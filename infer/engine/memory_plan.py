@@ -67,10 +67,6 @@ class Plan:
     live_kv_gb_per_video: dict[str, float]  # prefix tokens -> KV of its prefix alone
 
 
-def kv_bytes_per_token(shape: Shape, dtype_bytes: int) -> int:
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
-
-
 def worst_pages(prefix: int, max_events: int, max_branch_tokens: int, page_size: int) -> int:
     """The pages the engine promises a video at admission (module doc)."""
     return math.ceil((prefix + max_events) / page_size) + max_events * math.ceil(max_branch_tokens / page_size)
@@ -95,7 +91,7 @@ def plan(shape: Shape, weights_bytes: int, device_memory_gb: float, prefixes: li
     working = working_bytes(shape, step_tokens, rows, dtype_bytes)
     free = max(0.0, device_memory_gb * 1e9 - weights_bytes - CUDA_CONTEXT_GB * 1e9)
     pool_bytes = kv_memory_gb * 1e9 if kv_memory_gb > 0 else free * kv_fraction
-    per_token = kv_bytes_per_token(shape, dtype_bytes)
+    per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes  # keys and values, every layer
     # the CUDA kernel (compiled flex) addresses a pool layer in int32: the engine caps its pool the same way
     pages = min(int(pool_bytes // (per_token * page_size)),
                 max_pages(shape.kv_heads, shape.head_dim, page_size, FLEX_CUDA_CONTRACT.max_layer_elements))

@@ -197,6 +197,3 @@ def padded_work(calls: Sequence[Call], group: int, multiple: int = 1) -> int:
     """Query rows x keys (in pages) a gathering kernel computes for the calls, padding included (each bin at
     `Call.rows(multiple)` tokens and the call's width; for tests and benchmarks)."""
     return sum(len(c.bins) * c.rows(multiple) * group * c.width for c in calls)
-
-
-__all__ = ["QueryBlock", "Call", "pack_calls", "exact_calls", "kernel_calls", "padded_work", "round_up", "SIZES", "MAX_CALLS", "GATHER_ROWS", "CALL_COST"]

@@ -195,9 +195,18 @@ class ReleaseProgram:
         return aggregate(self.attn_row, self.h_agg, self.lay, step, s.aggregation, self.model.audio_mean_weight)
 
     def decide(self, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
-        step = plan_row(self.model, restricted, ground, self.segments, self.k, self.opts.max_events, self.control,
-                        self.sims, self.plan_logits)
-        if step is None:
+        """One planning decision row (module doc, step 4). restricted [2]: the row's (<G>, <S>) logits in
+        fp32 (model.plan_logits of its final-norm state), ground: its hidden_states[-2]. Keeps the row's
+        similarities and, unless planning is capped, its {<G>, <S>} logits; on <G>, the interval
+        grounded at this row is the next event's (True), else planning stops (False)."""
+        s = self.model.settings
+        sim = self.model.similarity(ground, self.segments)
+        self.sims.append(sim)
+        step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
+        if planning_capped(self.k, self.opts.max_events, self.control):
+            return False
+        self.plan_logits.append(restricted)
+        if not plan_decision(restricted, self.k, self.opts.max_events, self.control, min_events=0):
             return False
         self.steps.append(step)
         self._next = step
@@ -219,26 +228,6 @@ class ReleaseProgram:
         d = float(self.video.seconds_per_step)
         return Anchors([seconds(st, d) for st in self.steps], anchors, anchor_position(self.length, self.k, self.delta),
                        _stack(self.plan_logits), torch.stack(self.sims).float(), self.lay.grid.timesteps)
-
-
-def plan_row(model, restricted: torch.Tensor, ground: torch.Tensor, segments: torch.Tensor, k: int, max_events: int,
-             control: DecodeControl, sims: list, plan_logits: list) -> tuple[int, int] | None:
-    """One planning decision row of the release's program (module doc, step 4).
-
-    restricted [2]: the row's (<G>, <S>) logits in fp32 (model.plan_logits of its final-norm state),
-    ground: its hidden_states[-2]; k: <G>s fed so far. Appends
-    the row's similarities to `sims` and, unless planning is capped, its {<G>, <S>} logits to
-    `plan_logits`. Returns the interval grounded at this row when it picks <G>, None to stop."""
-    s = model.settings
-    sim = model.similarity(ground, segments)
-    sims.append(sim)
-    step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
-    if planning_capped(k, max_events, control):
-        return None
-    plan_logits.append(restricted)
-    if not plan_decision(restricted, k, max_events, control, min_events=0):
-        return None
-    return step
 
 
 def _stack(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -105,8 +105,6 @@ def model_caps(cfg: InferConfig, model) -> InferConfig:
     """cfg with max_events / max_branch_tokens of 0 replaced by the model's own caps: the release
     checkpoint's (max_planning_events; 1 + max_branch_tokens, its first token comes from the
     anchor step), else 30 events and what training teaches (model.max_caption_tokens + 1)."""
-    import dataclasses
-
     events, tokens = model.default_caps()
     return dataclasses.replace(cfg, max_events=cfg.max_events or events, max_branch_tokens=cfg.max_branch_tokens or tokens)
 

@@ -24,6 +24,7 @@ decoders apply after the production rules; a decode without a control runs none.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,18 +139,15 @@ class TokenChooser:
         self.top_p = float(top_p)
         self.generator = generator
 
-    def process(self, logits: torch.Tensor, step: int, events: Sequence[int], control: DecodeControl = NO_CONTROL) -> torch.Tensor:
-        """logits [n, V] of branch rows (event ids `events`) at branch step `step` (0 = the
-        token the anchor predicts) -> processed fp32 logits (hooks and bans applied)."""
+    def branch(self, logits: torch.Tensor, step: int, events: Sequence[int], control: DecodeControl = NO_CONTROL) -> torch.Tensor:
+        """logits [n, V] of branch rows (event ids `events`) at branch step `step` (0 = the token the
+        anchor predicts) -> [n] long: the next token of each row, on logits' device (fp32 scores with
+        the bans and the control's hooks applied, then `pick`)."""
         out = logits.float().clone()
         out[:, self.banned] = float("-inf")
         for proc in control.processors(self.eos_id):
             out = proc(out, step, events)
-        return out
-
-    def branch(self, logits: torch.Tensor, step: int, events: Sequence[int], control: DecodeControl = NO_CONTROL) -> torch.Tensor:
-        """-> [n] long: the next token of each row (see `process`), on logits' device."""
-        return self.pick(self.process(logits, step, events, control))
+        return self.pick(out)
 
     def pick(self, scores: torch.Tensor) -> torch.Tensor:
         """Processed scores [n, V] -> [n] tokens: argmax, or a seeded draw (temperature, top-p)."""
@@ -170,18 +168,12 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def video_generator(seed: int, video_id: str, device: torch.device) -> torch.Generator:
-    """A sampling generator per video: the same (seed, video) gives the same draws in any batch."""
-    import zlib
-
-    g = torch.Generator(device=device)
-    g.manual_seed((int(seed) * 1_000_003 + zlib.crc32(video_id.encode("utf-8"))) % (2**63 - 1))
-    return g
-
-
 def video_chooser(ids: dict[str, int], cfg, video_id: str, device: torch.device) -> TokenChooser:
     """The chooser of one video under decoding settings `cfg` (temperature, top_p, seed): greedy,
-    or sampling with the video's own generator (`video_generator`)."""
-    gen = video_generator(cfg.seed, video_id, device) if cfg.temperature > 0 else None
+    or sampling with the video's own generator (seeded from (seed, video id): the same draws in any batch)."""
+    gen = None
+    if cfg.temperature > 0:
+        gen = torch.Generator(device=device)
+        gen.manual_seed((int(cfg.seed) * 1_000_003 + zlib.crc32(video_id.encode("utf-8"))) % (2**63 - 1))
     return TokenChooser(ids, cfg.temperature, cfg.top_p, gen)
 

@@ -27,15 +27,17 @@ step, never per layer. Pure torch; no ray.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from infer.engine.attn_meta import AttnMeta, Workspace
 from infer.engine.packing import QueryBlock
-from infer.engine.paged import FREE_SEQ, PagePool, Seq, pages_for
+from infer.engine.paged import FREE_SEQ, SCRATCH_SEQ, PagePool, Seq, pages_for
 from infer.engine.step import ForwardBatch, LayerJob, ModelRunner
 
 
@@ -57,9 +59,9 @@ class Branch:
 class VideoState:
     """A video in flight: its program (infer/engine/programs.py), its sequences, and where it is."""
 
-    def __init__(self, request, opts, prog, reserved: int, seq: Seq, cap: int):
+    def __init__(self, request, opts, prog, reserved: int, cap: int):
         self.request, self.opts, self.prog = request, opts, prog
-        self.prefix = seq
+        self.prefix: Seq | None = None  # opened at admission
         self.cursor = 0  # prefix tokens prefilled
         self.reserved = reserved  # pages promised to this video, not yet taken
         self.cap = cap  # tokens per branch
@@ -151,10 +153,7 @@ class Scheduler:
         embeds: list[torch.Tensor] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        seq_a: list[int] = []
-        lim_a: list[int] = []
-        seq_b: list[int] = []
-        lim_b: list[int] = []
+        rules: list[tuple[int, int, int, int]] = []  # per token (seq_a, lim_a, seq_b, lim_b): AttnMeta.build's
         blocks: list[QueryBlock] = []
         n = 0
         branch_rows, plan_rows, chunks = [], [], []
@@ -175,10 +174,7 @@ class Scheduler:
             k = v.rows
             positions.append(torch.full((3, k), v.anchors.anchor_pos + j, dtype=torch.long))
             slots.append(torch.tensor([b.seq.pages[j // S] * S + j % S for b in v.branches], dtype=torch.long))
-            seq_a += [pref.id] * k
-            lim_a += [pref.length] * k
-            seq_b += [b.seq.id for b in v.branches]
-            lim_b += [j + 1] * k
+            rules += [(pref.id, pref.length, b.seq.id, j + 1) for b in v.branches]
             blocks += self._blocks(n, k, pref.pages, [b.seq.pages for b in v.branches])
             branch_rows.append((v, n, k))
             n += k
@@ -198,10 +194,7 @@ class Scheduler:
             embeds.append(x[None].to(self.runner.w.dtype))
             positions.append(pos[:, None].cpu())
             slots.append(self.pool.slots(pref, key, key + 1))
-            seq_a.append(pref.id)
-            lim_a.append(key + 1)
-            seq_b.append(FREE_SEQ)
-            lim_b.append(0)
+            rules.append((pref.id, key + 1, FREE_SEQ, 0))
             blocks += self._blocks(n, 1, pref.pages)
             plan_rows.append((v, n))
             n += 1
@@ -213,23 +206,21 @@ class Scheduler:
             if v.phase is not Phase.PREFILL:
                 continue
             room = self.step_tokens - n - sum(j.part[1] - j.part[0] for _, j in jobs)
-            if v.job is not None:
+            if v.job is None:
+                cut = _largest_cut(v.prog.cuts, v.cursor, v.cursor + room)
+                if cut is None:
+                    nxt = _smallest_cut(v.prog.cuts, v.cursor)
+                    if nxt - v.cursor > self.step_tokens and (room >= self.prefill_block or not prefilled_any):
+                        v.job = self._layer_job(v, v.cursor, nxt)  # a block no step can hold: by layer and by part
+                    elif prefilled_any:
+                        continue  # its smallest chunk does not fit beside the others: a later step
+                    else:
+                        cut = nxt  # a whole bidirectional block, over the budget (alone, it still fits a step)
+            if v.job is not None:  # a layered block, started now or before: its part in this step
                 self._job_part(v.job, room)
                 jobs.append((v, v.job))
                 prefilled_any = True
                 continue
-            cut = _largest_cut(v.prog.cuts, v.cursor, v.cursor + room)
-            if cut is None:
-                nxt = _smallest_cut(v.prog.cuts, v.cursor)
-                if nxt - v.cursor > self.step_tokens and (room >= self.prefill_block or not prefilled_any):
-                    v.job = self._layer_job(v, v.cursor, nxt)  # a block no step can hold: by layer and by part
-                    self._job_part(v.job, room)
-                    jobs.append((v, v.job))
-                    prefilled_any = True
-                    continue
-                if prefilled_any:
-                    continue  # its smallest chunk does not fit beside the others: a later step
-                cut = nxt  # a whole bidirectional block, over the budget (alone, it still fits a step)
             lo, hi = v.cursor, cut
             pref = v.prefix
             self._grow(v, pref, hi)
@@ -237,10 +228,7 @@ class Scheduler:
             positions.append(v.prog.positions[:, lo:hi].cpu())
             slots.append(self.pool.slots(pref, lo, hi))
             lims = v.prog.limits[lo:hi].tolist()
-            seq_a += [pref.id] * (hi - lo)
-            lim_a += lims
-            seq_b += [FREE_SEQ] * (hi - lo)
-            lim_b += [0] * (hi - lo)
+            rules += [(pref.id, lim, FREE_SEQ, 0) for lim in lims]
             blocks += self._chunk_blocks(n, pref, lims)
             chunks.append((v, n, lo, hi))
             n += hi - lo
@@ -251,13 +239,18 @@ class Scheduler:
             return None
         self.pool.sync()
         capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
-        attn = AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=self.attn_q_block, pool=self.pool,
-                              kernel=self.runner.kernel, group=self.runner.w.heads // self.runner.w.kv_heads,
-                              workspace=self.mask_workspace)
+        attn = self._meta(blocks, *zip(*rules), self.attn_q_block, self.mask_workspace)
         batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
                              slots=torch.cat(slots).to(self.device), attn=attn, capture=capture,
                              jobs=tuple(job for _, job in jobs))
         return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks, jobs)
+
+    def _meta(self, blocks: list[QueryBlock], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
+              lim_b: Sequence[int], q_block: int, workspace: Workspace | None = None) -> AttnMeta:
+        """AttnMeta.build for this pool and kernel (its arguments there)."""
+        w = self.runner.w
+        return AttnMeta.build(blocks, seq_a, lim_a, seq_b, lim_b, q_block=q_block, pool=self.pool,
+                              kernel=self.runner.kernel, group=w.heads // w.kv_heads, workspace=workspace)
 
     def _chunk_blocks(self, first: int, pref: Seq, lims: list[int]) -> list[QueryBlock]:
         """Query blocks of a prefill chunk at step tokens [first, first + len(lims)): each sees the prefix
@@ -285,21 +278,15 @@ class Scheduler:
         job.part = (a, b)
         lims = job.limits[a:b].tolist()
         self.pool.sync()  # the metadata reads the pages' owners
-        w = self.runner.w
-        job.attn = AttnMeta.build(self._chunk_blocks(0, job.seq, lims), [job.seq.id] * (b - a), lims,
-                                  [FREE_SEQ] * (b - a), [0] * (b - a), q_block=self.prefill_block, pool=self.pool,
-                                  kernel=self.runner.kernel, group=w.heads // w.kv_heads)
+        job.attn = self._meta(self._chunk_blocks(0, job.seq, lims), [job.seq.id] * (b - a), lims,
+                              [FREE_SEQ] * (b - a), [0] * (b - a), self.prefill_block)
 
     def _jobs_only(self, jobs) -> StepPlan:
         """A step whose only work is layered blocks: the main batch is one scratch token (its KV goes to
         the scratch page, it sees only the scratch page's first key; nothing reads its output)."""
-        from infer.engine.paged import SCRATCH_SEQ
-
         self.pool.sync()
         w = self.runner.w
-        attn = AttnMeta.build([QueryBlock([0], [0])], [SCRATCH_SEQ], [1], [FREE_SEQ], [0], q_block=self.prefill_block,
-                              pool=self.pool,
-                              kernel=self.runner.kernel, group=w.heads // w.kv_heads)
+        attn = self._meta([QueryBlock([0], [0])], [SCRATCH_SEQ], [1], [FREE_SEQ], [0], self.prefill_block)
         batch = ForwardBatch(embeds=torch.zeros(1, w.hidden, dtype=w.dtype, device=self.device),
                              positions=torch.zeros(3, 1, dtype=torch.long, device=self.device),
                              slots=torch.zeros(1, dtype=torch.long, device=self.device), attn=attn,
@@ -309,13 +296,9 @@ class Scheduler:
 
 def _largest_cut(cuts: list[int], lo: int, hi: int) -> int | None:
     """The largest legal cut in (lo, hi], or None."""
-    import bisect
-
     i = bisect.bisect_right(cuts, hi) - 1
     return cuts[i] if i >= 0 and cuts[i] > lo else None
 
 
 def _smallest_cut(cuts: list[int], lo: int) -> int:
-    import bisect
-
     return cuts[bisect.bisect_right(cuts, lo)]

@@ -29,7 +29,6 @@ infer/engine/step_weights.py). Pure torch; no ray.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -39,15 +38,6 @@ from infer.engine.attn_meta import AttnMeta
 from infer.engine.kernels import Kernel
 from infer.engine.paged import PagePool
 from infer.engine.step_weights import StepWeights
-
-
-class Mode(enum.Enum):
-    """The kinds of rows a step carries (for the engine's time accounting)."""
-
-    PREFILL = "prefill"
-    PLAN = "plan"
-    ANCHOR = "anchor"
-    BRANCH = "branch"
 
 
 @dataclass
@@ -169,12 +159,7 @@ class ModelRunner:
             self.pool.layer[li].index_copy_(0, job.slots, torch.stack([k, v], dim=1))
             job.out = torch.empty_like(job.x)
         q = self._rotate(F.linear(job.normed[a:b], *lw.q).view(b - a, w.heads, w.head_dim), job.cos[a:b], job.sin[a:b])
-        att = self.kernel(q, self.pool, li, job.attn, self.scale)
-        x = job.x[a:b]
-        x = torch.addmm(x, att, lw.o_t) if lw.o_t is not None else x + F.linear(att, *lw.o)
-        h = lw.post_norm(x)
-        m = lw.act(F.linear(h, *lw.gate)) * F.linear(h, *lw.up)
-        job.out[a:b] = torch.addmm(x, m, lw.down_t) if lw.down_t is not None else x + F.linear(m, *lw.down)
+        job.out[a:b] = self._out_and_mlp(lw, job.x[a:b], self.kernel(q, self.pool, li, job.attn, self.scale))
         if b < n:
             return
         job.x, job.out, job.normed = job.out, None, None
@@ -196,7 +181,11 @@ class ModelRunner:
         v = F.linear(h, *lw.v).view(n, hkv, w.head_dim)
         qk = self._rotate(torch.cat([q, k], dim=1), cos, sin)  # one rotation for q and k
         self.pool.layer[li].index_copy_(0, slots, torch.stack([qk[:, hq:], v], dim=1))
-        a = self.kernel(qk[:, :hq], self.pool, li, attn, self.scale)  # [N, Hq * D]
+        return self._out_and_mlp(lw, x, self.kernel(qk[:, :hq], self.pool, li, attn, self.scale))
+
+    @staticmethod
+    def _out_and_mlp(lw, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer after attention: x [n, d] + o_proj(a [n, Hq * D]), then the MLP's residual."""
         x = torch.addmm(x, a, lw.o_t) if lw.o_t is not None else x + F.linear(a, *lw.o)
         h = lw.post_norm(x)
         m = lw.act(F.linear(h, *lw.gate)) * F.linear(h, *lw.up)

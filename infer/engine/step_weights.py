@@ -12,7 +12,6 @@ Pure torch; no ray.
 
 from __future__ import annotations
 
-import importlib
 import weakref
 from dataclasses import dataclass
 
@@ -96,10 +95,8 @@ class StepWeights:
         self.norm = fused_norm(dec.norm)
         self.rope = dec.rotary_emb
         self.mrope = getattr(self.rope, "mrope_section", None) is not None  # Qwen2.5-VL: 3-axis position ids
-        self.rotate_half = importlib.import_module(type(dec).__module__).rotate_half
         self.embed, self.head, self.head_bias = model.step_tables()  # the family's tables, <G>/<S> rows in place
         self.dtype = self.embed.dtype
-        self.device = self.embed.device
 
     @classmethod
     def of(cls, model) -> StepWeights:

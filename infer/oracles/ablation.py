@@ -31,12 +31,17 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
-from infer.engine.decoded import Decoded, caption_text
+from infer.engine.core import CaptionEngine
+from infer.engine.decoded import Decoded, caption_text, to_events
+from infer.engine.requests import model_caps
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
+from infer.oracles.decoders import finish_decoded, monolithic
 from infer.oracles.front import StageTimer, run_front
 from pipeline.config import InferConfig
 from pipeline.decoding import prepare_example
+from pipeline.examples import collate
 from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, event_order, mask_between
+from pipeline.textual import parse_events_text
 
 
 def _positions(model, position: torch.Tensor, role: Role) -> torch.Tensor:
@@ -111,14 +116,8 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
             if done(e):
                 del live[e]
     timer.lap("decode_ms")
-    timings = dict(timer.ms)
-    timings.update(total_ms=sum(timer.ms.values()), steps=float(steps), tokens=float(sum(map(len, tokens))),
-                   events=float(k), segments_kept=float(front.segments_kept),
-                   segments_total=float(sample.num_segments))
-    return Decoded(video_id=sample.video_id, duration=float(sample.duration), intervals=front.intervals, tokens=tokens,
-                   steps=steps, timings=timings, planning_logits=front.planning_logits if control.trace else None,
-                   branch_logits=[torch.stack(x) for x in logits_of] if control.trace else None,
-                   grounding_logits=front.grounding_logits if control.trace else None)
+    return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
+                          front.grounding_logits, control)
 
 
 # --------------------------------------------------------------------------- the text chain
@@ -136,10 +135,6 @@ class TextDecoded:
     timings: dict[str, float] = field(default_factory=dict)
     logits: torch.Tensor | None = None  # [n, V] when traced
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
 
 @torch.no_grad()
 def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL,
@@ -151,8 +146,6 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
     t0 = time.perf_counter()
     example = prepare_example(model, sample, cap)
     lay = example.layout
-    from pipeline.examples import collate
-
     pk = collate([example]).packed
     cache = DynamicCache(config=model.hf_config)
     out = model.run_decoder(model.embed(pk, [example]), lay.mask, model.position_ids(pk), cache=cache)
@@ -189,14 +182,6 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
 # --------------------------------------------------------------------------- which decoder
 
 
-def engine_refusal(model, decoder: str) -> str | None:
-    """Why infer/engine/core.py cannot decode this model with `infer.decoder=decoder` (None: it can):
-    the family's own rule (`engine_refusal` of pipeline/family.py). Its single-chain path
-    (`infer.decoder=monolithic`) runs `decoder_for(model)` when that is a Decoded-returning decoder,
-    so a causal / own-<G> model decodes there in its own layout."""
-    return model.engine_refusal(decoder)
-
-
 def decoder_for(model, cfg: InferConfig):
     """The reference-style decoder a model must use instead of the engine, or None (the engine).
 
@@ -208,8 +193,6 @@ def decoder_for(model, cfg: InferConfig):
     if name is None:
         return None
     if name == "monolithic":
-        from infer.oracles.decoders import monolithic
-
         return monolithic
     return {"text_chain": text_chain, "layout_ordered": layout_ordered}[name]
 
@@ -218,18 +201,12 @@ def caption_engine(model, cfg: InferConfig):
     """The engine for `model` under `cfg`, with the single-chain decoder `infer.decoder=monolithic` runs:
     the model's own baseline (`decoder_for`: an ablation model decodes in its own layout), else
     infer/oracles/decoders.py `monolithic`."""
-    from infer.engine.core import CaptionEngine
-    from infer.oracles.decoders import monolithic
-
     return CaptionEngine(model, cfg, single_chain=decoder_for(model, cfg) or monolithic)
 
 
 def decode_events(model, decoder, sample, cfg: InferConfig) -> tuple[dict, dict[str, float]]:
     """One video through `decoder` (from `decoder_for`) -> (its output as the metrics read it:
     {"events": [...]} or, for a text chain, {"text": ...}; the decode's timings)."""
-    from infer.engine.decoded import to_events
-    from infer.engine.requests import model_caps
-
     got = decoder(model, sample, model_caps(cfg, model))  # 0 = the model's own caps
     if isinstance(got, TextDecoded):
         return {"text": got.text, "capped": got.capped}, got.timings
@@ -240,7 +217,5 @@ def decode_events(model, decoder, sample, cfg: InferConfig) -> tuple[dict, dict[
 def output_events(output: dict) -> list[tuple[float, float, str]]:
     """A `decode_events` output -> (start, end, caption) triples (a text is parsed as the metrics parse it)."""
     if "text" in output:
-        from pipeline.textual import parse_events_text
-
         return parse_events_text(output["text"])[0]
     return [(float(e["start"]), float(e["end"]), str(e["caption"])) for e in output["events"]]

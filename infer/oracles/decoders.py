@@ -47,11 +47,8 @@ from pipeline.examples import collate
 from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, dense_layout, event_order, mask_between, shared_position
 
 
-def _chooser(model, cfg: InferConfig, video_id: str) -> TokenChooser:
-    return video_chooser(model.ids, cfg, video_id, model.device)
-
-
-def _finish(sample, example, intervals, tokens, steps, timer, planning, branch_logits, grounding, control) -> Decoded:
+def finish_decoded(sample, example, intervals, tokens, steps, timer, planning, branch_logits, grounding, control) -> Decoded:
+    """A reference decoder's Decoded: its timings (the timer's stages, totals, counts) and, when traced, its logits."""
     timings = dict(timer.ms)
     timings.update(total_ms=sum(timer.ms.values()), steps=float(steps), tokens=float(sum(map(len, tokens))),
                    events=float(len(tokens)), segments_kept=float(example.layout.num_segments),
@@ -114,7 +111,7 @@ def full_recompute(model, sample, cfg: InferConfig, control: DecodeControl = NO_
                                      torch.tensor(intervals, dtype=torch.float32), pos[0, :s], keys)
     timer.lap("grounding_ms")
 
-    chooser = _chooser(model, cfg, sample.video_id)
+    chooser = video_chooser(model.ids, cfg, sample.video_id, model.device)
     tokens: list[list[int]] = [[] for _ in range(k)]
     logits_of: list[list[torch.Tensor]] = [[] for _ in range(k)]
     active, step = list(range(k)), 0
@@ -129,8 +126,8 @@ def full_recompute(model, sample, cfg: InferConfig, control: DecodeControl = NO_
         active = [e for e in active if not _done(tokens[e][-1], len(tokens[e]), chooser, cfg.max_branch_tokens)]
         step += 1
     timer.lap("decode_ms")
-    return _finish(sample, example, intervals, tokens, step, timer, torch.stack(planning) if planning else torch.zeros(0, 2),
-                   logits_of, g_logits, control)
+    return finish_decoded(sample, example, intervals, tokens, step, timer,
+                          torch.stack(planning) if planning else torch.zeros(0, 2), logits_of, g_logits, control)
 
 
 # --------------------------------------------------------------------------- cached references
@@ -144,35 +141,30 @@ def _branch_meta(model, front, event: int, step: int) -> TokenMeta:
     return TokenMeta(order=order, role=torch.tensor([int(role)]), event=torch.tensor([event]))
 
 
-def _front(model, sample, cfg, control, timer):
-    return run_front(model, sample, DynamicCache(config=model.hf_config), cfg, control, timer)
-
-
 def row_mask(model, query: TokenMeta, keys: TokenMeta) -> torch.Tensor:
     """Additive float mask [1, 1, Lq, Lk] from the layout's visibility rule."""
     return additive_mask(mask_between(query, keys, model.options))[None, None]
 
 
-@torch.no_grad()
-def branch_sequential(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
-    """One branch at a time on a DynamicCache, cropped back to the prefix after each."""
+def _token_by_token(model, sample, cfg: InferConfig, control: DecodeControl, inputs, crop: bool) -> Decoded:
+    """The cached decoders that feed one token per forward, branch after branch (`branch_sequential`,
+    `monolithic`): each branch starts from its anchor and runs to <eos> or the cap; inputs(front, e, step,
+    seen) -> (mask, position ids) of event e's token `step` (seen: the tokens in the cache) is where
+    they differ; crop: the cache goes back to the prefix after each branch."""
     timer = StageTimer(model.device)
-    front = _front(model, sample, cfg, control, timer)
+    front = run_front(model, sample, DynamicCache(config=model.hf_config), cfg, control, timer)
     cache, dev = front.cache, model.device
     base = cache.get_seq_length()
-    chooser = _chooser(model, cfg, sample.video_id)
+    chooser = video_chooser(model.ids, cfg, sample.video_id, model.device)
     k = front.num_events
     tokens: list[list[int]] = [[] for _ in range(k)]
     logits_of: list[list[torch.Tensor]] = [[] for _ in range(k)]
     steps = 0
     for e in range(k):
-        keys, embeds, step = front.keys, front.anchors[e][None, None], 0
+        embeds, step = front.anchors[e][None, None], 0
         while True:
-            q = _branch_meta(model, front, e, step)
-            keys = cat_meta(keys, q)
-            role = Role.ANCHOR if step == 0 else Role.BRANCH
-            pos = token_position_ids(model, branch_position(front.anchor_pos, step), 1, role, dev)
-            out = model.run_decoder(embeds, row_mask(model, q, keys), pos, cache=cache)
+            mask, pos = inputs(front, e, step, cache.get_seq_length())
+            out = model.run_decoder(embeds, mask, pos, cache=cache)
             logits = model.lm_logits(out.last_hidden_state[:, -1])
             tok = int(chooser.branch(logits, step, [e], control)[0])
             tokens[e].append(tok)
@@ -183,10 +175,26 @@ def branch_sequential(model, sample, cfg: InferConfig, control: DecodeControl = 
             if _done(tok, len(tokens[e]), chooser, cfg.max_branch_tokens):
                 break
             embeds = model.embed_tokens(torch.tensor([[tok]], device=dev))
-        cache.crop(base - cache.get_seq_length())  # HF 5: a negative count of tokens to drop
+        if crop:
+            cache.crop(base - cache.get_seq_length())  # HF 5: a negative count of tokens to drop
     timer.lap("decode_ms")
-    return _finish(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
-                   front.grounding_logits, control)
+    return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
+                          front.grounding_logits, control)
+
+
+@torch.no_grad()
+def branch_sequential(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
+    """One branch at a time on a DynamicCache, cropped back to the prefix after each."""
+    keys: dict[int, TokenMeta] = {}  # event -> the meta of the cached tokens its next token sees
+
+    def inputs(front, e: int, step: int, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = _branch_meta(model, front, e, step)
+        keys[e] = cat_meta(keys[e] if step else front.keys, q)
+        role = Role.ANCHOR if step == 0 else Role.BRANCH
+        return row_mask(model, q, keys[e]), token_position_ids(model, branch_position(front.anchor_pos, step), 1, role,
+                                                               model.device)
+
+    return _token_by_token(model, sample, cfg, control, inputs, crop=True)
 
 
 def lock_step(model, anchors: torch.Tensor, forward, choose, max_tokens: int) -> tuple[list[list[int]], int]:
@@ -217,10 +225,10 @@ def lock_step(model, anchors: torch.Tensor, forward, choose, max_tokens: int) ->
 def parallel_copy(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
     """K rows in lock-step with the prefix KV copied per row and a dense mask per step."""
     timer = StageTimer(model.device)
-    front = _front(model, sample, cfg, control, timer)
+    front = run_front(model, sample, DynamicCache(config=model.hf_config), cfg, control, timer)
     cache, k = front.cache, front.num_events
     cache.batch_repeat_interleave(k)  # the prefix KV, copied K times
-    chooser = _chooser(model, cfg, sample.video_id)
+    chooser = video_chooser(model.ids, cfg, sample.video_id, model.device)
     keys, rounds = [front.keys] * k, []
 
     def forward(x: torch.Tensor, step: int) -> torch.Tensor:
@@ -238,44 +246,17 @@ def parallel_copy(model, sample, cfg: InferConfig, control: DecodeControl = NO_C
                               cfg.max_branch_tokens)
     logits_of = [[rounds[r][e].float().cpu() for r in range(len(tokens[e]))] if control.trace else [] for e in range(k)]
     timer.lap("decode_ms")
-    return _finish(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
-                   front.grounding_logits, control)
+    return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
+                          front.grounding_logits, control)
 
 
 @torch.no_grad()
 def monolithic(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
     """All events in one causal chain after the serial <G>s (module doc)."""
-    timer = StageTimer(model.device)
-    front = _front(model, sample, cfg, control, timer)
-    cache, dev = front.cache, model.device
-    chooser = _chooser(model, cfg, sample.video_id)
-    k = front.num_events
-    tokens: list[list[int]] = [[] for _ in range(k)]
-    logits_of: list[list[torch.Tensor]] = [[] for _ in range(k)]
-    index = cache.get_seq_length()  # next chain index (= A for the first anchor)
-    steps = 0
-    for e in range(k):
-        embeds, step = front.anchors[e][None, None], 0
-        while True:
-            mask = torch.zeros(1, 1, 1, index + 1)  # a causal chain: the new token sees every earlier one
-            role = Role.ANCHOR if step == 0 else Role.BRANCH
-            pos = token_position_ids(model, shared_position(index), 1, role, dev)
-            out = model.run_decoder(embeds, mask, pos, cache=cache)
-            logits = model.lm_logits(out.last_hidden_state[:, -1])
-            tok = int(chooser.branch(logits, step, [e], control)[0])
-            tokens[e].append(tok)
-            if control.trace:
-                logits_of[e].append(logits[0].float().cpu())
-            index += 1
-            steps += 1
-            step += 1
-            if _done(tok, len(tokens[e]), chooser, cfg.max_branch_tokens):
-                break
-            embeds = model.embed_tokens(torch.tensor([[tok]], device=dev))
-    timer.lap("decode_ms")
-    return _finish(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
-                   front.grounding_logits, control)
 
+    def inputs(front, e: int, step: int, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.zeros(1, 1, 1, seen + 1)  # a causal chain: the new token sees every earlier one (A: the first anchor)
+        role = Role.ANCHOR if step == 0 else Role.BRANCH
+        return mask, token_position_ids(model, shared_position(seen), 1, role, model.device)
 
-DECODERS = {"full_recompute": full_recompute, "branch_sequential": branch_sequential,
-            "parallel_copy": parallel_copy, "monolithic": monolithic}
+    return _token_by_token(model, sample, cfg, control, inputs, crop=False)

@@ -26,13 +26,13 @@ the training-time forward, and must agree with it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from infer.engine.programs import PROGRAMS, Anchors, PadProgram, ReleaseProgram
 from infer.engine.sampling import NO_CONTROL, DecodeControl
-from pipeline.layout import Layout, Role, TokenMeta, additive_mask, cat_meta, shared_position
+from pipeline.layout import Role, TokenMeta, additive_mask, cat_meta, shared_position
 from pipeline.release.decoding import ReleasePrefill
 
 
@@ -46,7 +46,6 @@ class Front:
     last_hidden: torch.Tensor  # [d] final-norm state of the prefix's last row
     last_ground: torch.Tensor  # [d] its grounding-layer state
     serial_inputs: torch.Tensor  # [K, d] the serial <G> inputs fed
-    timings: dict[str, float] = field(default_factory=dict)
 
     intervals = property(lambda self: self.end.intervals)  # planning order (seconds)
     anchors = property(lambda self: self.end.anchors)  # [K, d] anchor input embeddings
@@ -64,15 +63,13 @@ class Front:
     example = property(lambda self: self.program.example)
 
     @property
-    def layout(self) -> Layout:
-        return self.example.layout
-
-    @property
     def keys(self) -> TokenMeta:
-        """order / role / event of every cached token: the prefix's, then the K serial <G>s."""
-        keys = self.layout.meta()
+        """order / role / event of every cached token: the prefix's, then the K serial <G>s (each where the
+        training layout places it)."""
+        keys = self.example.layout.meta()
         for k in range(self.num_events):
-            keys = cat_meta(keys, serial_g_meta(self.prefix_len, k))
+            keys = cat_meta(keys, TokenMeta(order=shared_position(torch.tensor([self.prefix_len + k])),
+                                            role=torch.tensor([int(Role.SERIAL_G)]), event=torch.tensor([-1])))
         return keys
 
     # the release's program: its grounded timestep intervals, and what its prefill left (the parity check)
@@ -109,12 +106,6 @@ class StageTimer:
 # with an explicit mask always (pipeline/model.py `run_decoder`), the release's on HF's causal mask as the release
 # does; the two differ in the last bits (attention with or without a mask), so each keeps its own.
 SERIAL_ROW_MASK = {"pad": True, "release": False}
-
-
-def serial_g_meta(prefix_len: int, k: int) -> TokenMeta:
-    """Meta of the k-th serial <G> (0-based), as the training layout places it."""
-    idx = torch.tensor([prefix_len + k])
-    return TokenMeta(order=shared_position(idx), role=torch.tensor([int(Role.SERIAL_G)]), event=torch.tensor([-1]))
 
 
 def hf_positions(model, positions: torch.Tensor) -> torch.Tensor:
@@ -174,4 +165,4 @@ def run_front(model, video, cache, opts, control: DecodeControl = NO_CONTROL, ti
     end = prog.finish()
     timer.lap("grounding_ms")
     inputs = torch.stack(serial) if serial else end.anchors.new_zeros(0, end.anchors.shape[1])
-    return Front(prog, cache, end, first, first_ground, inputs, timer.ms)
+    return Front(prog, cache, end, first, first_ground, inputs)

@@ -82,15 +82,12 @@ class Checks:
     def verdict(self, name: str, passed: bool, detail: str = "") -> None:
         self.items.append(Check(name, None, None, bool(passed), detail[:300]))
 
-    def error(self, name: str, exc: BaseException) -> None:
-        self.items.append(Check(name, None, None, False, f"{type(exc).__name__}: {exc}"[:300]))
-
     def guard(self, name: str, fn) -> None:
         """Run one check; an exception (an earlier failure included) becomes its FAIL line."""
         try:
             fn()
         except Exception as exc:  # noqa: BLE001 - every failure is a FAIL line, the run goes on
-            self.error(name, exc)
+            self.items.append(Check(name, None, None, False, f"{type(exc).__name__}: {exc}"[:300]))
 
 
 class Missing(RuntimeError):
@@ -237,10 +234,7 @@ def run(root: Path, dtype: str = "float32", out=sys.stdout) -> Checks:
 
     checks.guard("weights: file vs model (own table)", weights)
 
-    def video():
-        c["video"] = case_video(c["inputs"], c["sample"], c["settings"].instruction)
-
-    checks.guard("the case's video", video)
+    checks.guard("the case's video", lambda: c.update(video=case_video(c["inputs"], c["sample"], c["settings"].instruction)))
     checks.guard("vision tower + merger", lambda: checks.close(
         "vision tower + merger", c["model"].encode_video(c["video"].pixel_values, torch.tensor([c["video"].grid_thw])),
         c["tensors"]["visual"], tol["encoder"]))
