@@ -62,10 +62,6 @@ def build_optimizer(params: dict[str, nn.Parameter], train_cfg) -> torch.optim.O
     return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=1e-8)
 
 
-def schedule_fn(train_cfg):
-    """step -> multiplier, for torch's LambdaLR."""
-    return lambda step: lr_factor(step, train_cfg.warmup_steps, train_cfg.max_steps, train_cfg.min_lr_ratio)
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn(train_cfg))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, train_cfg.warmup_steps, train_cfg.max_steps, train_cfg.min_lr_ratio))
