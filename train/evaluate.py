@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
 
 import numpy as np
 import torch
@@ -317,7 +316,3 @@ def _overlap_counts(c: EvalCounts, ref: np.ndarray, iou: np.ndarray) -> None:
     if mine.any():
         c.overlap_precision_sum += float(hit[mine][:, ov].any(1).mean())
 
-
-def engine_events(result: Any) -> list[tuple[float, float, str]]:
-    """The (start, end, caption) events of one engine result (infer.engine.requests.VideoResult)."""
-    return [(float(e.start), float(e.end), str(e.caption)) for e in result.events]

@@ -30,7 +30,7 @@ import torch
 
 from pipeline.config import Config
 from train.data import Batcher, read_samples
-from train.evaluate import EvalCounts, caption_parser, engine_counts, engine_events, heldout_counts, summary
+from train.evaluate import EvalCounts, caption_parser, engine_counts, heldout_counts, summary
 
 HEADLINE = ("planning_acc", "grounding_f1@0.5", "token_acc", "colour_acc", "shape_acc", "motion_acc", "sound_acc",
             "attr_acc")
@@ -65,7 +65,8 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     t0 = time.perf_counter()
     if ablation is None:
         results = caption_engine(model, infer_cfg).caption(samples)
-        events, errors, name = [engine_events(r) for r in results], sum(1 for r in results if getattr(r, "error", None)), infer_cfg.decoder
+        events = [[(float(e.start), float(e.end), str(e.caption)) for e in r.events] for r in results]  # VideoResults
+        errors, name = sum(1 for r in results if getattr(r, "error", None)), infer_cfg.decoder
         texts: list[str] = []
     else:
         outputs = [decode_events(model, ablation, s, infer_cfg)[0] for s in samples]

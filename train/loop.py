@@ -291,11 +291,9 @@ class BatchStream:
 
 @torch.no_grad()
 def validate(model: PadCaptioner, samples: list, ctx, parse=None, autocast: bool = False) -> dict[str, float]:
-    """Teacher-forced held-out numbers (train/evaluate.py), samples split over ranks.
-
-    One sample per forward and the same number of forwards on every rank (the last rank
-    repeats a sample it does not count), so ZeRO-3's gathered forwards stay in step.
-    """
+    """Teacher-forced held-out numbers (train/evaluate.py), samples split over ranks: one sample
+    per forward, the same number of forwards on every rank (the last rank repeats a sample it
+    does not count)."""
     if not samples:
         return {}
     was_training = model.training

@@ -37,22 +37,17 @@ def lr_scale(name: str, scales: dict[str, float] | None) -> float:
     return 1.0
 
 
-def param_groups(params: dict[str, nn.Parameter], weight_decay: float, lr: float | None = None,
+def param_groups(params: dict[str, nn.Parameter], weight_decay: float, lr: float,
                  scales: dict[str, float] | None = None) -> list[dict]:
     """Weight decay on matrices (LoRA A/B, projector and head weights); none on biases,
-    norms and the new-token rows / embeddings' 1-D parts. With `lr`, each group also gets
+    norms and the new-token rows / embeddings' 1-D parts. Each group's lr is
     `lr * lr_scale(name, scales)` (one group per decay x multiplier)."""
     groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
     for n, p in params.items():
         decay = p.ndim >= 2 and "new_embed" not in n and "new_out" not in n
         groups.setdefault((decay, lr_scale(n, scales)), []).append(p)
-    out = []
-    for (decay, scale), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
-        group = {"params": ps, "weight_decay": weight_decay if decay else 0.0}
-        if lr is not None:
-            group["lr"] = lr * scale
-        out.append(group)
-    return out
+    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0, "lr": lr * scale}
+            for (decay, scale), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
 
 
 def build_optimizer(params: dict[str, nn.Parameter], train_cfg) -> torch.optim.Optimizer:
