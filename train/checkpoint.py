@@ -10,11 +10,11 @@ A checkpoint directory:
                          checkpoints hold the trained tensors only, and the merged
                          directory is made from one at the end or on demand
                          (train/export.py: `python -m train.export CHECKPOINT OUT`)
-    train_state.pt       step, data position (epoch, records consumed in it), RNG states,
+    train_state.pt       step, data position (epoch, records consumed in it), resumes,
                          the trainable tensors (exact, in training dtype), optimizer and
                          scheduler state (DDP backend), data stats
     history.json         per-step metrics so far (loss components, lr, tokens/s, validation)
-    rng/rank_<r>.pt      every rank's RNG states (torch, python, its data-jitter generator)
+    rng/rank_<r>.pt      every rank's RNG states (torch, python, CUDA, its data-jitter generator)
     deepspeed/           DeepSpeed backend only: engine.save_checkpoint (ZeRO partitions
                          of every rank; frozen weights excluded)
     config.json          the run's Config

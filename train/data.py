@@ -282,7 +282,6 @@ class Batcher:
         self.stats = stats if stats is not None else DataStats()
         self.generator = generator
         self.drop_last = drop_last
-        self.collate = model.collate  # each family its own batches
         self.current_id = ""  # the video id of the record `example` read last
         self.batch_ids: list[str] = []  # the video ids of the batch yielded last, in its order
 
@@ -313,8 +312,8 @@ class Batcher:
             ids.append(self.current_id)
             if len(pending) == self.batch_size:
                 self.batch_ids = ids
-                yield self.collate(pending)
+                yield self.model.collate(pending)  # each family its own batches
                 pending, ids = [], []
         if pending and not self.drop_last:
             self.batch_ids = ids
-            yield self.collate(pending)
+            yield self.model.collate(pending)

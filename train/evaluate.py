@@ -97,10 +97,6 @@ class EvalCounts:
     def tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
 
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> EvalCounts:
-        return cls(*[float(v) for v in t.tolist()])
-
     def add_detection(self, pred: np.ndarray, ref: np.ndarray) -> np.ndarray:
         """Add one video's precision and recall with the strict tIoU > TIOU; -> its tIoU matrix [P, R]."""
         from pipeline.metrics.tiou import tiou_matrix

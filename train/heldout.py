@@ -40,10 +40,9 @@ HEADLINE = ("planning_acc", "grounding_f1@0.5", "token_acc", "colour_acc", "shap
 def teacher_forced(model, samples: list, parse=None) -> dict[str, float]:
     counts = EvalCounts()
     batcher = Batcher(model, 1)
-    for sample in samples:
-        for batch in batcher([sample]):
-            out = model.forward_train(batch)
-            counts += heldout_counts(model, batch, out, parse)
+    for batch in batcher(samples):  # one batch per usable sample, in order
+        out = model.forward_train(batch)
+        counts += heldout_counts(model, batch, out, parse)
     out = summary(counts)
     out["skipped"] = batcher.stats.skipped
     return out

@@ -308,7 +308,7 @@ def validate(model: PadCaptioner, samples: list, ctx, parse=None, autocast: bool
             out = model.forward_train(batch)
         if i < len(mine):
             counts += heldout_counts(model, batch, out, parse)
-    counts = EvalCounts.from_tensor(all_reduce(counts.tensor(), ctx))
+    counts = EvalCounts(*all_reduce(counts.tensor(), ctx).tolist())  # float64 -> Python floats
     model.train(was_training)
     out = summary(counts, prefix="val_")
     if model.counting == "loss":  # counted from the loss (free-text captions): no attribute words

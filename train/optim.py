@@ -28,24 +28,17 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float = 0.0) -> flo
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def lr_scale(name: str, scales: dict[str, float] | None) -> float:
-    """The lr multiplier of parameter `name`: the first of `scales` (name substring -> multiplier,
-    `train.lr_scales`) whose key is in the name, else 1."""
-    for key, scale in (scales or {}).items():
-        if key in name:
-            return float(scale)
-    return 1.0
-
-
 def param_groups(params: dict[str, nn.Parameter], weight_decay: float, lr: float,
                  scales: dict[str, float] | None = None) -> list[dict]:
     """Weight decay on matrices (LoRA A/B, projector and head weights); none on biases,
-    norms and the new-token rows / embeddings' 1-D parts. Each group's lr is
-    `lr * lr_scale(name, scales)` (one group per decay x multiplier)."""
+    norms and the new-token rows / embeddings' 1-D parts. Each group's lr is `lr` times the
+    multiplier of the first of `scales` (name substring -> multiplier, `train.lr_scales`) in the
+    parameter's name, else 1 (one group per decay x multiplier)."""
     groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
     for n, p in params.items():
         decay = p.ndim >= 2 and "new_embed" not in n and "new_out" not in n
-        groups.setdefault((decay, lr_scale(n, scales)), []).append(p)
+        scale = next((float(s) for key, s in (scales or {}).items() if key in n), 1.0)
+        groups.setdefault((decay, scale), []).append(p)
     return [{"params": ps, "weight_decay": weight_decay if decay else 0.0, "lr": lr * scale}
             for (decay, scale), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
 
