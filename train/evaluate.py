@@ -39,13 +39,14 @@ Counts are sums (`EvalCounts.tensor()` all-reduces across ranks). Pure torch; no
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
-from pipeline.caption_grammar import ATTRIBUTES
+from pipeline.caption_grammar import ATTRIBUTES, parse_caption
 from pipeline.layout import IGNORE
 
 HEADLINE_ATTRIBUTES = ("colour", "shape", "sound")
@@ -111,11 +112,7 @@ class EvalCounts:
 
 def caption_parser(cfg) -> Callable[[str], dict] | None:
     """The attribute parser for `cfg.data.dataset` (the synthetic grammar's), or None."""
-    if cfg.data.dataset == "synthetic":
-        from pipeline.caption_grammar import parse_caption
-
-        return parse_caption
-    return None
+    return parse_caption if cfg.data.dataset == "synthetic" else None
 
 
 def summary(c: EvalCounts, prefix: str = "") -> dict[str, float]:
@@ -181,8 +178,6 @@ def attribute_token_spans(token_texts: list[str], parse: Callable[[str], dict]) 
     e.g. stripes as 'striped square') and the tokens overlapping it are returned. Attributes
     not found are left out.
     """
-    import re
-
     text = "".join(token_texts)
     low = text.lower()
     cut = low.find("audio:")

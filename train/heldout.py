@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pipeline.config import Config
+from pipeline.textual import parse_failures
 from train.data import Batcher, read_samples
 from train.evaluate import EvalCounts, caption_parser, engine_counts, heldout_counts, summary
 
@@ -75,8 +76,6 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     out: dict[str, Any] = summary(engine_counts(samples, events, parse))
     out.pop("token_acc")  # teacher-forced only
     if texts:  # a text baseline: how its timestamps failed to parse
-        from pipeline.textual import parse_failures
-
         out.update(parse_failures(texts).numbers())
     out["seconds_per_video"] = seconds / max(1, len(samples))
     out["decoder"] = name

@@ -47,6 +47,7 @@ from pipeline.config import Config
 from pipeline.model import PadCaptioner
 from train import checkpoint as ckpt
 from train.data import Augment, Batcher, DataStats
+from train.deepspeed_config import deepspeed_config
 from train.evaluate import ATTRIBUTES, EvalCounts, heldout_counts, summary
 from train.losses import compute_losses
 from train.optim import build_optimizer, build_scheduler
@@ -199,8 +200,6 @@ class DeepSpeedBackend:
     def __init__(self, model: PadCaptioner, cfg: Config, ctx):
         import deepspeed
 
-        from train.deepspeed_config import deepspeed_config
-
         params = model.trainable_parameters()
         ds_cfg = deepspeed_config(cfg.train, ctx.world_size, on_gpu=ctx.device.type == "cuda")
         optimizer = build_optimizer(params, cfg.train)
@@ -258,8 +257,7 @@ class BatchStream:
         skip = self.state.records_in_epoch
         self._resumed_mid_epoch = skip > 0
         records = iter(self.source.epoch(self.state.epoch))
-        # resume: the records this epoch already gave
-        self.state.records_in_epoch = sum(1 for _ in itertools.islice(records, skip))
+        self.state.records_in_epoch = sum(1 for _ in itertools.islice(records, skip))  # resume: those already given
         self._records = self._count(records)
         self._batches = self.batcher(self._records)
 
