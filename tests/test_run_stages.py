@@ -126,10 +126,11 @@ def _manifest(shards_dir, rows):
 def test_train_run_name_follows_the_training_shards(tmp_path):
     """Shards made again (preprocess forced, annotations changed) are other data: the run must
     not resume a checkpoint trained on the old ones."""
-    from train.trainer import read_manifest, train_run_name, training_data_id
+    from preprocess import manifest as mf
+    from train.trainer import train_run_name, training_data_id
 
     cfg = Config()
-    data_id = lambda shards_dir: training_data_id(cfg, read_manifest(str(shards_dir)))  # noqa: E731
+    data_id = lambda shards_dir: training_data_id(cfg, mf.read_table(mf.manifest_path(str(shards_dir))))  # noqa: E731
     row = {"video_id": "v1", "split": "train", "status": "ok", "shard": "/s/a/train/000.tar", "key": "v1"}
     a, b = tmp_path / "a", tmp_path / "b"
     _manifest(a, [row, {**row, "video_id": "v2", "split": "test", "key": "v2"}])

@@ -46,7 +46,7 @@ def test_scheduler_drives_the_optimizer_lr():
 def test_weight_decay_only_on_matrices():
     params = {"lora_A": torch.nn.Parameter(torch.zeros(4, 2)), "bias": torch.nn.Parameter(torch.zeros(4)),
               "new_embed": torch.nn.Parameter(torch.zeros(2, 4))}
-    groups = param_groups(params, 0.1)
+    groups = param_groups(params, 0.1, 1e-3)
     assert [len(g["params"]) for g in groups] == [1, 2]
     assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
     with pytest.raises(ValueError):

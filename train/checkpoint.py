@@ -10,11 +10,11 @@ A checkpoint directory:
                          checkpoints hold the trained tensors only, and the merged
                          directory is made from one at the end or on demand
                          (train/export.py: `python -m train.export CHECKPOINT OUT`)
-    train_state.pt       step, data position (epoch, records consumed in it), RNG states,
+    train_state.pt       step, data position (epoch, records consumed in it), resumes,
                          the trainable tensors (exact, in training dtype), optimizer and
                          scheduler state (DDP backend), data stats
     history.json         per-step metrics so far (loss components, lr, tokens/s, validation)
-    rng/rank_<r>.pt      every rank's RNG states (torch, python, its data-jitter generator)
+    rng/rank_<r>.pt      every rank's RNG states (torch, python, CUDA, its data-jitter generator)
     deepspeed/           DeepSpeed backend only: engine.save_checkpoint (ZeRO partitions
                          of every rank; frozen weights excluded)
     config.json          the run's Config
@@ -53,35 +53,27 @@ class TrainState:
     data_stats: dict[str, Any] = field(default_factory=dict)
 
 
-def rng_state(generator: torch.Generator | None) -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "generator": generator.get_state() if generator is not None else None,
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+def save_rank_state(path: str | Path, rank: int, generator: torch.Generator | None) -> None:
+    """Every rank: its RNG states (torch, python, `generator`, CUDA)."""
+    d = Path(path) / "rng"
+    d.mkdir(parents=True, exist_ok=True)
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                "generator": generator.get_state() if generator is not None else None,
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, d / f"rank_{rank}.pt")
 
 
-def set_rng_state(state: dict[str, Any], generator: torch.Generator | None) -> None:
+def load_rank_state(path: str | Path, rank: int, generator: torch.Generator | None) -> None:
+    """Restore this rank's RNG states; none when the checkpoint has none for it (another world size)."""
+    f = Path(path) / "rng" / f"rank_{rank}.pt"
+    if not f.exists():
+        return
+    state = torch.load(f, map_location="cpu", weights_only=False)
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if generator is not None and state.get("generator") is not None:
         generator.set_state(state["generator"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_rank_state(path: str | Path, rank: int, generator: torch.Generator | None) -> None:
-    """Every rank: its RNG states."""
-    d = Path(path) / "rng"
-    d.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(generator), d / f"rank_{rank}.pt")
-
-
-def load_rank_state(path: str | Path, rank: int, generator: torch.Generator | None) -> bool:
-    """Restore this rank's RNG states; False when the checkpoint has none for it (another world size)."""
-    f = Path(path) / "rng" / f"rank_{rank}.pt"
-    if not f.exists():
-        return False
-    set_rng_state(torch.load(f, map_location="cpu", weights_only=False), generator)
-    return True
 
 
 def save_checkpoint(path: str | Path, *, model, state: TrainState, config_json: str,
@@ -115,9 +107,8 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None) 
         optimizer.load_state_dict(payload["optimizer"])
     if scheduler is not None and payload["scheduler"] is not None:
         scheduler.load_state_dict(payload["scheduler"])
-    history = json.loads((path / HISTORY_FILE).read_text()) if (path / HISTORY_FILE).exists() else []
     return TrainState(step=payload["step"], epoch=payload["epoch"], records_in_epoch=payload["records_in_epoch"],
-                      history=history, data_stats=payload.get("data_stats") or {}, resumes=payload.get("resumes", 0))
+                      history=read_history(path), data_stats=payload.get("data_stats") or {}, resumes=payload.get("resumes", 0))
 
 
 def load_trainable(path: Path, payload: dict, model) -> None:

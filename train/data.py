@@ -11,11 +11,8 @@ decoder=None)` hands back per row; `pipeline.schema.decode` turns it into a Samp
 A record that does not decode or validate, or that cannot become an example, is
 skipped and counted in `DataStats` (with the first reasons kept), never fatal.
 
-Samples longer than `model.max_seq_len` tokens (or with more segments than
-`model.max_segments`) are shortened by `fit_segments` (pipeline/fitting.py, shared with decoding): whole segments are dropped
-evenly over the video (a segment's visual and audio tokens go together, so the
-layout is never cut in the middle), and every event is re-mapped onto the kept
-segments' times (`remap_interval`). Pure python/numpy/torch; no ray.
+Samples too long for the model are shortened by its `fit` (pipeline/fitting.py, shared
+with decoding). Pure python/numpy/torch; no ray.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from pipeline import storage
 from pipeline.examples import Batch, ExampleError
@@ -150,7 +148,6 @@ def read_samples(paths: Sequence[str] | Mapping[str, Collection[str]], limit: in
             out.append(decode_record(rec))
         except SchemaError as e:
             stats.skip(str(e))
-            continue
         if limit and len(out) >= limit:
             break
     return out
@@ -188,9 +185,6 @@ class InMemoryEpochs:
         order = list(range(len(self.records)))
         random.Random(self.seed * 1_000_003 + index).shuffle(order)
         return (self.records[i] for i in order)
-
-    def __len__(self) -> int:
-        return len(self.records)
 
 
 # --------------------------------------------------------------------------- augmentation
@@ -263,8 +257,6 @@ class Augment:
     def __call__(self, sample: Sample) -> Sample:
         if (self.crop <= 0 and self.noise <= 0) or sample.ragged_audio:  # release-encoder samples: not augmented
             return sample
-        import torch
-
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
         rng = np.random.default_rng(seed)
         return feature_noise(random_crop(sample, self.crop, rng), self.noise, rng)
@@ -276,7 +268,7 @@ class Augment:
 class Batcher:
     """Records (raw dicts or Samples) -> Batches of `batch_size` examples.
 
-    Each record is decoded, augmented (training: `augment`), fitted (`fit_to_model`) and laid out by the model's
+    Each record is decoded, augmented (training: `augment`), fitted (the model's `fit`) and laid out by the model's
     `make_example` (with `generator`, aggregation intervals are jittered); failures are
     counted in `stats` and skipped. The last partial batch of an iterable is yielded
     unless `drop_last`. `batch_ids`: the video ids of the batch yielded last (what the loop logs per step).
@@ -290,7 +282,6 @@ class Batcher:
         self.stats = stats if stats is not None else DataStats()
         self.generator = generator
         self.drop_last = drop_last
-        self.collate = model.collate  # each family its own batches
         self.current_id = ""  # the video id of the record `example` read last
         self.batch_ids: list[str] = []  # the video ids of the batch yielded last, in its order
 
@@ -321,8 +312,8 @@ class Batcher:
             ids.append(self.current_id)
             if len(pending) == self.batch_size:
                 self.batch_ids = ids
-                yield self.collate(pending)
+                yield self.model.collate(pending)  # each family its own batches
                 pending, ids = [], []
         if pending and not self.drop_last:
             self.batch_ids = ids
-            yield self.collate(pending)
+            yield self.model.collate(pending)

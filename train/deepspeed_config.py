@@ -5,17 +5,13 @@
                                       optimizer=adamw, lr_scheduler=make_sched, config=ds_config)
 
 ZeRO stage `train.zero_stage` (0-2; the GPU presets use 2: optimizer state and gradients
-partitioned, weights replicated). Stage 3 is refused (`check_zero_stage`): it partitions
-the weights too and gathers a module's parameters only around that module's own
-forward, but PadCaptioner reads `new_embed`, `new_out` and `modality_embed.weight[i]`
-directly (outside any submodule forward) and training enters through `forward_train`,
-not `forward`, so under stage 3 those reads would see empty partitions. The optimizer (AdamW) and the warmup + cosine
-schedule stay the loop's own (train/optim.py) and are handed to `deepspeed.initialize`
-as client objects, so both backends train with the same maths; hence
-`zero_allow_untested_optimizer`. Batch sizes: micro batch per rank = `batch_size`,
-global = batch_size * grad_accum * world. Gradient clipping is DeepSpeed's
-(`gradient_clipping`), bf16 mixed precision on GPU only (on CPU the loop trains in
-the model dtype). Pure python.
+partitioned, weights replicated). Stage 3 is refused (`check_zero_stage`; ZERO3_REFUSED
+says why). The optimizer (AdamW) and the warmup + cosine schedule stay the loop's own
+(train/optim.py) and are handed to `deepspeed.initialize` as client objects, so both
+backends train with the same maths; hence `zero_allow_untested_optimizer`. Batch sizes:
+micro batch per rank = `batch_size`, global = batch_size * grad_accum * world. Gradient
+clipping is DeepSpeed's (`gradient_clipping`), bf16 mixed precision on GPU only (on CPU
+the loop trains in the model dtype). Pure python.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ ZERO3_REFUSED = (
 
 
 def check_zero_stage(train_cfg) -> int:
-    """The ZeRO stage of `train_cfg`, or ValueError (out of range, or 3: see the module docstring)."""
+    """The ZeRO stage of `train_cfg`, or ValueError (out of range, or 3: ZERO3_REFUSED)."""
     stage = int(train_cfg.zero_stage)
     if not 0 <= stage <= 3:
         raise ValueError(f"train.zero_stage must be 0..2, got {stage}")

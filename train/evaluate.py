@@ -39,14 +39,14 @@ Counts are sums (`EvalCounts.tensor()` all-reduces across ranks). Pure torch; no
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
 
 import numpy as np
 import torch
 
-from pipeline.caption_grammar import ATTRIBUTES
+from pipeline.caption_grammar import ATTRIBUTES, parse_caption
 from pipeline.layout import IGNORE
 
 HEADLINE_ATTRIBUTES = ("colour", "shape", "sound")
@@ -98,18 +98,21 @@ class EvalCounts:
     def tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
 
-    @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> EvalCounts:
-        return cls(*[float(v) for v in t.tolist()])
+    def add_detection(self, pred: np.ndarray, ref: np.ndarray) -> np.ndarray:
+        """Add one video's precision and recall with the strict tIoU > TIOU; -> its tIoU matrix [P, R]."""
+        from pipeline.metrics.tiou import tiou_matrix
+
+        iou = tiou_matrix(pred, ref)
+        if iou.size:
+            hit = iou > TIOU
+            self.precision_sum += float(hit.any(1).mean())
+            self.recall_sum += float(hit.any(0).mean())
+        return iou
 
 
 def caption_parser(cfg) -> Callable[[str], dict] | None:
     """The attribute parser for `cfg.data.dataset` (the synthetic grammar's), or None."""
-    if cfg.data.dataset == "synthetic":
-        from pipeline.caption_grammar import parse_caption
-
-        return parse_caption
-    return None
+    return parse_caption if cfg.data.dataset == "synthetic" else None
 
 
 def summary(c: EvalCounts, prefix: str = "") -> dict[str, float]:
@@ -157,31 +160,12 @@ def loss_counts(model, out: dict) -> EvalCounts:
     says_g = (text[:, model.model.g_id] > text[:, model.model.s_id]).cpu()
     c.planning_correct = float(bool(says_g[:-1].all()) and not bool(says_g[-1]))
     for pred, ref in out.get("grounded", []):
-        p, r, _ = detection(np.asarray(pred, dtype=np.float64).reshape(-1, 2), np.asarray(ref, dtype=np.float64))
-        c.precision_sum += p
-        c.recall_sum += r
+        c.add_detection(np.asarray(pred, dtype=np.float64).reshape(-1, 2), np.asarray(ref, dtype=np.float64))
     labels = out["branch_labels"]
     c.tokens = float(labels.numel())
     c.tokens_correct = float((out["branch_logits"].argmax(-1) == labels).sum())
     c.events = float(text.shape[0] - 1)
     return c
-
-
-def detection(pred: np.ndarray, ref: np.ndarray, t: float = TIOU) -> tuple[float, float, np.ndarray]:
-    """(precision, recall, tIoU matrix [P, R]) of one video with the strict tIoU > t."""
-    from pipeline.metrics.tiou import tiou_matrix
-
-    iou = tiou_matrix(pred, ref)
-    if iou.size == 0:
-        return 0.0, 0.0, iou
-    hit = iou > t
-    return float(hit.any(1).mean()), float(hit.any(0).mean()), iou
-
-
-def _attr_hits(pred_text: str | None, ref_text: str, parse: Callable[[str], dict]) -> dict[str, float]:
-    ref = parse(ref_text)
-    got = parse(pred_text) if pred_text is not None else {}
-    return {a: float(got.get(a) is not None and got.get(a) == ref.get(a)) for a in ATTRIBUTES}
 
 
 def attribute_token_spans(token_texts: list[str], parse: Callable[[str], dict]) -> dict[str, list[int]]:
@@ -194,8 +178,6 @@ def attribute_token_spans(token_texts: list[str], parse: Callable[[str], dict]) 
     e.g. stripes as 'striped square') and the tokens overlapping it are returned. Attributes
     not found are left out.
     """
-    import re
-
     text = "".join(token_texts)
     low = text.lower()
     cut = low.find("audio:")
@@ -215,22 +197,12 @@ def attribute_token_spans(token_texts: list[str], parse: Callable[[str], dict]) 
     return spans
 
 
-def _branch_rows(batch, out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sample index, event, step) of every row of out['branch_logits'] (same order)."""
-    pk = batch.packed
-    s = pk.split
-    rows = pk.labels[:, s:] != IGNORE
-    b_idx, c_idx = rows.nonzero(as_tuple=True)
-    return b_idx, pk.event[:, s:][b_idx, c_idx], pk.step[:, s:][b_idx, c_idx]
-
-
 @torch.no_grad()
 def batch_counts(model, batch, out: dict, parse: Callable[[str], dict] | None = None) -> EvalCounts:
     """Teacher-forced counts of one batch from `model.forward_train(batch)` outputs."""
     c = EvalCounts()
     pk, exs = batch.packed, batch.examples
     s = pk.split
-    tok = model.tokenizer
 
     # planning: K + 1 labelled stage-1 rows per dense sample, in batch order
     rows1 = (pk.labels[:, :s] != IGNORE).sum(1).tolist()
@@ -250,9 +222,7 @@ def batch_counts(model, batch, out: dict, parse: Callable[[str], dict] | None = 
     dense = [ex for ex in exs if ex.layout.num_events > 0]
     for ex, logits in zip(dense, out["grounding_logits"]):
         pred = np.asarray(model.ground(logits.detach().float().cpu(), ex.segment_times), dtype=np.float64)
-        p, r, _ = detection(pred, ex.intervals.numpy().astype(np.float64))
-        c.precision_sum += p
-        c.recall_sum += r
+        c.add_detection(pred, ex.intervals.numpy().astype(np.float64))
 
     # caption tokens
     logits2, labels2 = out["branch_logits"], out["branch_labels"]
@@ -263,17 +233,18 @@ def batch_counts(model, batch, out: dict, parse: Callable[[str], dict] | None = 
         c.tokens += float(real.sum())
         c.tokens_correct += float(((pred_ids == labels2) & real).sum())
         if parse is not None:
-            b_idx, ev, step = _branch_rows(batch, out)
+            # (sample index, event, step) of every row of branch_logits (same order)
+            b_idx, c_idx = (pk.labels[:, s:] != IGNORE).nonzero(as_tuple=True)
+            ev, step = pk.event[:, s:][b_idx, c_idx], pk.step[:, s:][b_idx, c_idx]
             for b, ex in enumerate(exs):
                 for i in range(ex.layout.num_events):
                     sel = torch.nonzero((b_idx == b) & (ev == i) & real).flatten()
                     sel = sel[torch.argsort(step[sel])]
                     ref_ids = labels2[sel].tolist()
                     right = (pred_ids[sel] == labels2[sel]).tolist()
-                    spans = attribute_token_spans([tok.decode([t]) for t in ref_ids], parse)
+                    spans = attribute_token_spans([model.tokenizer.decode([t]) for t in ref_ids], parse)
                     c.events += 1
-                    for a in ATTRIBUTES:
-                        span = spans.get(a)
+                    for a, span in spans.items():
                         if span:
                             setattr(c, a, getattr(c, a) + float(all(right[j] for j in span)))
     return c
@@ -289,9 +260,7 @@ def engine_counts(samples: list, results: list[list[tuple[float, float, str]]],
         c.planning_correct += float(len(pred_events) == len(refs))
         pred = np.asarray([[s, e] for s, e, _ in pred_events], dtype=np.float64).reshape(-1, 2)
         ref = np.asarray([[e.start, e.end] for e in refs], dtype=np.float64).reshape(-1, 2)
-        p, r, iou = detection(pred, ref)
-        c.precision_sum += p
-        c.recall_sum += r
+        iou = c.add_detection(pred, ref)
         _overlap_counts(c, ref, iou)
         if parse is None:
             continue
@@ -301,9 +270,10 @@ def engine_counts(samples: list, results: list[list[tuple[float, float, str]]],
             if iou.shape[0]:
                 i = int(np.argmax(iou[:, j]))
                 best = pred_events[i][2] if iou[i, j] > 0 else None
-            hits = _attr_hits(best, ev.caption, parse)
+            got = parse(best) if best is not None else {}
             c.events += 1
-            for a, h in hits.items():
+            for a in ATTRIBUTES:
+                h = float(got.get(a) is not None and got.get(a) == values[j].get(a))
                 setattr(c, a, getattr(c, a) + h)
                 if values[j].get(a) is not None:
                     side = "unique" if sum(v.get(a) == values[j][a] for v in values) == 1 else "repeated"
@@ -321,7 +291,7 @@ def overlapping_references(ref: np.ndarray) -> np.ndarray:
     return (inter > 0).any(1)
 
 
-def _overlap_counts(c: EvalCounts, ref: np.ndarray, iou: np.ndarray, t: float = TIOU) -> None:
+def _overlap_counts(c: EvalCounts, ref: np.ndarray, iou: np.ndarray) -> None:
     """Add one video's overlap-grounding precision / recall (module doc) to `c`."""
     ov = overlapping_references(ref)
     if not ov.any():
@@ -330,20 +300,10 @@ def _overlap_counts(c: EvalCounts, ref: np.ndarray, iou: np.ndarray, t: float = 
     c.overlap_events += float(ov.sum())
     if iou.shape[0] == 0:
         return
-    hit = iou > t
+    hit = iou > TIOU
     c.overlap_recall_sum += float(hit[:, ov].any(0).mean())
     owner = np.argmax(iou, axis=1)
     mine = ov[owner] & (iou.max(axis=1) > 0)
     if mine.any():
         c.overlap_precision_sum += float(hit[mine][:, ov].any(1).mean())
 
-
-def engine_events(result: Any) -> list[tuple[float, float, str]]:
-    """The (start, end, caption) events of one engine result (object with `.events` of
-    objects/dicts with start/end/caption, or such a list / dict itself)."""
-    events = result.get("events") if isinstance(result, dict) else getattr(result, "events", result)
-    out = []
-    for e in events or []:
-        get = (lambda k: e[k]) if isinstance(e, dict) else (lambda k: getattr(e, k))
-        out.append((float(get("start")), float(get("end")), str(get("caption"))))
-    return out

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from pipeline.config import Config
+from pipeline.textual import parse_failures
 from train.data import Batcher, read_samples
-from train.evaluate import EvalCounts, caption_parser, engine_counts, engine_events, heldout_counts, summary
+from train.evaluate import EvalCounts, caption_parser, engine_counts, heldout_counts, summary
 
 HEADLINE = ("planning_acc", "grounding_f1@0.5", "token_acc", "colour_acc", "shape_acc", "motion_acc", "sound_acc",
             "attr_acc")
@@ -40,10 +41,9 @@ HEADLINE = ("planning_acc", "grounding_f1@0.5", "token_acc", "colour_acc", "shap
 def teacher_forced(model, samples: list, parse=None) -> dict[str, float]:
     counts = EvalCounts()
     batcher = Batcher(model, 1)
-    for sample in samples:
-        for batch in batcher([sample]):
-            out = model.forward_train(batch)
-            counts += heldout_counts(model, batch, out, parse)
+    for batch in batcher(samples):  # one batch per usable sample, in order
+        out = model.forward_train(batch)
+        counts += heldout_counts(model, batch, out, parse)
     out = summary(counts)
     out["skipped"] = batcher.stats.skipped
     return out
@@ -65,7 +65,8 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     t0 = time.perf_counter()
     if ablation is None:
         results = caption_engine(model, infer_cfg).caption(samples)
-        events, errors, name = [engine_events(r) for r in results], sum(1 for r in results if getattr(r, "error", None)), infer_cfg.decoder
+        events = [[(float(e.start), float(e.end), str(e.caption)) for e in r.events] for r in results]  # VideoResults
+        errors, name = sum(1 for r in results if getattr(r, "error", None)), infer_cfg.decoder
         texts: list[str] = []
     else:
         outputs = [decode_events(model, ablation, s, infer_cfg)[0] for s in samples]
@@ -75,8 +76,6 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     out: dict[str, Any] = summary(engine_counts(samples, events, parse))
     out.pop("token_acc")  # teacher-forced only
     if texts:  # a text baseline: how its timestamps failed to parse
-        from pipeline.textual import parse_failures
-
         out.update(parse_failures(texts).numbers())
     out["seconds_per_video"] = seconds / max(1, len(samples))
     out["decoder"] = name

@@ -2,11 +2,11 @@
 
     summary = train_loop(cfg, ctx, data, val_samples, visual_dim=14, audio_dim=34)
 
-`ctx` (a `LoopContext`) is all the loop knows about its surroundings: rank, world size,
-device, `report(metrics, checkpoint_dir)` (every rank calls it the same number of
-times), `latest_checkpoint()` (a local directory to resume from, or None) and
-`on_step(step)`. `LocalContext` runs it in this process (tests, debugging);
-train/trainer.py provides the Ray Train one. `data.epoch(i)` yields this rank's raw
+`ctx` is all the loop knows about its surroundings: rank, world size, device,
+`report(metrics, checkpoint_dir)` (every rank calls it the same number of times),
+`latest_checkpoint()` (a local directory to resume from, or None), `release_checkpoint()`
+(called once that directory is loaded) and `on_step(step)`. `LocalContext` runs it in
+this process (tests, debugging); train/trainer.py provides the Ray Train one. `data.epoch(i)` yields this rank's raw
 records of epoch i (train/data.py: `InMemoryEpochs`, or the Ray Data shard).
 
 Per optimizer step: `grad_accum` micro-batches (forward_train -> compute_losses ->
@@ -47,22 +47,12 @@ from pipeline.config import Config
 from pipeline.model import PadCaptioner
 from train import checkpoint as ckpt
 from train.data import Augment, Batcher, DataStats
+from train.deepspeed_config import deepspeed_config
 from train.evaluate import ATTRIBUTES, EvalCounts, heldout_counts, summary
 from train.losses import compute_losses
 from train.optim import build_optimizer, build_scheduler
 
 LOSS_KEYS = ("total", "lm", "branch_lm", "grounding")
-
-
-class LoopContext(Protocol):
-    rank: int
-    world_size: int
-    device: torch.device
-
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None) -> None: ...
-    def latest_checkpoint(self) -> str | None: ...
-    def release_checkpoint(self) -> None: ...
-    def on_step(self, step: int) -> None: ...
 
 
 class EpochSource(Protocol):
@@ -89,7 +79,7 @@ class LocalContext:
             shutil.copytree(checkpoint_dir, dest)
 
     def latest_checkpoint(self) -> str | None:
-        found = sorted(Path(self.root).glob("checkpoint_*")) if Path(self.root).exists() else []
+        found = sorted(Path(self.root).glob("checkpoint_*"))
         return str(found[-1]) if found else None
 
     def release_checkpoint(self) -> None:
@@ -162,7 +152,7 @@ class DDPBackend:
     name = "ddp"
 
     def __init__(self, model: PadCaptioner, cfg: Config, ctx):
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg = cfg
         params = model.trainable_parameters()
         self.params = list(params.values())
         self.module = TrainStep(model)
@@ -171,6 +161,7 @@ class DDPBackend:
             self.module = nn.parallel.DistributedDataParallel(self.module, device_ids=ids, find_unused_parameters=True)
         self.optimizer = build_optimizer(params, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.in_train_state = {"optimizer": self.optimizer, "scheduler": self.scheduler}  # rank 0's train_state.pt
         self.autocast = ctx.device.type == "cuda" and cfg.train.bf16
 
     def micro_step(self, batch, last: bool) -> dict[str, float]:
@@ -194,7 +185,7 @@ class DDPBackend:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def save(self, path: Path) -> None:  # rank 0's train_state carries optimizer + scheduler
+    def save(self, path: Path) -> None:  # rank 0's train_state carries optimizer + scheduler (in_train_state)
         pass
 
     def load(self, path: Path) -> None:
@@ -209,17 +200,13 @@ class DeepSpeedBackend:
     def __init__(self, model: PadCaptioner, cfg: Config, ctx):
         import deepspeed
 
-        from train.deepspeed_config import deepspeed_config
-
-        self.cfg, self.ctx = cfg, ctx
         params = model.trainable_parameters()
-        self.params = list(params.values())
         ds_cfg = deepspeed_config(cfg.train, ctx.world_size, on_gpu=ctx.device.type == "cuda")
         optimizer = build_optimizer(params, cfg.train)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=TrainStep(model), model_parameters=self.params, optimizer=optimizer,
+        self.engine, *_ = deepspeed.initialize(
+            model=TrainStep(model), model_parameters=list(params.values()), optimizer=optimizer,
             lr_scheduler=lambda opt: build_scheduler(opt, cfg.train), config=ds_cfg, dist_init_required=False)
-        self.module = self.engine
+        self.in_train_state = {}  # the engine's own checkpoint (save) holds optimizer and scheduler
 
     def micro_step(self, batch, last: bool) -> dict[str, float]:
         loss, comps = self.engine(batch)
@@ -269,10 +256,8 @@ class BatchStream:
     def _start_epoch(self) -> None:
         skip = self.state.records_in_epoch
         self._resumed_mid_epoch = skip > 0
-        self.state.records_in_epoch = 0
         records = iter(self.source.epoch(self.state.epoch))
-        for _ in itertools.islice(records, skip):  # resume: the records this epoch already gave
-            self.state.records_in_epoch += 1
+        self.state.records_in_epoch = sum(1 for _ in itertools.islice(records, skip))  # resume: those already given
         self._records = self._count(records)
         self._batches = self.batcher(self._records)
 
@@ -304,11 +289,9 @@ class BatchStream:
 
 @torch.no_grad()
 def validate(model: PadCaptioner, samples: list, ctx, parse=None, autocast: bool = False) -> dict[str, float]:
-    """Teacher-forced held-out numbers (train/evaluate.py), samples split over ranks.
-
-    One sample per forward and the same number of forwards on every rank (the last rank
-    repeats a sample it does not count), so ZeRO-3's gathered forwards stay in step.
-    """
+    """Teacher-forced held-out numbers (train/evaluate.py), samples split over ranks: one sample
+    per forward, the same number of forwards on every rank (the last rank repeats a sample it
+    does not count)."""
     if not samples:
         return {}
     was_training = model.training
@@ -323,7 +306,7 @@ def validate(model: PadCaptioner, samples: list, ctx, parse=None, autocast: bool
             out = model.forward_train(batch)
         if i < len(mine):
             counts += heldout_counts(model, batch, out, parse)
-    counts = EvalCounts.from_tensor(all_reduce(counts.tensor(), ctx))
+    counts = EvalCounts(*all_reduce(counts.tensor(), ctx).tolist())  # float64 -> Python floats
     model.train(was_training)
     out = summary(counts, prefix="val_")
     if model.counting == "loss":  # counted from the loss (free-text captions): no attribute words
@@ -334,15 +317,9 @@ def validate(model: PadCaptioner, samples: list, ctx, parse=None, autocast: bool
 # --------------------------------------------------------------------------- the loop
 
 
-def usable_samples(model: PadCaptioner, samples: list) -> list:
-    """The samples that become examples (the same list on every rank)."""
-    probe = Batcher(model, 1)
-    return [s for s in samples if probe.example(s) is not None]
-
-
-def _threads(cfg: Config) -> None:
-    n = cfg.train.torch_threads or max(1, int(cfg.train.cpus_per_worker))
-    torch.set_num_threads(n)
+def torch_threads(train_cfg) -> int:
+    """Torch threads of a training worker: `train.torch_threads`, else one per CPU it is given."""
+    return train_cfg.torch_threads or max(1, int(train_cfg.cpus_per_worker))
 
 
 def build_model(cfg: Config, visual_dim: int, audio_dim: int):
@@ -362,9 +339,7 @@ def _save(ctx, backend, model, state: ckpt.TrainState, cfg: Config, generator, m
     tmp = Path(tempfile.mkdtemp(prefix=f"padcap-ckpt-r{ctx.rank}-"))
     try:
         if ctx.rank == 0:
-            opt = backend.optimizer if backend.name == "ddp" else None
-            sched = backend.scheduler if backend.name == "ddp" else None
-            ckpt.save_checkpoint(tmp, model=model, state=state, config_json=cfg.to_json(), optimizer=opt, scheduler=sched)
+            ckpt.save_checkpoint(tmp, model=model, state=state, config_json=cfg.to_json(), **backend.in_train_state)
         ckpt.save_rank_state(tmp, ctx.rank, generator)
         backend.save(tmp)
         ctx.report(metrics, str(tmp))
@@ -386,7 +361,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
     update (gradients in place); what it returns goes into that step's history record
     (bench/attr_probe.py measures how the caption branches learn with it)."""
     tc = cfg.train
-    _threads(cfg)
+    torch.set_num_threads(torch_threads(tc))
     t_start = time.perf_counter()
     torch.manual_seed(tc.seed)  # identical LoRA init on every rank
     model = build_model(cfg, visual_dim, audio_dim).to(ctx.device)
@@ -401,9 +376,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
 
     resume = ctx.latest_checkpoint()
     if resume:
-        is_ddp = backend.name == "ddp"
-        state = ckpt.load_checkpoint(resume, model=model, optimizer=backend.optimizer if is_ddp else None,
-                                     scheduler=backend.scheduler if is_ddp else None)
+        state = ckpt.load_checkpoint(resume, model=model, **backend.in_train_state)
         backend.load(Path(resume))
         ckpt.load_rank_state(resume, ctx.rank, generator)
         ctx.release_checkpoint()  # everything is loaded: a restored copy is not kept for the run's length
@@ -412,7 +385,8 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
             print(f"[train] resumed from {resume} at step {state.step} (epoch {state.epoch}, "
                   f"{state.records_in_epoch} records into it)", flush=True)
 
-    val_samples = usable_samples(model, val_samples[: tc.val_samples or None])
+    probe_val = Batcher(model, 1)  # keeps the samples that become examples (the same list on every rank)
+    val_samples = [s for s in val_samples[: tc.val_samples or None] if probe_val.example(s) is not None]
     batcher = Batcher(model, tc.batch_size, stats=stats, generator=generator,
                       augment=Augment(tc.augment_crop, tc.augment_noise, generator))
     stream = BatchStream(data, batcher, state, ctx)
@@ -458,7 +432,3 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
 
     return {"steps": state.step, "seconds": time.perf_counter() - t_start, "metrics": last_metrics,
             "data": stats.as_dict(), "backend": backend.name}
-
-
-__all__ = ["BatchStream", "DDPBackend", "DeepSpeedBackend", "LocalContext", "LoopContext", "StopTraining",
-           "TrainStep", "resolve_backend", "train_loop", "validate"]

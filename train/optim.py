@@ -28,31 +28,19 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float = 0.0) -> flo
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def lr_scale(name: str, scales: dict[str, float] | None) -> float:
-    """The lr multiplier of parameter `name`: the first of `scales` (name substring -> multiplier,
-    `train.lr_scales`) whose key is in the name, else 1."""
-    for key, scale in (scales or {}).items():
-        if key in name:
-            return float(scale)
-    return 1.0
-
-
-def param_groups(params: dict[str, nn.Parameter], weight_decay: float, lr: float | None = None,
+def param_groups(params: dict[str, nn.Parameter], weight_decay: float, lr: float,
                  scales: dict[str, float] | None = None) -> list[dict]:
     """Weight decay on matrices (LoRA A/B, projector and head weights); none on biases,
-    norms and the new-token rows / embeddings' 1-D parts. With `lr`, each group also gets
-    `lr * lr_scale(name, scales)` (one group per decay x multiplier)."""
+    norms and the new-token rows / embeddings' 1-D parts. Each group's lr is `lr` times the
+    multiplier of the first of `scales` (name substring -> multiplier, `train.lr_scales`) in the
+    parameter's name, else 1 (one group per decay x multiplier)."""
     groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
     for n, p in params.items():
         decay = p.ndim >= 2 and "new_embed" not in n and "new_out" not in n
-        groups.setdefault((decay, lr_scale(n, scales)), []).append(p)
-    out = []
-    for (decay, scale), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
-        group = {"params": ps, "weight_decay": weight_decay if decay else 0.0}
-        if lr is not None:
-            group["lr"] = lr * scale
-        out.append(group)
-    return out
+        scale = next((float(s) for key, s in (scales or {}).items() if key in n), 1.0)
+        groups.setdefault((decay, scale), []).append(p)
+    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0, "lr": lr * scale}
+            for (decay, scale), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
 
 
 def build_optimizer(params: dict[str, nn.Parameter], train_cfg) -> torch.optim.Optimizer:
@@ -62,10 +50,6 @@ def build_optimizer(params: dict[str, nn.Parameter], train_cfg) -> torch.optim.O
     return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.adam_beta1, train_cfg.adam_beta2), eps=1e-8)
 
 
-def schedule_fn(train_cfg):
-    """step -> multiplier, for torch's LambdaLR."""
-    return lambda step: lr_factor(step, train_cfg.warmup_steps, train_cfg.max_steps, train_cfg.min_lr_ratio)
-
-
 def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_fn(train_cfg))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, train_cfg.warmup_steps, train_cfg.max_steps, train_cfg.min_lr_ratio))

@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -62,7 +63,7 @@ from train import checkpoint as ckpt
 from train.data import read_keyed_records, read_samples, shuffle_buffer
 from train.deepspeed_config import check_zero_stage
 from train.evaluate import caption_parser
-from train.loop import resolve_backend, train_loop
+from train.loop import LOSS_KEYS, resolve_backend, torch_threads, train_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,18 +129,14 @@ class RayEpochs:
         return shuffle_buffer(self.iterator.iter_rows(), self.buffer, rng)
 
 
-def _set_dist_env(ctx: RayContext) -> None:
-    """DeepSpeed reads the usual launcher variables; Ray Train's process group has them implicitly."""
-    os.environ.setdefault("RANK", str(ctx.rank))
-    os.environ.setdefault("WORLD_SIZE", str(ctx.world_size))
-    os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
-
-
 def train_worker(config: dict[str, Any]) -> None:
     """train_loop_per_worker: everything a worker does."""
     cfg = Config.from_json(config["cfg"])
     ctx = RayContext(config.get("on_step"))
-    _set_dist_env(ctx)
+    # DeepSpeed reads the usual launcher variables; Ray Train's process group has them implicitly
+    os.environ.setdefault("RANK", str(ctx.rank))
+    os.environ.setdefault("WORLD_SIZE", str(ctx.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
     val = read_samples(config["val_keys"], limit=cfg.train.val_samples)
     data = RayEpochs(ray.train.get_dataset_shard("train"), cfg.train.seed, cfg.train.shuffle_buffer, ctx.rank)
     train_loop(cfg, ctx, data, val, visual_dim=config["visual_dim"], audio_dim=config["audio_dim"],
@@ -159,11 +156,6 @@ def _pyarrow_fs(path: str):
 
     fs, inner = storage.filesystem(path, carry_credentials=True)
     return PyFileSystem(FSSpecHandler(fs)), inner
-
-
-def read_manifest(shards_dir: str) -> list[dict[str, Any]]:
-    """The preprocess manifest rows (one per video) under `shards_dir`."""
-    return mf.read_table(mf.manifest_path(shards_dir))
 
 
 def training_data_id(cfg: Config, rows: list[dict[str, Any]]) -> str:
@@ -251,8 +243,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
         if not cfg.train.use_gpu:
             env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
-    n = cfg.train.torch_threads or max(1, int(cfg.train.cpus_per_worker))
-    env.setdefault("OMP_NUM_THREADS", str(n))
+    env.setdefault("OMP_NUM_THREADS", str(torch_threads(cfg.train)))
     env.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # the loop prints once per line, not twice
     return env
 
@@ -264,7 +255,7 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
     tc = cfg.train
     if resolve_backend(tc, tc.use_gpu) == "deepspeed":
         check_zero_stage(tc)  # refused here, on the driver, not in every worker after start-up
-    rows = read_manifest(shards_dir) if rows is None else rows
+    rows = mf.read_table(mf.manifest_path(shards_dir)) if rows is None else rows
     train_keys, val_keys = mf.current_keys(rows, tc.train_split), mf.current_keys(rows, tc.val_split)
     train_paths = list(train_keys)
     if not train_paths:
@@ -298,8 +289,6 @@ def _publish(local_dir: Path, dest: str) -> str:
     if storage.is_remote(dest):
         storage.upload_dir(str(local_dir), dest)
         return dest
-    import shutil
-
     if os.path.exists(dest):
         shutil.rmtree(dest)
     shutil.copytree(local_dir, dest)
@@ -328,7 +317,7 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str, on_step: StepHook | No
 
     t0 = time.perf_counter()
     storage.makedirs(out_dir)
-    rows = read_manifest(shards_dir)
+    rows = mf.read_table(mf.manifest_path(shards_dir))
     name = train_run_name(cfg, training_data_id(cfg, rows))
     ray_dir = storage.join(out_dir, "ray")
     clear_finished_run(ray_dir, name)
@@ -361,7 +350,7 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str, on_step: StepHook | No
         "backend": resolve_backend(cfg.train, cfg.train.use_gpu),
         "workers": cfg.train.num_workers,
         "resumes": state.get("resumes", 0),
-        "final_loss": {k: round(last.get(k, float("nan")), 4) for k in ("total", "lm", "branch_lm", "grounding")},
+        "final_loss": {k: round(last.get(k, float("nan")), 4) for k in LOSS_KEYS},
         "val": val,
         "heldout": heldout,
         "train_seconds": round(train_seconds, 1),
