@@ -15,6 +15,7 @@ import pytest
 
 from bench.serve_engine import StandInEngine
 from infer.serving.engine_loop import EngineBatcher
+from tests.support.waiting import until
 
 
 class Recorder(StandInEngine):
@@ -33,15 +34,6 @@ class Recorder(StandInEngine):
         if self.fail_on in samples:
             raise RuntimeError("bad batch")
         return [(self.tag, s) for s in samples]
-
-
-async def until(condition, what: str, timeout: float = 30.0):
-    """Yield to the loop (and the engine thread) until `condition()` holds; fail naming `what`."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.001)
 
 
 def pending(batcher: EngineBatcher) -> int:

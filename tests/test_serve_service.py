@@ -32,6 +32,7 @@ from bench.serve_cases import (
 from bench.serve_engine import StandInEngine, direct_caption, synthetic_videos, tiny_engine
 from infer.serving.errors import RequestError
 from infer.serving.service import CaptionService
+from tests.support.waiting import until, until_sync
 
 
 @pytest.fixture(scope="module")
@@ -54,25 +55,6 @@ def service(parts):
     svc = CaptionService(cfg, factory, card)
     yield svc
     svc.close()
-
-
-async def until(condition, what: str, timeout: float = 60.0):
-    """Yield to the loop until `condition()` holds; fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
-def until_sync(condition, timeout: float = 60.0) -> bool:
-    """Wait (in a thread that is not the loop's) until `condition()` holds. -> whether it did."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def run(coro):
