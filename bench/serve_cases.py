@@ -306,9 +306,9 @@ def hanging_reader(cfg: Config):
     """A decode-worker reader (infer/serving/media_pool.py) that never returns for files named
     hang*: a decode stuck in C code, as a hostile file can make one. Other files get the
     real reader. Module-level, so the spawned workers can unpickle it."""
-    from infer.serving.service import default_reader
+    from preprocess.featurize import MediaReader
 
-    real = default_reader(cfg)
+    real = MediaReader(cfg)
 
     def read(path: str, annotation):
         if Path(path).name.startswith("hang"):
@@ -326,9 +326,9 @@ def module_counting_reader(cfg: Config):
 
     import torch
 
-    from infer.serving.service import default_reader
+    from preprocess.featurize import MediaReader
 
-    real = default_reader(cfg)
+    real = MediaReader(cfg)
 
     def read(path: str, annotation):
         media = real(path, annotation)

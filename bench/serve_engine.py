@@ -75,9 +75,8 @@ def tiny_engine(cfg: Config):
 
 def direct_caption(engine_factory, cfg: Config, path: Path, video_id: str, **infer_overrides):
     """CaptionEngine called directly (no service) on the featurized video -> its VideoResult."""
-    from infer.serving.service import NoAnnotation
-    from preprocess.featurize import Featurizer
+    from preprocess.featurize import Featurizer, Unannotated
 
-    sample = Featurizer(cfg)(str(path), NoAnnotation(video_id))
+    sample = Featurizer(cfg)(str(path), Unannotated(video_id, source="serve"))
     engine = engine_factory(dataclasses.replace(cfg.infer, **infer_overrides))
     return engine.caption([sample])[0]

@@ -19,8 +19,8 @@ from bench.serve_cases import make_video_tree, module_counting_reader, serve_tes
 from bench.serve_engine import direct_caption, synthetic_videos, tiny_engine
 from infer.serving.errors import RequestError
 from infer.serving.media_pool import DecodePool
-from infer.serving.service import CaptionService, NoAnnotation
-from preprocess.featurize import Featurizer
+from infer.serving.service import CaptionService
+from preprocess.featurize import Featurizer, Unannotated
 from preprocess.media import DecodedVideo, decode_video
 from tests.support.hf_towers import tiny_vision_dirs, tiny_whisper_dir
 
@@ -45,7 +45,7 @@ def towers_cfg(tree, tmp_path_factory):
 def test_decode_workers_send_back_media_and_hold_no_model(tree, towers_cfg):
     pool = DecodePool(1, module_counting_reader, towers_cfg, towers_cfg.serve.max_decoded_bytes)
     try:
-        media, parameters = pool.decode(str(tree.good), NoAnnotation("good"), timeout=60.0)
+        media, parameters = pool.decode(str(tree.good), Unannotated("good"), timeout=60.0)
     finally:
         pool.close()
     assert parameters == 0  # no vision tower, no Whisper in the worker
@@ -70,12 +70,12 @@ def test_the_replica_builds_the_towers_once_and_gives_the_featurizers_features_a
     assert built == {"visual": 0, "audio": 0}
     svc = CaptionService(cfg, factory, card)
     try:
-        served = svc._featurize(str(tree.good), NoAnnotation("good"))  # decoded in a worker, encoded here
+        served = svc._featurize(str(tree.good), Unannotated("good"))  # decoded in a worker, encoded here
         bodies = [asyncio.run(svc.caption_uri(str(tree.good))) for _ in range(2)]
         assert built == {"visual": 1, "audio": 1}  # one copy per replica, whatever the requests
     finally:
         svc.close()
-    alone = Featurizer(cfg)(str(tree.good), NoAnnotation("good"))  # the old path: all in one process
+    alone = Featurizer(cfg)(str(tree.good), Unannotated("good"))  # the old path: all in one process
     assert served.visual.shape == alone.visual.shape and served.visual.shape[-1] == 32
     assert np.array_equal(served.visual, alone.visual) and np.array_equal(served.audio, alone.audio)
     assert np.array_equal(served.segment_times, alone.segment_times) and served.duration == alone.duration

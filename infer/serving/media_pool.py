@@ -7,11 +7,11 @@ good, and a few such files occupied every decode thread of the replica. Here eac
 decode runs in a worker process (multiprocessing "spawn": no fork of a threaded replica
 with a loaded model) that builds its reader once and then serves jobs over a pipe:
 
-    pool = DecodePool(size=4, factory=default_reader, cfg=cfg, max_reply_bytes=cfg.serve.max_decoded_bytes)
+    pool = DecodePool(size=4, factory=MediaReader, cfg=cfg, max_reply_bytes=cfg.serve.max_decoded_bytes)
     media = pool.decode(path, annotation, timeout=120.0)   # blocks the calling thread
     pool.close()
 
-The workers decode media only (infer/serving/service.py `default_reader`: preprocess/featurize.py
+The workers decode media only (the service's default reader: preprocess/featurize.py
 `MediaReader`, no encoder weights, no CUDA): the frames and audio come back as arrays and the
 replica runs its one copy of the encoders (towers) on them.
 

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any, Protocol
 
@@ -58,6 +58,7 @@ from infer.serving.protocol import CaptionOptions, error_message
 from infer.serving.uris import UriPolicy, materialize
 from pipeline.config import Config, InferConfig, section_hash
 from pipeline.schema import Sample
+from preprocess.featurize import Featurizer, MediaReader, Unannotated
 
 log = logging.getLogger("padcap.serve")
 
@@ -106,31 +107,6 @@ def probe_video(path: str, name: str) -> VideoProbe:
         raise RequestError(422, "not_a_video", f"{name!r} is not a readable video file ({e.__class__.__name__})") from None
 
 
-@dataclass
-class NoAnnotation:
-    """What the featurizer gets for an unannotated video: an id and no events."""
-
-    video_id: str
-    events: list = field(default_factory=list)
-    duration: float | None = None
-    source: str = "serve"
-    split: str = ""
-
-
-def default_featurizer(cfg: Config) -> FeaturizeFn:
-    """The preprocessing stage's own Featurizer (encoders built once, here: per replica)."""
-    from preprocess.featurize import Featurizer
-
-    return Featurizer(cfg)
-
-
-def default_reader(cfg: Config) -> Callable[[str, Any], Any]:
-    """What a decode worker runs: the Featurizer's decode half alone (no encoder weights)."""
-    from preprocess.featurize import MediaReader
-
-    return MediaReader(cfg)
-
-
 def safe_video_id(name: str, fallback: str = "video") -> str:
     stem = PurePosixPath(name).stem if name else ""
     clean = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._")[:100]
@@ -157,8 +133,8 @@ class CaptionService:
 
     def __init__(self, cfg: Config, engine_factory: Callable[[InferConfig], Engine], card: ModelCard,
                  featurizer: FeaturizeFn | None = None,
-                 featurizer_factory: Callable[[Config], Any] = default_featurizer,
-                 reader_factory: Callable[[Config], Callable[[str, Any], Any]] = default_reader, warm: bool = False):
+                 featurizer_factory: Callable[[Config], Any] = Featurizer,
+                 reader_factory: Callable[[Config], Callable[[str, Any], Any]] = MediaReader, warm: bool = False):
         """featurizer: an in-process featurizer (decodes and encodes in the decode thread, cannot be
         stopped); without one, `reader_factory(cfg)` (module-level, picklable) builds the decoder inside
         each decode worker process and `featurizer_factory(cfg)` the replica's encoders, once: its
@@ -242,16 +218,7 @@ class CaptionService:
         self.in_flight += 1
         try:
             t0 = time.perf_counter()
-            loop = asyncio.get_running_loop()
-            try:
-                sample, timings = await asyncio.wait_for(loop.run_in_executor(self._decode_pool, prepare), self._outer_timeout())
-            except TimeoutError:
-                self.counters["rejected"] += 1
-                raise RequestError(422, "decode_timeout", f"reading and decoding the video took longer than "
-                                   f"{self._outer_timeout()} s (serve.decode_timeout_s)") from None
-            except RequestError:
-                self.counters["rejected"] += 1
-                raise
+            sample, timings = await self._prepared(prepare)
             t1 = time.perf_counter()
             result = await self._batcher.submit("engine", self.engine(), sample, VideoOptions(**opts.overrides()))
             timings["decode_s"] = time.perf_counter() - t1
@@ -275,6 +242,19 @@ class CaptionService:
             }
         finally:
             self.in_flight -= 1
+
+    async def _prepared(self, prepare: Callable[[], tuple[Sample, dict[str, float]]]) -> tuple[Sample, dict[str, float]]:
+        """`prepare()` in the decode thread pool, within `_outer_timeout`; a refused video counts as rejected."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self._decode_pool, prepare), self._outer_timeout())
+        except TimeoutError:
+            self.counters["rejected"] += 1
+            raise RequestError(422, "decode_timeout", f"reading and decoding the video took longer than "
+                               f"{self._outer_timeout()} s (serve.decode_timeout_s)") from None
+        except RequestError:
+            self.counters["rejected"] += 1
+            raise
 
     # ------------------------------------------------------------------ the decode thread
 
@@ -323,7 +303,7 @@ class CaptionService:
         timings["probe_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
-            sample = self._featurize(path, NoAnnotation(safe_video_id(name)))
+            sample = self._featurize(path, Unannotated(safe_video_id(name), source="serve"))
         except RequestError:
             raise
         except Exception as e:  # decoding client data: every failure is the client's video
