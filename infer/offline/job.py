@@ -129,9 +129,9 @@ class FeaturizeForCaption:
                     fields.update(encode(self.featurizer(uri, Unannotated(video_id=vid))))
             except Exception as e:  # explained, never fatal
                 status, error = "error", f"{type(e).__name__}: {e}"
-            rows.append({**fields, "video_id": vid, "uri": uri, "chunk": str(batch["chunk"][i]), "status": status,
-                         "error": error, "seconds": time.perf_counter() - t0, "featurize_pid": self.pid})
-        columns = ["video_id", "uri", "chunk", "status", "error", "seconds", "featurize_pid", *SAMPLE_COLUMNS, RELEASE_INPUTS]
+            rows.append({**fields, "video_id": vid, "uri": uri, "status": status, "error": error,
+                         "seconds": time.perf_counter() - t0, "featurize_pid": self.pid})
+        columns = ["video_id", "uri", "status", "error", "seconds", "featurize_pid", *SAMPLE_COLUMNS, RELEASE_INPUTS]
         return {c: [r[c] for r in rows] for c in columns}
 
 
@@ -164,10 +164,7 @@ class CaptionVideos:
         self.pid = os.getpid()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
-        results = self._caption(batch)
-        for result, chunk in zip(results, batch["chunk"]):
-            result.chunk = str(chunk)
-        rows = [r.to_row() for r in results]
+        rows = [r.to_row() for r in self._caption(batch)]
         return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
 
     def _caption(self, batch: dict[str, np.ndarray]) -> list[CaptionResult]:
@@ -326,7 +323,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     once = OncePerVideo()  # video id -> the row committed (or about to be) for it this run
     if todo:  # one pipeline for the whole job: each actor loads its encoders / model once, not once per chunk
         block = max(1, min(chunk_videos, cfg.infer.videos_per_call))  # results stream back a block at a time
-        ds = ray.data.from_items([{**v, "chunk": ""} for v in todo], override_num_blocks=-(-len(todo) // block))
+        ds = ray.data.from_items(todo, override_num_blocks=-(-len(todo) // block))
         cfg_json = resolved.to_json(indent=None)
         ds = ds.map_batches(wrap_stage("caption-featurize", FeaturizeForCaption), fn_constructor_kwargs={"cfg_json": cfg_json},
                             batch_size=1, runtime_env=env, **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor),
@@ -375,7 +372,6 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
             once.check([v["video_id"] for v in todo])
     this_run = [{"status": r["status"], "error_kind": r.get("error_kind")} for r in once.kept.values()]
     n_ok = sum(r["status"] == "ok" for r in this_run)
-    n_err = len(this_run) - n_ok
     rows = consolidate(out, keep={v["video_id"] for v in items})
     total_ok = sum(r["status"] == "ok" for r in rows)
     seconds = time.perf_counter() - t_start
@@ -384,9 +380,9 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     verdict = judge(rows, this_run, cfg.infer.max_failed_fraction, out)
     if "failure" in verdict:
         print(f"[caption] the job failed: {verdict['failure']}", flush=True)
-    return {"captioned": total_ok, **verdict, "this_run_ok": n_ok, "this_run_failed": n_err,
+    return {"captioned": total_ok, **verdict, "this_run_ok": n_ok, "this_run_failed": len(this_run) - n_ok,
             "duplicates_dropped": once.dropped, "model_id": model_id, "out": out,
-            "videos_per_min": 60.0 * (n_ok + n_err) / seconds if seconds else 0.0}
+            "videos_per_min": 60.0 * len(this_run) / seconds if seconds else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:
