@@ -81,20 +81,6 @@ def error_response(request: Request, status: int, code: str, message: str) -> JS
                         status_code=status, headers={"X-Request-ID": rid})
 
 
-def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
-    def schema() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            req = CaptionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-            components = spec.setdefault("components", {}).setdefault("schemas", {})
-            components.update(req.pop("$defs", {}))
-            components["CaptionRequest"] = req
-            app.openapi_schema = spec
-        return app.openapi_schema
-
-    return schema
-
-
 def build_app(get_service: Callable[[], CaptionService]) -> FastAPI:
     """The FastAPI app; `get_service()` returns the CaptionService that handles each request."""
     app = FastAPI(title="PadCaptioner", version="1", description="Dense omni-modal video captioning: events with start, end and caption.")
@@ -142,7 +128,17 @@ def build_app(get_service: Callable[[], CaptionService]) -> FastAPI:
             return error_response(request, 500, "internal", f"internal error; request id {rid}")
         return JSONResponse(body, headers={"X-Request-ID": rid})
 
-    app.openapi = _openapi(app)
+    def openapi() -> dict[str, Any]:  # FastAPI's schema, with CaptionRequest (the JSON body) in its components
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            req = CaptionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            components.update(req.pop("$defs", {}))
+            components["CaptionRequest"] = req
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
