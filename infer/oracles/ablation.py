@@ -190,11 +190,8 @@ def decoder_for(model, cfg: InferConfig):
     `baseline_decoder` names it).
     """
     name = model.baseline_decoder
-    if name is None:
-        return None
-    if name == "monolithic":
-        return monolithic
-    return {"text_chain": text_chain, "layout_ordered": layout_ordered}[name]
+    decoders = {"monolithic": monolithic, "text_chain": text_chain, "layout_ordered": layout_ordered}
+    return None if name is None else decoders[name]
 
 
 def caption_engine(model, cfg: InferConfig):

@@ -52,7 +52,6 @@ class Front:
     anchor_pos = property(lambda self: self.end.anchor_pos)  # A
     planning_logits = property(lambda self: self.end.planning_logits)  # [n, 2] (<G>, <S>) of each decision
     grounding_logits = property(lambda self: self.end.grounding_logits)  # [K, T] (release: [calls, T] similarities)
-    segments_kept = property(lambda self: self.end.segments_kept)
     prefix_len = property(lambda self: self.program.length)
 
     @property

@@ -360,9 +360,8 @@ def run(root: Path, dtype: str = "float32", out=sys.stdout) -> Checks:
     checks.guard("anchor/branch forwards", branches)
 
     def tokens():
-        want = [b["tokens"] for b in c["golden"]["branches"]]
-        c["want"] = want
-        checks.verdict("reference loop tokens", *token_verdict(c["ref"].decoded.tokens, want, c["ref"].calls, near))
+        c["want"] = [b["tokens"] for b in c["golden"]["branches"]]
+        checks.verdict("reference loop tokens", *token_verdict(c["ref"].decoded.tokens, c["want"], c["ref"].calls, near))
 
     checks.guard("reference loop tokens", tokens)
 
