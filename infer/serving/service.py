@@ -76,9 +76,6 @@ class Engine(Protocol):
     def result(self, sample: Sample, decoded: Any) -> Any: ...
 
 
-FeaturizeFn = Callable[[str, Any], Sample]  # (local path, annotation with .video_id/.events) -> Sample
-
-
 @dataclass
 class VideoProbe:
     duration: float | None
@@ -132,7 +129,7 @@ class CaptionService:
     """Decode request -> features -> engine -> response dict. One per replica."""
 
     def __init__(self, cfg: Config, engine_factory: Callable[[InferConfig], Engine], card: ModelCard,
-                 featurizer: FeaturizeFn | None = None,
+                 featurizer: Callable[[str, Any], Sample] | None = None,
                  featurizer_factory: Callable[[Config], Any] = Featurizer,
                  reader_factory: Callable[[Config], Callable[[str, Any], Any]] = MediaReader, warm: bool = False):
         """featurizer: an in-process featurizer (decodes and encodes in the decode thread, cannot be
