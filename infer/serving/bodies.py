@@ -275,14 +275,13 @@ async def receive_upload(chunks: AsyncIterator[bytes], content_type: str, declar
             raise RequestError(400, "missing_file", "multipart upload without a 'file' field")
         if receiver.file_bytes == 0:
             raise RequestError(400, "empty_file", "the uploaded file is empty (0 bytes)")
+        options = None
+        if "options" in receiver.seen:
+            try:
+                options = bytes(receiver.options).decode("utf-8")
+            except UnicodeDecodeError:
+                raise RequestError(400, "malformed_json", "the 'options' field is not UTF-8") from None
     except BaseException:
         receiver.discard()
         raise
-    options = None
-    if "options" in receiver.seen:
-        try:
-            options = bytes(receiver.options).decode("utf-8")
-        except UnicodeDecodeError:
-            receiver.discard()
-            raise RequestError(400, "malformed_json", "the 'options' field is not UTF-8") from None
     return UploadedForm(receiver.path, receiver.filename, options)
