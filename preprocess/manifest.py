@@ -215,5 +215,5 @@ def current_keys(rows: list[dict[str, Any]], split: str | None = None) -> dict[s
 
 def ok_shards(rows: list[dict[str, Any]], split: str | None = None) -> list[str]:
     """The shard files holding the ok samples (of one split), sorted."""
-    return sorted({r["shard"] for r in rows if r["status"] == "ok" and (split is None or r["split"] == split)})
+    return list(current_keys(rows, split))
 
