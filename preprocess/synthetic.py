@@ -187,18 +187,19 @@ def _write_json(path: Path, data) -> None:
 
 def write_annotations(scripts: list[VideoScript], root: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Write the LongVALE and ChronusAV files for every split; returns (longvale, chronusav) paths."""
-    longvale, chronusav = {}, {}
+    longvale = {s: str(root / f"longvale_{s}.json") for s in ("train", "test")}
+    chronusav = {s: str(root / f"chronusav_{s}.json") for s in ("train", "test")}
     for split in ("train", "test"):
         chosen = [p for p in scripts if p.split == split]
-        lv = {
+        _write_json(Path(longvale[split]), {
             p.video_id: {
                 "duration": _seconds(p.num_frames, p.fps),
                 "timestamps": [[_seconds(e.start_frame, p.fps), _seconds(e.end_frame, p.fps)] for e in p.events],
                 "sentences": [dense_caption(e.colour, e.shape, e.motion, e.sound) for e in p.events],
             }
             for p in chosen
-        }
-        ch = [
+        })
+        _write_json(Path(chronusav[split]), [
             {
                 "id": p.video_id,
                 "duration": _seconds(p.num_frames, p.fps),
@@ -209,12 +210,8 @@ def write_annotations(scripts: list[VideoScript], root: Path) -> tuple[dict[str,
                 "audio_captions": [audio_caption(e.sound) for e in p.events],
             }
             for p in chosen
-        ]
-        longvale[split] = root / f"longvale_{split}.json"
-        chronusav[split] = root / f"chronusav_{split}.json"
-        _write_json(longvale[split], lv)
-        _write_json(chronusav[split], ch)
-    return {k: str(v) for k, v in longvale.items()}, {k: str(v) for k, v in chronusav.items()}
+        ])
+    return longvale, chronusav
 
 
 def _manifest(cfg: SyntheticConfig, scripts: list[VideoScript]) -> dict:
