@@ -364,7 +364,7 @@ def scan_metadata(path: str) -> tuple[int, float] | None:
     """
     import av
 
-    count, lo, hi = 0, None, None
+    count, lo, hi = 0, math.inf, -math.inf
     with av.open(path, metadata_errors=METADATA_ERRORS) as container:
         stream = container.streams.video[0]
         for packet in container.demux(stream):
@@ -372,10 +372,10 @@ def scan_metadata(path: str) -> tuple[int, float] | None:
             if stamp is None or packet.is_discard:  # the demuxer's final empty packet has neither
                 continue
             count += 1
-            lo = stamp if lo is None else min(lo, stamp)
-            hi = stamp + packet.duration if hi is None else max(hi, stamp + packet.duration)
+            lo = min(lo, stamp)
+            hi = max(hi, stamp + packet.duration)
         base = float(stream.time_base) if stream.time_base else 0.0
-    if count == 0 or lo is None or hi is None or hi <= lo or base <= 0:
+    if count == 0 or hi <= lo or base <= 0:
         return None
     return count, count / ((hi - lo) * base)
 
