@@ -38,9 +38,9 @@ import ray
 from pipeline import storage
 from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, load_config, section_hash
-from pipeline.schema import KEY, encode
+from pipeline.schema import KEY, Event, encode
 from preprocess import manifest as mf
-from preprocess.annotations import read_annotations
+from preprocess.annotations import VideoAnnotation, read_annotations
 
 
 class FeaturizeVideos:
@@ -64,9 +64,6 @@ class FeaturizeVideos:
 
     def featurize(self, video: dict[str, Any], chunk: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """One plan row -> (its manifest row, its encoded sample or None when it failed)."""
-        from pipeline.schema import Event
-        from preprocess.annotations import VideoAnnotation
-
         t0 = time.perf_counter()
         ann = VideoAnnotation(video_id=str(video["video_id"]), duration=float(video["duration"]),
                               events=[Event(**e) for e in json.loads(video["events"])], split=str(video["split"]),

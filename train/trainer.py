@@ -51,7 +51,7 @@ import ray
 import ray.train
 import torch
 from ray.train import Checkpoint, CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchTrainer, get_device
 
 from pipeline import storage
 from pipeline.cluster import init_ray, train_resources
@@ -79,13 +79,11 @@ class RayContext:
     checkpoint this rank reported (None before the first)."""
 
     def __init__(self, on_step: StepHook | None = None):
-        import ray.train.torch as rtt
-
         c = ray.train.get_context()
         self.rank = c.get_world_rank()
         self.world_size = c.get_world_size()
         self.local_rank = c.get_local_rank()
-        self.device = rtt.get_device()
+        self.device = get_device()
         self._restored: tempfile.TemporaryDirectory | None = None
         self.last_checkpoint: str | None = None
         self._on_step = on_step
