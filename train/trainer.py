@@ -63,6 +63,7 @@ from train import checkpoint as ckpt
 from train.data import read_keyed_records, read_samples, shuffle_buffer
 from train.deepspeed_config import check_zero_stage
 from train.evaluate import caption_parser
+from train.export import export_model
 from train.loop import LOSS_KEYS, resolve_backend, torch_threads, train_loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -331,8 +332,6 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str, on_step: StepHook | No
         state = torch.load(local / ckpt.STATE_FILE, map_location="cpu", weights_only=False)
         model_dir = local / ckpt.MODEL_DIR
         if not model_dir.is_dir():  # a checkpoint of trained tensors only (release fine-tune): merge once, now
-            from train.export import export_model
-
             model_dir = export_model(local, Path(tmp) / "model")
         model_path = _publish(model_dir, storage.join(out_dir, "model"))
         plot_local = Path(tmp) / "learning_curve.png"
