@@ -62,10 +62,8 @@ def _group_tar(fileobj, url: str) -> Iterator[dict[str, Any]]:
     current: dict[str, Any] | None = None
     with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
         for member in tar:
-            if not member.isreg():
-                continue
             name = member.name.rsplit("/", 1)[-1]
-            if "." not in name:
+            if not member.isreg() or "." not in name:
                 continue
             key, suffix = name.split(".", 1)
             data = tar.extractfile(member).read()
