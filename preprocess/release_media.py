@@ -9,7 +9,7 @@ feeds its vision tower and Whisper encoder, re-implemented from docs/design/rele
     inputs.grid_thw                # (T, gh, gw) in 14-px patches (the release's video_grid_thw)
     inputs.mel                     # float32 [C, 128, 3000] Whisper log-mel per 30 s chunk, or None
     inputs.audio_counts            # a_t: <|audio_pad|> tokens after segment t (sum = A_total)
-    inputs.video_sets, inputs.audio_sets   # per-timestep [start, end) index ranges (grounding / aggregation)
+    index_sets(inputs.layout_grid) # pipeline/release/layout.py: per-timestep video / audio token indices
 
 Frames (D:563-603). L = num_frames / average_fps of the stream's metadata; n = min(max(round(L / 0.5),
 64), 256) with Python's round (half to even); indices np.unique(np.linspace(0, N-1, n, dtype=int));
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from pipeline.release.geometry import CHUNK_SECONDS as WHISPER_SECONDS
 from pipeline.release.geometry import RELEASE, Geometry
-from pipeline.release.layout import AVGrid, audio_counts, index_sets
+from pipeline.release.layout import AVGrid, audio_counts
 from preprocess.media import METADATA_ERRORS, MediaError, _first_line, open_media, probe_video
 
 # patch / temporal patch / merge sizes, tokens per second and the audio window are the checkpoint's
@@ -280,16 +280,6 @@ class ReleaseInputs:
     def audio_counts(self) -> list[int]:
         """a_t: audio tokens after segment t (sum = audio_total)."""
         return audio_counts(self.layout_grid)
-
-    @property
-    def video_sets(self) -> list[list[int]]:
-        """Per timestep: indices into the video-token sequence (grounding / aggregation)."""
-        return index_sets(self.layout_grid)[0]
-
-    @property
-    def audio_sets(self) -> list[list[int]]:
-        """Per timestep: indices into the audio-token sequence ([] without audio)."""
-        return index_sets(self.layout_grid)[1]
 
     def to_bytes(self) -> bytes:
         """A compact serialisation (uint8 frames, float32 mel, the numbers) to ship between processes."""
