@@ -243,8 +243,6 @@ def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int, geo: Geo
 
 # --------------------------------------------------------------------------- one video
 
-_ARRAYS = ("frames", "mel")  # ReleaseInputs fields stored as arrays by to_bytes, not as numbers
-
 
 @dataclass
 class ReleaseInputs:
@@ -283,7 +281,7 @@ class ReleaseInputs:
 
     def to_bytes(self) -> bytes:
         """A compact serialisation (uint8 frames, float32 mel, the numbers) to ship between processes."""
-        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _ARRAYS}  # in field order
+        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("frames", "mel")}  # in field order
         numbers["geometry"] = self.geometry.to_dict()
         arrays = {"frames": self.frames.numpy(), "numbers": np.frombuffer(json.dumps(numbers).encode("utf-8"), dtype=np.uint8)}
         if self.mel is not None:

@@ -57,8 +57,7 @@ from pipeline.config import SyntheticConfig
 from preprocess.synthetic_hard import min_frames, script_hard_video, validate_hard
 from preprocess.synthetic_media import EventSpec, VideoScript, render_audio, render_frames, write_mp4
 
-# 2: visual captions 'the <colour> <shape>' ('striped square' for stripes) instead of 'a' / 'an' / 'a set of'
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 2  # of the files a config gives (2: 'the <colour> <shape>' captions, docs/benchmarks.md)
 
 # --------------------------------------------------------------------------- grammar (pipeline/caption_grammar.py)
 
