@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -33,12 +34,8 @@ def _registrar(table: dict[str, Any], name: str) -> Callable[[_T], _T]:
     return wrap
 
 
-def register_visual(name: str) -> Callable[[_T], _T]:
-    return _registrar(VISUAL_ENCODERS, name)
-
-
-def register_audio(name: str) -> Callable[[_T], _T]:
-    return _registrar(AUDIO_ENCODERS, name)
+register_visual = partial(_registrar, VISUAL_ENCODERS)  # @register_visual("name") on a VisualEncoder subclass
+register_audio = partial(_registrar, AUDIO_ENCODERS)  # @register_audio("name") on an AudioEncoder subclass
 
 
 def get_visual_encoder(cfg: FeaturesConfig) -> VisualEncoder:

@@ -89,11 +89,8 @@ class PixelsEncoder(VisualEncoder):
            edge runs horizontally, along the rising diagonal, vertically, along the
            falling diagonal (soft bins of the doubled angle of each pixel's colour
            structure tensor), as 4*f - 1: 0 where the energy is spread evenly (f = 0.25,
-           as on flat patches), -1 for a bin with none of it, +1 for half of it. (As plain
-           fractions, the per-shape means of an event's features differed by 0.06-0.15 per
-           channel on the default corpus against up to 0.33 for colour, and a linear
-           read-out of shape from the untrained model's anchors was 0.64; scaled, 0.88,
-           colour 0.81 -> 0.85.) Contrast-invariant and
+           as on flat patches), -1 for a bin with none of it, +1 for half of it (why scaled:
+           docs/benchmarks.md, "the scale of its channels"). Contrast-invariant and
            non-negative, so it survives averaging over patches and frames: squares
            and stripes put their energy in the horizontal/vertical bins, triangles in
            the horizontal and both diagonal bins, circles spread it over all four
@@ -101,10 +98,8 @@ class PixelsEncoder(VisualEncoder):
       14-16 chroma-weighted mean R, G, B: 2*m - 1, m = the patch mean of each pixel's colour
            weighted by its chroma (max - min of its R, G, B), plus CHROMA_EPS of the plain mean:
            the colour of the patch's coloured pixels whatever fraction of the patch they
-           cover. (The plain mean mixes an object's colour with the background by its
-           coverage, so each colour is a ray from the background's grey and neighbouring
-           hues overlap where coverage is low: trained on channels 0-13 alone, orange was
-           read as red in 10 of 16 held-out events.) Grey and white pixels weigh ~nothing, so
+           cover (the plain mean mixes it with the background by coverage: docs/benchmarks.md,
+           "the rows that decide it"). Grey and white pixels weigh ~nothing, so
            a patch with no coloured pixel gives its plain mean.
     """
 

@@ -46,27 +46,26 @@ class MediaReader:
     encoders the release media preparation's ReleaseInputs (resized uint8 frames, log-mel chunks).
     Callable as reader(uri, annotation) too (the annotation is not needed to decode)."""
 
-    def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.storage_options = storage_options
-        self.release = ReleaseReader(cfg, storage_options) if uses_release(cfg.features) else None
+        self.release = ReleaseReader(cfg) if uses_release(cfg.features) else None
 
     def __call__(self, uri: str, annotation: Any = None) -> DecodedVideo | ReleaseInputs:
         if self.release is not None:
             return self.release(uri)
-        return decode_video(uri, self.cfg.features, self.storage_options)
+        return decode_video(uri, self.cfg.features)
 
 
 class Featurizer:
     """Encoders built once from `cfg.features`; call it per video (or `reader` then `encode`)."""
 
-    def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.reader = MediaReader(cfg, storage_options)
+        self.reader = MediaReader(cfg)
         self.feature_hash = section_hash(cfg.features)
         self.release = None
         if uses_release(cfg.features):  # the release's own media rules and towers (preprocess/release_encoders.py)
-            self.release = ReleaseFeaturizer(cfg, storage_options, reader=self.reader.release)
+            self.release = ReleaseFeaturizer(cfg, reader=self.reader.release)
             return
         self.visual = get_visual_encoder(cfg.features)
         self.audio = get_audio_encoder(cfg.features)

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -37,9 +38,9 @@ import ray
 from pipeline import storage
 from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, load_config, section_hash
-from pipeline.schema import KEY, encode
+from pipeline.schema import KEY, Event, encode
 from preprocess import manifest as mf
-from preprocess.annotations import read_annotations
+from preprocess.annotations import VideoAnnotation, read_annotations
 
 
 class FeaturizeVideos:
@@ -63,9 +64,6 @@ class FeaturizeVideos:
 
     def featurize(self, video: dict[str, Any], chunk: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """One plan row -> (its manifest row, its encoded sample or None when it failed)."""
-        from pipeline.schema import Event
-        from preprocess.annotations import VideoAnnotation
-
         t0 = time.perf_counter()
         ann = VideoAnnotation(video_id=str(video["video_id"]), duration=float(video["duration"]),
                               events=[Event(**e) for e in json.loads(video["events"])], split=str(video["split"]),
@@ -124,15 +122,12 @@ def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str,
     skipped: list[str] = []
     for split, (path, fmt) in sorted(annotations.items()):
         anns, bad = read_annotations(path, fmt, split)
-        named.update(err.video_id for err in bad)
-        named.update(ann.video_id for ann in anns)
-        for err in bad:
-            errors.append(mf.empty_row(video_id=err.video_id, split=split, source=fmt, status="error",
-                                       error=f"annotation: {err.reason}", feature_hash=feature_hash, seconds=0.0))
+        named.update(r.video_id for r in (*bad, *anns))
+        error_row = partial(mf.empty_row, split=split, source=fmt, status="error", feature_hash=feature_hash, seconds=0.0)
+        errors.extend(error_row(video_id=err.video_id, error=f"annotation: {err.reason}") for err in bad)
         for ann in anns:
             if ann.video_id in seen:
-                errors.append(mf.empty_row(video_id=ann.video_id, split=split, source=fmt, status="error",
-                                           error=mf.DUPLICATE_ID_ERROR, feature_hash=feature_hash, seconds=0.0))
+                errors.append(error_row(video_id=ann.video_id, error=mf.DUPLICATE_ID_ERROR))
                 continue
             seen.add(ann.video_id)
             events = [asdict(e) for e in ann.events]
@@ -142,10 +137,8 @@ def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str,
                 continue
             uri = videos.get(ann.video_id)
             if uri is None:
-                errors.append(mf.empty_row(video_id=ann.video_id, split=split, source=fmt, status="error",
-                                           error=f"media: no video file for this id under {video_root}",
-                                           feature_hash=feature_hash, annotation_hash=ann_hash, num_events=len(ann.events),
-                                           duration=ann.duration, seconds=0.0))
+                errors.append(error_row(video_id=ann.video_id, error=f"media: no video file for this id under {video_root}",
+                                        annotation_hash=ann_hash, num_events=len(ann.events), duration=ann.duration))
                 continue
             todo.append({"video_id": ann.video_id, "uri": uri, "split": split, "source": fmt,
                          "duration": float(ann.duration), "clipped_events": int(ann.clipped),

@@ -157,9 +157,7 @@ def write_chunk_shards(out_dir: str, chunk: str, records: list[tuple[str, dict[s
         base = storage.join(shards_dir(out_dir), chunk, split)
         tars: list[list[dict[str, Any]]] = [[]]
         size = 0
-        for s, rec in records:
-            if s != split:
-                continue
+        for rec in [r for s, r in records if s == split]:
             n = sum(len(rec[f]) for f in FIELDS)
             if tars[-1] and size + n > target_bytes:
                 tars.append([])
@@ -215,5 +213,5 @@ def current_keys(rows: list[dict[str, Any]], split: str | None = None) -> dict[s
 
 def ok_shards(rows: list[dict[str, Any]], split: str | None = None) -> list[str]:
     """The shard files holding the ok samples (of one split), sorted."""
-    return sorted({r["shard"] for r in rows if r["status"] == "ok" and (split is None or r["split"] == split)})
+    return list(current_keys(rows, split))
 

@@ -65,19 +65,12 @@ METADATA_ERRORS = "replace"  # how PyAV decodes non-UTF-8 metadata tags (its def
 class DecodedVideo:
     """One decoded video, ready for the feature encoders."""
 
-    uri: str
     frames: np.ndarray  # uint8 [N, H, W, 3], N = T * frames_per_segment (padded by repeating the last)
-    frame_times: np.ndarray  # float32 [N] the time (s) each sampled frame stands for
     segment_times: np.ndarray  # float32 [T, 2] start/end (s) of each segment
     audio: np.ndarray | None  # float32 [S] mono, S = round(duration * sample_rate); None without audio
     sample_rate: int
     duration: float  # seconds, from the video stream
     has_audio: bool
-    width: int  # source resolution (before resizing)
-    height: int
-    fps: float  # source average frame rate
-    num_source_frames: int
-    frames_per_segment: int
 
     @property
     def num_segments(self) -> int:
@@ -235,8 +228,6 @@ def _sniff(path: str, uri: str) -> None:
 class _Probe:
     has_audio: bool
     video_start: float  # seconds
-    width: int
-    height: int
     timing: Timing | None = None  # the demuxer's view of the video timeline (None: no video packets)
 
 
@@ -256,15 +247,13 @@ def probe_video(path: str, uri: str) -> _Probe:
             if v.codec_context is None:  # PyAV leaves it unset when no decoder matches the codec tag
                 raise MediaError(f"video stream uses a codec this build has no decoder for: {uri}", "undecodable")
             start = float(v.start_time * v.time_base) if v.start_time is not None and v.time_base else 0.0
-            width, height = int(v.codec_context.width or 0), int(v.codec_context.height or 0)
-            return _Probe(bool(aus), start, width, height, read_timing(container))
+            return _Probe(bool(aus), start, read_timing(container))
     except av.error.FFmpegError as e:
         raise MediaError(f"not a readable media container ({e.__class__.__name__}: {e}): {uri}", "not_media") from e
 
 
-def _read_frames(path: str, uri: str, cfg: FeaturesConfig,
-                 timing: Timing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float, int]:
-    """decord: -> (frames uint8 [N,H,W,3], frame_times [N], segment_times [T,2], duration, fps, num_source_frames).
+def _read_frames(path: str, uri: str, cfg: FeaturesConfig, timing: Timing | None = None) -> tuple[np.ndarray, np.ndarray, float]:
+    """decord: -> (frames uint8 [N,H,W,3], segment_times [T,2], duration).
 
     The duration is `timing.video_duration`'s (what a player shows, checked against the
     frames; VFR files: decord's guess for the last frame is off), else decord's end of the
@@ -297,7 +286,7 @@ def _read_frames(path: str, uri: str, cfg: FeaturesConfig,
         batch = vr.get_batch(unique.tolist()).asnumpy()
     except Exception as e:
         raise MediaError(f"video frames cannot be decoded ({_first_line(e)}): {uri}", "undecodable") from e
-    return np.ascontiguousarray(batch[inverse]), frame_times, segment_times, duration, fps, count
+    return np.ascontiguousarray(batch[inverse]), segment_times, duration
 
 
 def _read_audio(path: str, uri: str, sample_rate: int, offset: float, duration: float) -> np.ndarray | None:
@@ -352,20 +341,13 @@ def decode_video(uri: str, cfg: FeaturesConfig, storage_options: dict[str, Any] 
     """
     with open_media(uri, storage_options, cfg.max_media_bytes) as path:
         probe = probe_video(path, uri)
-        frames, frame_times, segment_times, duration, fps, count = _read_frames(path, uri, cfg, probe.timing)
+        frames, segment_times, duration = _read_frames(path, uri, cfg, probe.timing)
         audio = _read_audio(path, uri, cfg.sample_rate, probe.video_start, duration) if probe.has_audio else None
     return DecodedVideo(
-        uri=uri,
         frames=frames,
-        frame_times=frame_times,
         segment_times=segment_times,
         audio=audio,
         sample_rate=cfg.sample_rate,
         duration=duration,
         has_audio=audio is not None,
-        width=probe.width,
-        height=probe.height,
-        fps=fps,
-        num_source_frames=count,
-        frames_per_segment=cfg.frames_per_segment,
     )

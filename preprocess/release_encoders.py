@@ -152,26 +152,24 @@ class ReleaseReader:
     """The release media preparation alone: a video -> its `ReleaseInputs` (resized uint8 frames, log-mel chunks), no
     weights (what a Serve decode worker runs, infer/serving/media_pool.py)."""
 
-    def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None):
+    def __init__(self, cfg: Config):
         self.path = _need_release_path(cfg.features)
         self.cfg = cfg
-        self.storage_options = storage_options
         self.media = MediaConfig.from_features(cfg.features)
         self.extractor = whisper_extractor()
 
     def __call__(self, uri: str) -> ReleaseInputs:
         f = self.cfg.features
-        return read_release_inputs(uri, self.media, self.storage_options, f.max_media_bytes, f.decode_threads,
-                                   self.extractor)
+        return read_release_inputs(uri, self.media, None, f.max_media_bytes, f.decode_threads, self.extractor)
 
 
 class ReleaseFeaturizer:
     """A video (+ annotation) -> schema-2 Sample (stored) or ReleaseVideo (online); see the module doc.
     `inputs(uri)` is the media preparation (`ReleaseReader`), `encode(inputs, annotation)` the rest."""
 
-    def __init__(self, cfg: Config, storage_options: dict[str, Any] | None = None, reader: ReleaseReader | None = None):
+    def __init__(self, cfg: Config, reader: ReleaseReader | None = None):
         features = cfg.features
-        self.reader = reader or ReleaseReader(cfg, storage_options)
+        self.reader = reader or ReleaseReader(cfg)
         self.cfg = cfg
         self.online = features.release_features == "online"
         self.feature_hash = section_hash(features)

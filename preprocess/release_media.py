@@ -9,7 +9,7 @@ feeds its vision tower and Whisper encoder, re-implemented from docs/design/rele
     inputs.grid_thw                # (T, gh, gw) in 14-px patches (the release's video_grid_thw)
     inputs.mel                     # float32 [C, 128, 3000] Whisper log-mel per 30 s chunk, or None
     inputs.audio_counts            # a_t: <|audio_pad|> tokens after segment t (sum = A_total)
-    inputs.video_sets, inputs.audio_sets   # per-timestep [start, end) index ranges (grounding / aggregation)
+    index_sets(inputs.layout_grid) # pipeline/release/layout.py: per-timestep video / audio token indices
 
 Frames (D:563-603). L = num_frames / average_fps of the stream's metadata; n = min(max(round(L / 0.5),
 64), 256) with Python's round (half to even); indices np.unique(np.linspace(0, N-1, n, dtype=int));
@@ -51,7 +51,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from pipeline.release.geometry import CHUNK_SECONDS as WHISPER_SECONDS
 from pipeline.release.geometry import RELEASE, Geometry
-from pipeline.release.layout import AVGrid, audio_counts, index_sets
+from pipeline.release.layout import AVGrid, audio_counts
 from preprocess.media import METADATA_ERRORS, MediaError, _first_line, open_media, probe_video
 
 # patch / temporal patch / merge sizes, tokens per second and the audio window are the checkpoint's
@@ -243,25 +243,17 @@ def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int, geo: Geo
 
 # --------------------------------------------------------------------------- one video
 
-_ARRAYS = ("frames", "frame_indices", "mel")  # ReleaseInputs fields stored as arrays by to_bytes, not as numbers
-
 
 @dataclass
 class ReleaseInputs:
     """One video prepared the release's way (module doc); frames kept as resized uint8 (4x smaller than pixels)."""
 
     frames: torch.Tensor  # uint8 [N, 3, h, w] resized, not padded (N = kept frames)
-    frame_indices: np.ndarray  # int [N] source frame numbers
     length_s: float  # L = num_frames / average_fps
     seconds_per_timestep: float  # d
     grid_thw: tuple[int, int, int]  # (T, gh, gw) in 14-px patches
     mel: np.ndarray | None  # float32 [C, 128, 3000], None without audio
-    audio_samples: int  # after the 1 s pad; 0 without audio
     audio_total: int  # A_total; 0 without audio
-    source_size: tuple[int, int] = (0, 0)  # (height, width) before resizing
-    num_source_frames: int = 0
-    average_fps: float = 0.0
-    meta: dict[str, Any] = field(default_factory=dict)
     geometry: Geometry = RELEASE  # the checkpoint's (MediaConfig.geometry)
 
     @property
@@ -287,22 +279,11 @@ class ReleaseInputs:
         """a_t: audio tokens after segment t (sum = audio_total)."""
         return audio_counts(self.layout_grid)
 
-    @property
-    def video_sets(self) -> list[list[int]]:
-        """Per timestep: indices into the video-token sequence (grounding / aggregation)."""
-        return index_sets(self.layout_grid)[0]
-
-    @property
-    def audio_sets(self) -> list[list[int]]:
-        """Per timestep: indices into the audio-token sequence ([] without audio)."""
-        return index_sets(self.layout_grid)[1]
-
     def to_bytes(self) -> bytes:
         """A compact serialisation (uint8 frames, float32 mel, the numbers) to ship between processes."""
-        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _ARRAYS}  # in field order
+        numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("frames", "mel")}  # in field order
         numbers["geometry"] = self.geometry.to_dict()
-        arrays = {"frames": self.frames.numpy(), "frame_indices": np.asarray(self.frame_indices, np.int64),
-                  "numbers": np.frombuffer(json.dumps(numbers).encode("utf-8"), dtype=np.uint8)}
+        arrays = {"frames": self.frames.numpy(), "numbers": np.frombuffer(json.dumps(numbers).encode("utf-8"), dtype=np.uint8)}
         if self.mel is not None:
             arrays["mel"] = self.mel
         buf = io.BytesIO()
@@ -313,10 +294,8 @@ class ReleaseInputs:
     def from_bytes(cls, data: bytes) -> ReleaseInputs:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             n = json.loads(z["numbers"].tobytes().decode("utf-8"))
-            n.update(grid_thw=tuple(n["grid_thw"]), source_size=tuple(n["source_size"]),
-                     geometry=Geometry.from_dict(n.get("geometry")))
-            return cls(frames=torch.from_numpy(z["frames"]), frame_indices=z["frame_indices"],
-                       mel=z["mel"] if "mel" in z.files else None, **n)
+            n.update(grid_thw=tuple(n["grid_thw"]), geometry=Geometry.from_dict(n.get("geometry")))
+            return cls(frames=torch.from_numpy(z["frames"]), mel=z["mel"] if "mel" in z.files else None, **n)
 
     def pixel_values(self) -> torch.Tensor:
         """float32 [T*gh*gw, patch_dim (1176)]: normalised, padded to whole temporal patches, patchified."""
@@ -352,14 +331,11 @@ def build_inputs(frames: np.ndarray | torch.Tensor, frame_indices: np.ndarray, n
     if kept < 1 or len(frames) != kept:
         raise FrontendError(f"{len(frames)} frames for {kept} sampled indices")
     resized, grid, d = prepare_frames(frames, kept, length, cfg)
-    mel, samples, total = None, 0, 0
+    mel, total = None, 0
     if waveform is not None:
         mel, samples = mel_chunks(waveform, extractor)
         total = audio_token_total(samples, cfg.geometry)
-    return ReleaseInputs(frames=resized, frame_indices=np.asarray(frame_indices), length_s=length,
-                         seconds_per_timestep=d, grid_thw=grid, mel=mel, audio_samples=samples, audio_total=total,
-                         source_size=(int(frames.shape[1]), int(frames.shape[2])),
-                         num_source_frames=int(num_source_frames), average_fps=float(average_fps),
+    return ReleaseInputs(frames=resized, length_s=length, seconds_per_timestep=d, grid_thw=grid, mel=mel, audio_total=total,
                          geometry=cfg.geometry)
 
 
@@ -376,7 +352,7 @@ def scan_metadata(path: str) -> tuple[int, float] | None:
     """
     import av
 
-    count, lo, hi = 0, None, None
+    count, lo, hi = 0, math.inf, -math.inf
     with av.open(path, metadata_errors=METADATA_ERRORS) as container:
         stream = container.streams.video[0]
         for packet in container.demux(stream):
@@ -384,21 +360,20 @@ def scan_metadata(path: str) -> tuple[int, float] | None:
             if stamp is None or packet.is_discard:  # the demuxer's final empty packet has neither
                 continue
             count += 1
-            lo = stamp if lo is None else min(lo, stamp)
-            hi = stamp + packet.duration if hi is None else max(hi, stamp + packet.duration)
+            lo = min(lo, stamp)
+            hi = max(hi, stamp + packet.duration)
         base = float(stream.time_base) if stream.time_base else 0.0
-    if count == 0 or lo is None or hi is None or hi <= lo or base <= 0:
+    if count == 0 or hi <= lo or base <= 0:
         return None
     return count, count / ((hi - lo) * base)
 
 
-def read_frames(path: str, uri: str, cfg: MediaConfig,
-                threads: int = 0) -> tuple[np.ndarray, np.ndarray, int, float, int]:
-    """decord at source resolution: -> (uint8 [n, H, W, 3] RGB, indices, num_frames, average_fps, decord's count).
+def read_frames(path: str, uri: str, cfg: MediaConfig, threads: int = 0) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """decord at source resolution: -> (uint8 [n, H, W, 3] RGB, indices, num_frames, average_fps).
 
     num_frames / average_fps are torchcodec's (`scan_metadata`), decord's frame count and header fps
     when the scan finds no timed packets. Indices past decord's own count (a file whose packets and
-    decodable frames disagree) are clipped to its last frame; the caller records both counts.
+    decodable frames disagree) are clipped to its last frame.
     """
     import decord
 
@@ -414,7 +389,7 @@ def read_frames(path: str, uri: str, cfg: MediaConfig,
         frames = vr.get_batch(np.minimum(idx, count - 1).tolist()).asnumpy()
     except Exception as e:
         raise MediaError(f"video frames cannot be decoded ({_first_line(e)}): {uri}", "undecodable") from e
-    return frames, idx, num_frames, average_fps, count
+    return frames, idx, num_frames, average_fps
 
 
 def read_audio(path: str) -> np.ndarray | None:
@@ -455,12 +430,8 @@ def read_release_inputs(uri: str, cfg: MediaConfig, storage_options: dict[str, A
     try:
         with open_media(uri, storage_options, max_bytes) as path:
             probe = probe_video(path, uri)
-            frames, idx, count, fps, decodable = read_frames(path, uri, cfg, threads)
+            frames, idx, count, fps = read_frames(path, uri, cfg, threads)
             waveform = read_audio(path) if probe.has_audio else None
-        inputs = build_inputs(frames, idx, count, fps, waveform, cfg, extractor)
+        return build_inputs(frames, idx, count, fps, waveform, cfg, extractor)
     except FrontendError as e:  # sample_indices' or build_inputs' refusal
         raise MediaError(f"{e}: {uri}", "undecodable") from e
-    inputs.meta["uri"] = uri
-    if decodable != count:  # torchcodec's packet count and decord's frame count disagree: indices were clipped
-        inputs.meta["decord_frames"] = decodable
-    return inputs

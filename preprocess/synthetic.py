@@ -57,8 +57,7 @@ from pipeline.config import SyntheticConfig
 from preprocess.synthetic_hard import min_frames, script_hard_video, validate_hard
 from preprocess.synthetic_media import EventSpec, VideoScript, render_audio, render_frames, write_mp4
 
-# 2: visual captions 'the <colour> <shape>' ('striped square' for stripes) instead of 'a' / 'an' / 'a set of'
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 2  # of the files a config gives (2: 'the <colour> <shape>' captions, docs/benchmarks.md)
 
 # --------------------------------------------------------------------------- grammar (pipeline/caption_grammar.py)
 
@@ -187,18 +186,19 @@ def _write_json(path: Path, data) -> None:
 
 def write_annotations(scripts: list[VideoScript], root: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Write the LongVALE and ChronusAV files for every split; returns (longvale, chronusav) paths."""
-    longvale, chronusav = {}, {}
+    longvale = {s: str(root / f"longvale_{s}.json") for s in ("train", "test")}
+    chronusav = {s: str(root / f"chronusav_{s}.json") for s in ("train", "test")}
     for split in ("train", "test"):
         chosen = [p for p in scripts if p.split == split]
-        lv = {
+        _write_json(Path(longvale[split]), {
             p.video_id: {
                 "duration": _seconds(p.num_frames, p.fps),
                 "timestamps": [[_seconds(e.start_frame, p.fps), _seconds(e.end_frame, p.fps)] for e in p.events],
                 "sentences": [dense_caption(e.colour, e.shape, e.motion, e.sound) for e in p.events],
             }
             for p in chosen
-        }
-        ch = [
+        })
+        _write_json(Path(chronusav[split]), [
             {
                 "id": p.video_id,
                 "duration": _seconds(p.num_frames, p.fps),
@@ -209,12 +209,8 @@ def write_annotations(scripts: list[VideoScript], root: Path) -> tuple[dict[str,
                 "audio_captions": [audio_caption(e.sound) for e in p.events],
             }
             for p in chosen
-        ]
-        longvale[split] = root / f"longvale_{split}.json"
-        chronusav[split] = root / f"chronusav_{split}.json"
-        _write_json(longvale[split], lv)
-        _write_json(chronusav[split], ch)
-    return {k: str(v) for k, v in longvale.items()}, {k: str(v) for k, v in chronusav.items()}
+        ])
+    return longvale, chronusav
 
 
 def _manifest(cfg: SyntheticConfig, scripts: list[VideoScript]) -> dict:
@@ -305,34 +301,25 @@ def generate_corpus(out_dir: str | os.PathLike, cfg: SyntheticConfig, overwrite:
 
 # --------------------------------------------------------------------------- CLI
 
+# the SyntheticConfig fields set by an option of the same name (--num-videos -> num_videos), typed as their defaults
+CLI_FIELDS = ("num_videos", "seed", "min_duration", "max_duration", "min_events", "max_events", "test_fraction", "width",
+              "height", "fps", "sample_rate")
+
 
 def main(argv: list[str] | None = None) -> int:
     d = SyntheticConfig()
     ap = argparse.ArgumentParser(prog="python -m preprocess.synthetic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--num-videos", type=int, default=d.num_videos)
-    ap.add_argument("--seed", type=int, default=d.seed)
+    for name in CLI_FIELDS:
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(d, name)), default=getattr(d, name))
     ap.add_argument("--regime", choices=("default", "hard"), default=d.regime,
                     help="hard: 8-16 overlapping, look-alike events and distractor sounds (data.synthetic.hard's "
-                         "defaults; the duration and event options below then do not apply)")
-    ap.add_argument("--min-duration", type=float, default=d.min_duration)
-    ap.add_argument("--max-duration", type=float, default=d.max_duration)
-    ap.add_argument("--min-events", type=int, default=d.min_events)
-    ap.add_argument("--max-events", type=int, default=d.max_events)
-    ap.add_argument("--test-fraction", type=float, default=d.test_fraction)
-    ap.add_argument("--width", type=int, default=d.width)
-    ap.add_argument("--height", type=int, default=d.height)
-    ap.add_argument("--fps", type=int, default=d.fps)
-    ap.add_argument("--sample-rate", type=int, default=d.sample_rate)
+                         "defaults; the duration and event options above then do not apply)")
     ap.add_argument("--workers", type=int, default=d.num_workers, help="0 = one per core (max 8)")
     ap.add_argument("--overwrite", action="store_true", help="regenerate even if an identical corpus exists")
     ap.add_argument("--preview", action="store_true", help="also write DIR/preview.png (frames + spectrograms)")
     a = ap.parse_args(argv)
-    cfg = dataclasses.replace(
-        d, num_videos=a.num_videos, seed=a.seed, min_duration=a.min_duration, max_duration=a.max_duration,
-        min_events=a.min_events, max_events=a.max_events, test_fraction=a.test_fraction, width=a.width,
-        height=a.height, fps=a.fps, sample_rate=a.sample_rate, num_workers=a.workers, regime=a.regime,
-    )
+    cfg = dataclasses.replace(d, num_workers=a.workers, regime=a.regime, **{name: getattr(a, name) for name in CLI_FIELDS})
     t0 = time.perf_counter()
     try:
         info = generate_corpus(a.out, cfg, overwrite=a.overwrite)

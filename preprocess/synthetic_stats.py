@@ -19,6 +19,8 @@ import dataclasses
 import json
 from collections import Counter
 
+from pipeline.config import SyntheticConfig
+from preprocess.synthetic import script_corpus
 from preprocess.synthetic_media import VideoScript
 
 
@@ -62,9 +64,6 @@ def script_statistics(scripts: list[VideoScript]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.config import SyntheticConfig
-    from preprocess.synthetic import script_corpus
-
     ap = argparse.ArgumentParser(prog="python -m preprocess.synthetic_stats", description=__doc__.split("\n\n")[0])
     ap.add_argument("--regime", choices=("default", "hard"), default="default")
     ap.add_argument("--num-videos", type=int, default=50)

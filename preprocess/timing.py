@@ -49,16 +49,15 @@ _TAG_DURATION = re.compile(r"^(\d+):(\d{2}):(\d{2}(?:\.\d+)?)$")
 class Timing:
     """What the demuxer says about one file's video timeline (seconds)."""
 
-    first: float  # presentation time of the first video frame
-    last_start: float  # of the last frame, relative to `first`
+    last_start: float  # of the last frame, relative to the first's presentation time
     last_duration: float  # the last packet's own duration (0 when it carries none)
     max_gap: float  # longest gap between consecutive frame starts (0 for one frame)
     frames: int
     increasing: bool  # frame start times strictly increase
-    declared: float | None  # the video stream's stated end, relative to `first`
+    declared: float | None  # the video stream's stated end, relative to the first frame
     declared_by: str  # where `declared` comes from
-    container_end: float | None  # container's stated end, relative to `first`
-    streams_end: float  # end of the last packet of any stream, relative to `first`
+    container_end: float | None  # container's stated end, relative to the first frame
+    streams_end: float  # end of the last packet of any stream, relative to the first frame
     demux_error: str | None
 
     @property
@@ -113,7 +112,6 @@ def read_timing(container) -> Timing | None:
         start = (container.start_time or 0) / 1e6
         container_end = start + container.duration / 1e6 - first
     return Timing(
-        first=first,
         last_start=last - first,
         last_duration=durations.get(last, 0.0),
         max_gap=max(gaps, default=0.0),

@@ -27,10 +27,8 @@ def _decoded(duration: float, cfg: FeaturesConfig, audio: np.ndarray | None, fra
     times, segs = frame_schedule(duration, cfg)
     if frames is None:
         frames = np.zeros((times.shape[0], cfg.image_size, cfg.image_size, 3), np.uint8)
-    return DecodedVideo(uri="mem", frames=frames, frame_times=times, segment_times=segs, audio=audio,
-                        sample_rate=cfg.sample_rate, duration=duration, has_audio=audio is not None,
-                        width=frames.shape[2], height=frames.shape[1], fps=8.0, num_source_frames=len(frames),
-                        frames_per_segment=cfg.frames_per_segment)
+    return DecodedVideo(frames=frames, segment_times=segs, audio=audio, sample_rate=cfg.sample_rate, duration=duration,
+                        has_audio=audio is not None)
 
 
 # --------------------------------------------------------------------------- registry and pooling

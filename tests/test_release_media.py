@@ -203,7 +203,7 @@ def test_reads_a_real_video_with_audio(tmp_path):
     path = write_mp4(tmp_path / "a.mp4", frames, fps=8, audio=tone(440, 5.0))
     inputs = rf.read_release_inputs(str(path), CFG)
     # 40 frames at 8 fps: L = 5 s, n = 64 > 40 so every frame is kept, d = 2 / 8
-    assert inputs.length_s == 5.0 and inputs.frame_indices.tolist() == list(range(40))
+    assert inputs.length_s == 5.0 and rf.read_frames(str(path), str(path), CFG)[1].tolist() == list(range(40))
     assert inputs.grid_thw == (20, 4, 6) and inputs.seconds_per_timestep == 0.25
     assert inputs.frames.shape == (40, 3, 56, 84)
     mean_rgb = inputs.frames.float().mean((2, 3))
@@ -211,15 +211,15 @@ def test_reads_a_real_video_with_audio(tmp_path):
         assert (mean_rgb[i] - torch.tensor(colours[i // 8], dtype=torch.float32)).abs().max() < 12
     assert inputs.has_audio and inputs.mel.shape == (1, 128, 3000) and inputs.audio_total == 60
     assert inputs.audio_counts[:4] == [0, 1, 0, 1] and inputs.audio_counts[-1] == 60 - 9
-    assert sum(inputs.audio_counts) == 60 and len(inputs.audio_sets) == 20
-    assert abs(inputs.audio_samples - 5 * 16000) < 2048  # the whole stream at 16 kHz (AAC adds priming)
+    assert sum(inputs.audio_counts) == 60 and len(index_sets(inputs.layout_grid)[1]) == 20
+    assert abs(len(rf.read_audio(str(path))) - 5 * 16000) < 2048  # the whole stream at 16 kHz (AAC adds priming)
 
 
 def test_a_video_without_audio_gets_no_audio_tokens(tmp_path):
     path = write_mp4(tmp_path / "silent.mp4", solid_frames(16, 56, 56, [(9, 9, 9)]), fps=8)
     inputs = rf.read_release_inputs(str(path), CFG)
     assert not inputs.has_audio and inputs.mel is None and inputs.audio_total == 0
-    assert inputs.audio_counts == [0] * 8 and inputs.audio_sets == [[]] * 8
+    assert inputs.audio_counts == [0] * 8 and index_sets(inputs.layout_grid)[1] == [[]] * 8
     assert inputs.grid_thw == (8, 4, 4) and inputs.pixel_values().shape == (128, 1176)
 
 
@@ -238,8 +238,7 @@ def test_inputs_survive_serialisation(tmp_path):
     back = rf.ReleaseInputs.from_bytes(inputs.to_bytes())
     assert torch.equal(back.frames, inputs.frames) and np.array_equal(back.mel, inputs.mel)
     assert torch.equal(back.pixel_values(), inputs.pixel_values())
-    for name in ("grid_thw", "seconds_per_timestep", "length_s", "audio_total", "audio_counts", "video_sets",
-                 "audio_sets", "meta", "source_size"):
+    for name in ("grid_thw", "seconds_per_timestep", "length_s", "audio_total", "audio_counts", "layout_grid", "geometry"):
         assert getattr(back, name) == getattr(inputs, name), name
     silent = rf.build_inputs(np.zeros((4, 56, 56, 3), np.uint8), np.arange(4), 4, 2.0, None, CFG)
     assert rf.ReleaseInputs.from_bytes(silent.to_bytes()).mel is None
@@ -280,5 +279,5 @@ def test_length_is_torchcodecs_scanned_content_duration(tmp_path):
     # 40 packets; the last pts is 58 ticks of 1/8 s, plus its duration of one tick: L = 59 / 8 s
     assert count == 40 and count / fps == pytest.approx(59 / 8)
     inputs = rf.read_release_inputs(str(path), CFG)
-    assert inputs.length_s == pytest.approx(count / fps) and inputs.num_source_frames == 40
+    assert inputs.length_s == pytest.approx(count / fps)
     assert inputs.seconds_per_timestep == pytest.approx(2 / (40 / inputs.length_s))

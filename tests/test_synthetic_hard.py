@@ -16,7 +16,7 @@ import pytest
 from pipeline.config import FeaturesConfig, HardOptions, SyntheticConfig, load_config
 from preprocess import synthetic as syn
 from preprocess import synthetic_media as media
-from preprocess.media import decode_video
+from preprocess.media import decode_video, frame_schedule
 from preprocess.synthetic_media import SoundSpec
 from preprocess.synthetic_stats import script_statistics
 
@@ -150,8 +150,8 @@ def test_a_hard_video_renders_and_reads_back_through_the_media_reader(rendered):
     dec = decode_video(info.videos[video["id"]], fcfg)
     assert dec.duration == pytest.approx(40.0) and dec.has_audio and dec.frames.shape[1:] == (96, 96, 3)
 
-    def frame_at(t: float) -> np.ndarray:
-        return dec.frames[int(np.argmin(np.abs(dec.frame_times - t)))]
+    def frame_at(t: float) -> np.ndarray:  # the decoded frame that stands for the time nearest t
+        return dec.frames[int(np.argmin(np.abs(frame_schedule(dec.duration, fcfg)[0] - t)))]
 
     def rms(t: float) -> float:
         a = int(round((t - 0.2) * dec.sample_rate))

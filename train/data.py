@@ -62,10 +62,8 @@ def _group_tar(fileobj, url: str) -> Iterator[dict[str, Any]]:
     current: dict[str, Any] | None = None
     with tarfile.open(fileobj=fileobj, mode="r|*") as tar:
         for member in tar:
-            if not member.isreg():
-                continue
             name = member.name.rsplit("/", 1)[-1]
-            if "." not in name:
+            if not member.isreg() or "." not in name:
                 continue
             key, suffix = name.split(".", 1)
             data = tar.extractfile(member).read()
@@ -174,11 +172,10 @@ def shuffle_buffer(items: Iterable[Any], size: int, rng: random.Random) -> Itera
 
 class InMemoryEpochs:
     """Epochs over a list of records: a seeded permutation per epoch (deterministic, so a
-    resumed run sees the same batches as an uninterrupted one). `rank`/`world` take every
-    world-th record, so several in-process workers split the data without overlap."""
+    resumed run sees the same batches as an uninterrupted one)."""
 
-    def __init__(self, records: Sequence[Any], seed: int = 0, rank: int = 0, world: int = 1):
-        self.records = list(records)[rank::world]
+    def __init__(self, records: Sequence[Any], seed: int = 0):
+        self.records = list(records)
         self.seed = seed
 
     def epoch(self, index: int) -> Iterator[Any]:
@@ -270,18 +267,16 @@ class Batcher:
 
     Each record is decoded, augmented (training: `augment`), fitted (the model's `fit`) and laid out by the model's
     `make_example` (with `generator`, aggregation intervals are jittered); failures are
-    counted in `stats` and skipped. The last partial batch of an iterable is yielded
-    unless `drop_last`. `batch_ids`: the video ids of the batch yielded last (what the loop logs per step).
+    counted in `stats` and skipped. The last partial batch of an iterable is yielded too.
+    `batch_ids`: the video ids of the batch yielded last (what the loop logs per step).
     """
 
-    def __init__(self, model, batch_size: int, stats: DataStats | None = None, generator=None, drop_last: bool = False,
-                 augment=None):
+    def __init__(self, model, batch_size: int, stats: DataStats | None = None, generator=None, augment=None):
         self.model = model
         self.augment = augment
         self.batch_size = batch_size
         self.stats = stats if stats is not None else DataStats()
         self.generator = generator
-        self.drop_last = drop_last
         self.current_id = ""  # the video id of the record `example` read last
         self.batch_ids: list[str] = []  # the video ids of the batch yielded last, in its order
 
@@ -314,6 +309,6 @@ class Batcher:
                 self.batch_ids = ids
                 yield self.model.collate(pending)  # each family its own batches
                 pending, ids = [], []
-        if pending and not self.drop_last:
+        if pending:
             self.batch_ids = ids
             yield self.model.collate(pending)

@@ -209,8 +209,7 @@ def batch_counts(model, batch, out: dict, parse: Callable[[str], dict] | None = 
     text = out["text_logits"].float()
     says_g = (text[:, model.g_id] > text[:, model.s_id]).cpu()
     start = 0
-    for b, ex in enumerate(exs):
-        n = rows1[b]
+    for ex, n in zip(exs, rows1):
         if ex.layout.kind == "dense":
             k = ex.layout.num_events
             pred = says_g[start:start + n]

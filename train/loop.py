@@ -268,9 +268,7 @@ class BatchStream:
                 self._produced = 0
             batch = next(self._batches, None)
             empty = batch is None and self._produced == 0 and not self._resumed_mid_epoch
-            flags = torch.tensor([float(batch is None), float(empty)])
-            if _distributed(self.ctx):
-                flags = all_reduce(flags, self.ctx, dist.ReduceOp.MAX)
+            flags = all_reduce(torch.tensor([float(batch is None), float(empty)]), self.ctx, dist.ReduceOp.MAX)
             if flags[0] == 0:
                 self._produced += 1
                 return batch

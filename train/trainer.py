@@ -51,7 +51,7 @@ import ray
 import ray.train
 import torch
 from ray.train import Checkpoint, CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchTrainer, get_device
 
 from pipeline import storage
 from pipeline.cluster import init_ray, train_resources
@@ -63,6 +63,7 @@ from train import checkpoint as ckpt
 from train.data import read_keyed_records, read_samples, shuffle_buffer
 from train.deepspeed_config import check_zero_stage
 from train.evaluate import caption_parser
+from train.export import export_model
 from train.loop import LOSS_KEYS, resolve_backend, torch_threads, train_loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,13 +80,11 @@ class RayContext:
     checkpoint this rank reported (None before the first)."""
 
     def __init__(self, on_step: StepHook | None = None):
-        import ray.train.torch as rtt
-
         c = ray.train.get_context()
         self.rank = c.get_world_rank()
         self.world_size = c.get_world_size()
         self.local_rank = c.get_local_rank()
-        self.device = rtt.get_device()
+        self.device = get_device()
         self._restored: tempfile.TemporaryDirectory | None = None
         self.last_checkpoint: str | None = None
         self._on_step = on_step
@@ -333,8 +332,6 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str, on_step: StepHook | No
         state = torch.load(local / ckpt.STATE_FILE, map_location="cpu", weights_only=False)
         model_dir = local / ckpt.MODEL_DIR
         if not model_dir.is_dir():  # a checkpoint of trained tensors only (release fine-tune): merge once, now
-            from train.export import export_model
-
             model_dir = export_model(local, Path(tmp) / "model")
         model_path = _publish(model_dir, storage.join(out_dir, "model"))
         plot_local = Path(tmp) / "learning_curve.png"
