@@ -39,6 +39,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+_EXPECTED = {bool: "true/false", int: "an integer", str: "a string"}  # what an error says a scalar field wants
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp` and return it (ints widen to floats)."""
     origin = typing.get_origin(tp)
@@ -59,13 +62,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
         return {_coerce(k, args[0], f"{key} key"): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+    if tp in _EXPECTED:  # bool, int (a bool is not one), str: taken as they are
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {_EXPECTED[tp]}, got {type(value).__name__} {value!r}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
@@ -78,10 +77,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if math.isnan(value):  # compares false with everything: would pass every check downstream
             raise ConfigError(f"{key}: expected a number, got nan")
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
-        return value
     raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)}")
 
 

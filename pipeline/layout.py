@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -110,14 +110,9 @@ class LayoutOptions:
 
     @classmethod
     def from_config(cls, model_cfg) -> LayoutOptions:
-        return cls(
-            mask=model_cfg.mask,
-            av_bidirectional=model_cfg.av_bidirectional,
-            branch_order=model_cfg.branch_order,
-            eos_padding_loss=model_cfg.eos_padding_loss,
-            g_visibility=model_cfg.g_visibility,
-            chain=model_cfg.layout == "chain",
-        )
+        """The ModelConfig fields of the same names; chain from model.layout."""
+        same = [f.name for f in fields(cls) if f.name != "chain"]
+        return cls(**{name: getattr(model_cfg, name) for name in same}, chain=model_cfg.layout == "chain")
 
 
 # --------------------------------------------------------------------------- the rule

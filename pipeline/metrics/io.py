@@ -282,19 +282,14 @@ def read_references(src: Any, fmt: str | None = None) -> tuple[dict[str, RefVide
     fmt = fmt or detect_ref_format(obj)
     if fmt not in REF_FORMATS:
         raise InputError(f"unknown reference format {fmt!r}; expected one of {REF_FORMATS}")
-    readers = {
-        "longvale": _refs_longvale,
-        "activitynet": _refs_longvale,
-        "chronusav": _refs_chronusav,
-        "youcook2": _refs_youcook2,
-        "shards": _refs_shards,
-    }
-    expect = {"longvale": dict, "activitynet": dict, "chronusav": list, "youcook2": dict}
-    if fmt in expect and not isinstance(obj, expect[fmt]):
-        raise InputError(f"{fmt} references must be a JSON {expect[fmt].__name__}, got {type(obj).__name__}")
+    # format -> (its reader, the JSON type it reads; None: anything _shard_metas takes)
+    reader, expect = {"longvale": (_refs_longvale, dict), "activitynet": (_refs_longvale, dict), "chronusav": (_refs_chronusav, list),
+                      "youcook2": (_refs_youcook2, dict), "shards": (_refs_shards, None)}[fmt]
+    if expect is not None and not isinstance(obj, expect):
+        raise InputError(f"{fmt} references must be a JSON {expect.__name__}, got {type(obj).__name__}")
     refs: dict[str, RefVideo] = {}
     problems: list[dict[str, str]] = []
-    for video in readers[fmt](obj):
+    for video in reader(obj):
         if video.video_id in refs:
             problems.append({"video_id": video.video_id, "source": "reference", "problem": "duplicate reference video id; kept the first"})
             continue
