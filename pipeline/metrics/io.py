@@ -217,12 +217,10 @@ def _refs_chronusav(obj: list) -> Iterable[RefVideo]:
         if bad:
             yield bad
             continue
-        extra = []
-        if not (len(seg) == len(vis) == len(aud)):
-            extra.append(f"seg_time/video_captions/audio_captions lengths {len(seg)}/{len(vis)}/{len(aud)} differ")
         caps = [f"Visual: {v} Audio: {a}" for v, a in zip(vis, aud)]
         video = _ref_video(rec["id"], rec.get("duration"), seg[: len(caps)], caps)
-        video.problems[:0] = extra
+        if not (len(seg) == len(vis) == len(aud)):  # the first problem listed
+            video.problems.insert(0, f"seg_time/video_captions/audio_captions lengths {len(seg)}/{len(vis)}/{len(aud)} differ")
         yield video
 
 
@@ -428,10 +426,7 @@ def load_inputs(pred: Any, ref: Any, ref_format: str | None = None, max_predicti
     problems.extend(pred_problems)
     preds: dict[str, PredVideo] = {}
     for vid in refs:
-        p = preds_all.get(vid)
-        if p is None:
-            p = PredVideo(vid, np.zeros((0, 2)), [], MISSING, ["no prediction for this video"])
-        preds[vid] = p
+        preds[vid] = p = preds_all.get(vid) or PredVideo(vid, np.zeros((0, 2)), [], MISSING, ["no prediction for this video"])
         problems.extend({"video_id": vid, "source": "prediction", "problem": msg} for msg in p.problems)
     for vid in preds_all:
         if vid not in refs_all:
