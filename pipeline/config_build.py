@@ -35,8 +35,11 @@ class ConfigError(ValueError):
     """A config key is unknown, missing or of the wrong type; the message names it."""
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def type_name(tp: Any) -> str:
+    """An annotation as errors and the config reference (pipeline/reference_docs.py) spell it: `int`, `list[str]`."""
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
 
 
 _EXPECTED = {bool: "true/false", int: "an integer", str: "a string"}  # what an error says a scalar field wants
@@ -77,7 +80,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if math.isnan(value):  # compares false with everything: would pass every check downstream
             raise ConfigError(f"{key}: expected a number, got nan")
         return float(value)
-    raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)}")
+    raise ConfigError(f"{key}: unsupported annotation {type_name(tp)}")
 
 
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:

@@ -300,7 +300,7 @@ class _Builder:
     by order and builds the mask (the Layout's sizes and P come from the prefix)."""
 
     def __init__(self, preamble_ids, instruction_ids, num_segments: int, visual: int, audio: int) -> None:
-        self.cols: dict[str, list[int]] = {k: [] for k in ("ids", "labels", "event", "role", "segment", "slot", "step", "order", "position")}
+        self.cols: dict[str, list[int]] = {k: [] for k in ("input_ids", "labels", "event", "role", "segment", "slot", "step", "order", "position")}
         if num_segments < 1 or visual < 1 or audio < 0:
             raise LayoutError(f"need T >= 1, V >= 1, A >= 0 (got T={num_segments}, V={visual}, A={audio})")
         if len(instruction_ids) < 1:
@@ -317,14 +317,14 @@ class _Builder:
     def add(self, ids, role, *, labels=None, event=-1, segment=-1, slot=-1, step=-1, order=None, position=None) -> None:
         ids = list(ids)
         n = len(ids)
-        start = len(self.cols["ids"])
+        start = len(self.cols["input_ids"])
 
         def col(v, default):
             if v is None:
                 v = default
             return list(v) if isinstance(v, (list, tuple, range)) else [v] * n
 
-        self.cols["ids"] += ids
+        self.cols["input_ids"] += ids
         self.cols["labels"] += col(labels, IGNORE)
         self.cols["event"] += col(event, -1)
         self.cols["role"] += [int(role)] * n
@@ -335,7 +335,7 @@ class _Builder:
         self.cols["position"] += col(position, [shared_position(i) for i in range(start, start + n)])
 
     def __len__(self) -> int:
-        return len(self.cols["ids"])
+        return len(self.cols["input_ids"])
 
     def finish(self, options: LayoutOptions, **attrs) -> Layout:
         t = {k: torch.tensor(v, dtype=torch.long) for k, v in self.cols.items()}
@@ -343,11 +343,7 @@ class _Builder:
         t = {k: v[perm] for k, v in t.items()}
         if (t["order"][1:] <= t["order"][:-1]).any():
             raise LayoutError("duplicate order keys in layout")
-        layout = Layout(
-            input_ids=t["ids"], labels=t["labels"], event=t["event"], role=t["role"], segment=t["segment"],
-            slot=t["slot"], step=t["step"], order=t["order"], position=t["position"],
-            mask=torch.empty(0), **self.sizes, **attrs,
-        )
+        layout = Layout(**t, mask=torch.empty(0), **self.sizes, **attrs)  # the columns are Layout's tensor fields
         meta = layout.meta()
         layout.mask = additive_mask(mask_between(meta, meta, options))[None, None]
         return layout
