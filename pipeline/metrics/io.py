@@ -266,7 +266,7 @@ def _shard_metas(src: Any) -> Iterable[dict]:
 
 def _refs_shards(src: Any) -> Iterable[RefVideo]:
     for meta in _shard_metas(src):
-        events = [e for e in meta.get("events") or []]
+        events = meta.get("events") or []
         times = [[e.get("start"), e.get("end")] if isinstance(e, dict) else None for e in events]
         caps = [e.get("caption") if isinstance(e, dict) else None for e in events]
         yield _ref_video(meta.get("video_id", "<no id>"), meta.get("duration"), times, caps)
