@@ -356,14 +356,6 @@ def prefix_layout(preamble_ids, instruction_ids, num_segments: int, visual_per_s
     return b.finish(options, num_events=0, split=b.prefix_len, kind="prefix")
 
 
-def branch_targets(captions: Sequence[Sequence[int]], eos_id: int, padded: bool = True) -> tuple[list[list[int]], list[int]]:
-    """captions -> (targets b_i = caption_i + eos, padded with eos to N = max length unless
-    `padded` is False, real lengths len(caption_i) + 1)."""
-    lengths = [len(c) + 1 for c in captions]
-    n = max(lengths, default=0)
-    return [list(c) + [eos_id] * ((n if padded else len(c) + 1) - len(c)) for c in captions], lengths
-
-
 def dense_layout(
     preamble_ids: Sequence[int],
     instruction_ids: Sequence[int],
@@ -391,7 +383,9 @@ def dense_layout(
             if cap:
                 b.add(cap, Role.BRANCH, labels=tgt[1:], event=i, step=list(range(1, len(tgt))))
     elif k:
-        targets, lengths = branch_targets(captions, eos_id, padded=options.padded)
+        lengths = [len(c) + 1 for c in captions]  # the real lengths of b_i = caption_i + eos
+        n = max(lengths)  # N: options.padded pads every b_i with eos to it (module notes)
+        targets = [list(c) + [eos_id] * ((n if options.padded else len(c) + 1) - len(c)) for c in captions]
         base = p + k
         a_pos = anchor_position(p, k)
         ev = torch.arange(k)
