@@ -37,9 +37,7 @@ class ConfigError(ValueError):
 
 def type_name(tp: Any) -> str:
     """An annotation as errors and the config reference (pipeline/reference_docs.py) spell it: `int`, `list[str]`."""
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
 _EXPECTED = {bool: "true/false", int: "an integer", str: "a string"}  # what an error says a scalar field wants

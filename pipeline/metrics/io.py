@@ -145,13 +145,9 @@ def detect_ref_format(obj: Any) -> str:
         return "shards"
     if isinstance(obj, list):
         first = next((x for x in obj if x is not None), None)
-        if isinstance(first, dict) and "seg_time" in first:
-            return "chronusav"
-        return "shards"
+        return "chronusav" if isinstance(first, dict) and "seg_time" in first else "shards"
     if isinstance(obj, dict):
-        if isinstance(obj.get("database"), dict):
-            return "youcook2"
-        return "longvale"
+        return "youcook2" if isinstance(obj.get("database"), dict) else "longvale"
     raise InputError(f"unrecognised reference object of type {type(obj).__name__}")
 
 
