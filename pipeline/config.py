@@ -389,16 +389,13 @@ def _current_key(dotted: str, raw: str) -> str | None:
     return None if new is None else f"{parent}.{new}".lstrip(".")
 
 
-def _is_text(tp: Any) -> bool:
-    return tp is str or (typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))
-
-
 def _parse_override(raw: str, tp: Any) -> Any:
     """The value of one override: YAML, except that a string takes the text as it is (YAML would
     cut it at ` #`, make a mapping of `a: b`, an int of `2023`, a bool of `yes`); quotes are removed."""
     text = raw.strip()
     quoted = len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
-    if _is_text(tp) and not quoted:
+    is_text = tp is str or (typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp)))
+    if is_text and not quoted:
         return text
     return yaml.safe_load(text) if text else ""
 

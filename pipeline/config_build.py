@@ -35,8 +35,12 @@ class ConfigError(ValueError):
     """A config key is unknown, missing or of the wrong type; the message names it."""
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def type_name(tp: Any) -> str:
+    """An annotation as errors and the config reference (pipeline/reference_docs.py) spell it: `int`, `list[str]`."""
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+_EXPECTED = {bool: "true/false", int: "an integer", str: "a string"}  # what an error says a scalar field wants
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -59,13 +63,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
         return {_coerce(k, args[0], f"{key} key"): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+    if tp in _EXPECTED:  # bool, int (a bool is not one), str: taken as they are
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{key}: expected {_EXPECTED[tp]}, got {type(value).__name__} {value!r}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
@@ -78,11 +78,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if math.isnan(value):  # compares false with everything: would pass every check downstream
             raise ConfigError(f"{key}: expected a number, got nan")
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)}")
+    raise ConfigError(f"{key}: unsupported annotation {type_name(tp)}")
 
 
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:

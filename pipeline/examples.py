@@ -55,7 +55,7 @@ class Example:
 
 @dataclass
 class Batch:
-    """A padded batch (`packed`, see pipeline.layout.Packed) and its examples' features."""
+    """A padded batch (`packed`, see `Packed` below) and its examples' features."""
 
     packed: Packed
     examples: list[Example]

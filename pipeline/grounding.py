@@ -79,12 +79,12 @@ def similarity_logits(events: torch.Tensor, segments: torch.Tensor, precision: P
     return prod / math.sqrt(events.shape[-1])
 
 
-def interval_distance(intervals: torch.Tensor, segment_times: torch.Tensor) -> torch.Tensor:
-    """intervals [K, 2], segment_times [T, 2] -> [K, T] seconds from segment t to interval i.
+def soft_targets(intervals: torch.Tensor, segment_times: torch.Tensor) -> torch.Tensor:
+    """intervals [K, 2], segment_times [T, 2] -> [K, T] targets: 0.5 ** the distance of segment t from interval i.
 
-    0 when the segment overlaps the interval (positive overlap; the same "inside" as
-    aggregation's `interval_mask`); otherwise the distance from the segment's centre
-    (its timestamp) to the nearest interval bound, so a segment that merely touches
+    The distance is 0 when the segment overlaps the interval (positive overlap; the same "inside" as
+    aggregation's `interval_mask`), so the target is 1 inside; otherwise it is the seconds from the
+    segment's centre (its timestamp) to the nearest interval bound, so a segment that merely touches
     the interval is not "inside" it.
     """
     s, e = intervals[:, :1].float(), intervals[:, 1:].float()
@@ -92,12 +92,7 @@ def interval_distance(intervals: torch.Tensor, segment_times: torch.Tensor) -> t
     overlap = (torch.minimum(e, b) - torch.maximum(s, a)) > 0
     centre = (a + b) / 2
     outside = torch.clamp(torch.maximum(s - centre, centre - e), min=0.0)
-    return torch.where(overlap, torch.zeros_like(outside), outside)
-
-
-def soft_targets(intervals: torch.Tensor, segment_times: torch.Tensor) -> torch.Tensor:
-    """[K, T] targets: 1 for segments inside (overlapping) interval i, else 0.5 ** distance seconds."""
-    return torch.pow(0.5, interval_distance(intervals, segment_times))
+    return torch.pow(0.5, torch.where(overlap, torch.zeros_like(outside), outside))
 
 
 def grounding_bce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

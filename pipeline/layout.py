@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -110,14 +110,9 @@ class LayoutOptions:
 
     @classmethod
     def from_config(cls, model_cfg) -> LayoutOptions:
-        return cls(
-            mask=model_cfg.mask,
-            av_bidirectional=model_cfg.av_bidirectional,
-            branch_order=model_cfg.branch_order,
-            eos_padding_loss=model_cfg.eos_padding_loss,
-            g_visibility=model_cfg.g_visibility,
-            chain=model_cfg.layout == "chain",
-        )
+        """The ModelConfig fields of the same names; chain from model.layout."""
+        same = [f.name for f in fields(cls) if f.name != "chain"]
+        return cls(**{name: getattr(model_cfg, name) for name in same}, chain=model_cfg.layout == "chain")
 
 
 # --------------------------------------------------------------------------- the rule
@@ -305,7 +300,7 @@ class _Builder:
     by order and builds the mask (the Layout's sizes and P come from the prefix)."""
 
     def __init__(self, preamble_ids, instruction_ids, num_segments: int, visual: int, audio: int) -> None:
-        self.cols: dict[str, list[int]] = {k: [] for k in ("ids", "labels", "event", "role", "segment", "slot", "step", "order", "position")}
+        self.cols: dict[str, list[int]] = {k: [] for k in ("input_ids", "labels", "event", "role", "segment", "slot", "step", "order", "position")}
         if num_segments < 1 or visual < 1 or audio < 0:
             raise LayoutError(f"need T >= 1, V >= 1, A >= 0 (got T={num_segments}, V={visual}, A={audio})")
         if len(instruction_ids) < 1:
@@ -322,14 +317,14 @@ class _Builder:
     def add(self, ids, role, *, labels=None, event=-1, segment=-1, slot=-1, step=-1, order=None, position=None) -> None:
         ids = list(ids)
         n = len(ids)
-        start = len(self.cols["ids"])
+        start = len(self.cols["input_ids"])
 
         def col(v, default):
             if v is None:
                 v = default
             return list(v) if isinstance(v, (list, tuple, range)) else [v] * n
 
-        self.cols["ids"] += ids
+        self.cols["input_ids"] += ids
         self.cols["labels"] += col(labels, IGNORE)
         self.cols["event"] += col(event, -1)
         self.cols["role"] += [int(role)] * n
@@ -340,7 +335,7 @@ class _Builder:
         self.cols["position"] += col(position, [shared_position(i) for i in range(start, start + n)])
 
     def __len__(self) -> int:
-        return len(self.cols["ids"])
+        return len(self.cols["input_ids"])
 
     def finish(self, options: LayoutOptions, **attrs) -> Layout:
         t = {k: torch.tensor(v, dtype=torch.long) for k, v in self.cols.items()}
@@ -348,11 +343,7 @@ class _Builder:
         t = {k: v[perm] for k, v in t.items()}
         if (t["order"][1:] <= t["order"][:-1]).any():
             raise LayoutError("duplicate order keys in layout")
-        layout = Layout(
-            input_ids=t["ids"], labels=t["labels"], event=t["event"], role=t["role"], segment=t["segment"],
-            slot=t["slot"], step=t["step"], order=t["order"], position=t["position"],
-            mask=torch.empty(0), **self.sizes, **attrs,
-        )
+        layout = Layout(**t, mask=torch.empty(0), **self.sizes, **attrs)  # the columns are Layout's tensor fields
         meta = layout.meta()
         layout.mask = additive_mask(mask_between(meta, meta, options))[None, None]
         return layout
@@ -363,14 +354,6 @@ def prefix_layout(preamble_ids, instruction_ids, num_segments: int, visual_per_s
     """The prefix alone (what decoding starts from): no labels, no events."""
     b = _Builder(preamble_ids, instruction_ids, num_segments, visual_per_segment, audio_per_segment)
     return b.finish(options, num_events=0, split=b.prefix_len, kind="prefix")
-
-
-def branch_targets(captions: Sequence[Sequence[int]], eos_id: int, padded: bool = True) -> tuple[list[list[int]], list[int]]:
-    """captions -> (targets b_i = caption_i + eos, padded with eos to N = max length unless
-    `padded` is False, real lengths len(caption_i) + 1)."""
-    lengths = [len(c) + 1 for c in captions]
-    n = max(lengths, default=0)
-    return [list(c) + [eos_id] * ((n if padded else len(c) + 1) - len(c)) for c in captions], lengths
 
 
 def dense_layout(
@@ -400,7 +383,9 @@ def dense_layout(
             if cap:
                 b.add(cap, Role.BRANCH, labels=tgt[1:], event=i, step=list(range(1, len(tgt))))
     elif k:
-        targets, lengths = branch_targets(captions, eos_id, padded=options.padded)
+        lengths = [len(c) + 1 for c in captions]  # the real lengths of b_i = caption_i + eos
+        n = max(lengths)  # N: options.padded pads every b_i with eos to it (module notes)
+        targets = [list(c) + [eos_id] * ((n if options.padded else len(c) + 1) - len(c)) for c in captions]
         base = p + k
         a_pos = anchor_position(p, k)
         ev = torch.arange(k)

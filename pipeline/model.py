@@ -216,7 +216,7 @@ class PadCaptioner(nn.Module):
             emb[b, is_a] = aud[slot[b, is_a]].to(emb.dtype)
         return emb
 
-    run_decoder = run_decoder  # the backbone's base model with a layout mask made additive (pipeline/two_stage.py)
+    run_decoder = run_decoder  # the method is two_stage.run_decoder itself (self = its model), as in ReleaseCaptioner
 
     def event_vectors(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[K, d] grounding-layer states at the rows that predict each <G> -> event vectors [K, d]."""
@@ -446,10 +446,9 @@ class PadCaptioner(nn.Module):
         if getattr(result, "unexpected_keys", None):
             raise ModelError(f"{path}: adapter has unexpected keys {result.unexpected_keys[:3]}")
         extra = load_file(str(path / EXTRA_FILE))
-        for key in ("backbone_embed_tokens", "backbone_lm_head"):
+        base_model = model.backbone.get_base_model()
+        for key, mod in (("backbone_embed_tokens", base_model.get_input_embeddings()), ("backbone_lm_head", base_model.get_output_embeddings())):
             if key in extra:
-                base_model = model.backbone.get_base_model()
-                mod = base_model.get_input_embeddings() if key == "backbone_embed_tokens" else base_model.get_output_embeddings()
                 mod.weight.data.copy_(extra.pop(key))
         missing, unexpected = model.load_state_dict(extra, strict=False)
         missing = [k for k in missing if not k.startswith("backbone.")]

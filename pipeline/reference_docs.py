@@ -19,9 +19,9 @@ import tokenize
 import typing
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import Any
 
 from pipeline.config import Config
+from pipeline.config_build import type_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +57,6 @@ def _comments(cls: type) -> dict[str, str]:
     return out
 
 
-def _type_name(tp: Any) -> str:
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
 def _default(f: dataclasses.Field) -> str:
     """Every config field has a default (`Config()` builds them all): a value or a factory."""
     if f.default is not dataclasses.MISSING:
@@ -82,7 +76,7 @@ def _sections(cls: type = Config, prefix: str = "") -> list[tuple[str, str, list
         if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             below += _sections(tp, f"{prefix}{f.name}.")
         else:
-            leaves.append(FieldDoc(f"{prefix}{f.name}", _type_name(tp), _default(f), comments.get(f.name, "")))
+            leaves.append(FieldDoc(f"{prefix}{f.name}", type_name(tp), _default(f), comments.get(f.name, "")))
     return [(prefix.rstrip("."), (inspect.getdoc(cls) or "").split("\n")[0], leaves)] + below
 
 

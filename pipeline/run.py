@@ -294,15 +294,16 @@ def run(cfg: Config, stages: list[str] | None = None, force: bool = False, conso
     return results
 
 
-def format_summary(results: dict[str, dict[str, Any]]) -> str:
-    lines = [f"{'stage':<11} {'time':>8}  result", "-" * 72]
+def format_summary(results: dict[str, dict[str, Any]], run_dir: str) -> str:
+    """What the driver prints at the end: a blank line, a row per stage, the run directory."""
+    lines = ["", f"{'stage':<11} {'time':>8}  result", "-" * 72]
     for name, summary in results.items():
         secs = f"{summary.get('seconds', 0.0):7.1f}s" + ("*" if summary.get("cached") else " ")
         rest = ", ".join(f"{k}={v}" for k, v in summary.items() if k not in ("seconds", "cached", "table"))
         lines.append(f"{name:<11} {secs:>8}  {rest}")
         for row in summary.get("table", []):
             lines.append(f"{'':<21}{row}")
-    lines.append("(* = skipped: outputs existed for the same config)")
+    lines += ["(* = skipped: outputs existed for the same config)", "", f"run directory: {run_dir}"]
     return "\n".join(lines)
 
 
@@ -333,10 +334,7 @@ def _run_quietly(cfg: Config, stages: list[str] | None, force: bool) -> None:
         console.print(f"the run failed: the whole traceback is in {console.log_path}")
         finish()
         raise SystemExit(1)
-    console.print()
-    for line in format_summary(results).splitlines():
-        console.print(line)
-    console.print(f"\nrun directory: {cfg.run_dir}")
+    console.print(format_summary(results, cfg.run_dir))
     finish()
 
 
@@ -355,9 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = [s.strip() for s in args.stages.split(",") if s.strip()] or None
     if args.verbose:
         results = run(cfg, stages, force=args.force)
-        print()
-        print(format_summary(results))
-        print(f"\nrun directory: {cfg.run_dir}")
+        print(format_summary(results, cfg.run_dir))
     else:
         _run_quietly(cfg, stages, args.force)
     return 0

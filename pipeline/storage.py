@@ -106,12 +106,11 @@ def remove(path: str, recursive: bool = False) -> None:
 
 def upload_dir(local_dir: str, remote: str) -> None:
     """Copy a local directory tree to `remote` (no-op when `remote` is that directory)."""
+    fs, inner = filesystem(remote)  # local: the file system and the absolute path
     if not is_remote(remote):
-        if os.path.abspath(local_dir) != os.path.abspath(_strip_file(remote)):
-            fs = fsspec.filesystem("file")
-            fs.copy(local_dir.rstrip("/") + "/", os.path.abspath(_strip_file(remote)), recursive=True)
+        if os.path.abspath(local_dir) != inner:
+            fs.copy(local_dir.rstrip("/") + "/", inner, recursive=True)
         return
-    fs, inner = filesystem(remote)
     fs.put(local_dir.rstrip("/") + "/", inner, recursive=True)
 
 

@@ -122,14 +122,10 @@ class ParseFailures:
     unparsable_videos: int = 0  # no valid event (an empty text included): the video scores nothing
     problems: int = 0  # parse problems (each dropped line, interval or caption, or a caption given twice)
 
-    @property
-    def unparsable_share(self) -> float:
-        return self.unparsable_videos / self.videos if self.videos else 0.0
-
     def numbers(self) -> dict[str, float]:
-        """The flat `parse_*` numbers a held-out summary reports."""
+        """The flat `parse_*` numbers a held-out summary reports (the unparsable share 0 without outputs)."""
         return {"parse_unparsable_videos": self.unparsable_videos, "parse_problems": self.problems,
-                "parse_unparsable_share": self.unparsable_share}
+                "parse_unparsable_share": self.unparsable_videos / self.videos if self.videos else 0.0}
 
 
 def parse_failures(texts: Iterable[str]) -> ParseFailures:

