@@ -116,10 +116,52 @@ def test_chunked_prefill_and_planning_ride_with_decoding_in_any_order(model, vid
     assert max(r.branch_rows for r in log) <= 8 and max(r.videos for r in log) <= 3
     assert any(step > 0 for _, step in admitted)  # some videos joined a running batch
     assert any(r.branch_rows and r.prefill_tokens for r in log)  # prefill beside decoding
-    assert any(r.branch_rows and r.layer_tokens for r in log)  # AV blocks over the budget: a layer per step
+    assert any(r.branch_rows and r.layer_tokens for r in log)  # AV blocks over the budget: by layer
     assert any(r.branch_rows and r.plan_rows for r in log)  # planning beside decoding
     assert all(r.prefill_tokens == 0 or r.tokens <= 24 or r.prefill_tokens == r.tokens - r.branch_rows - r.plan_rows
                for r in log)
+    assert_pool_empty(eng)
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4, 5], [4, 2, 5, 0, 3, 1]])
+def test_layered_blocks_of_several_videos_move_together_beside_decoding(model, videos, controls, alone, order,
+                                                                         monkeypatch):
+    """A budget of 10 tokens: every AV block (20-56 tokens, 2-6x the budget) is prefilled by layer, charged
+    what its parts cost, so it moves through several layers a step; several videos' blocks share steps;
+    videos arrive while another's block is between layers; every running branch row is in every step."""
+    from infer.engine.scheduler import Phase, Scheduler
+
+    cfg = dataclasses.replace(CPU, step_tokens=10, q_block=4, max_batch_rows=8, max_batch_videos=4)
+    steps, plan = [], Scheduler.plan
+
+    def recording(self, vids):
+        decoding = [(v, v.rows) for v in vids if v.phase is Phase.BRANCH]
+        out = plan(self, vids)
+        steps.append(([(v, k) for v, _, k in out.branch], decoding, [(job.span, job.parts) for _, job in out.jobs],
+                      any(v.job is not None and v.job.layer > 0 for v in vids)))
+        return out
+
+    monkeypatch.setattr(Scheduler, "plan", recording)
+    eng = CaptionEngine(model, cfg)
+    reqs, admitted_mid_block = iter([Request(videos[i], controls[i], tag=i) for i in order]), []
+
+    def feed():  # the next video only while nothing is in flight or a block is between layers
+        mid = bool(steps) and steps[-1][3]
+        req = next(reqs, None) if mid or not eng._in_flight else None
+        admitted_mid_block.append(mid and req is not None)
+        return req
+
+    got = {}
+    eng.run(feed, lambda req, res: got.__setitem__(req.tag, res))
+    for i, b in enumerate(alone):
+        assert_same(got[i], b)
+    spans = {hi - lo for _, _, jobs, _ in steps for (lo, hi), _ in jobs}
+    assert min(spans) >= 2 * 10 and max(spans) <= 8 * 10
+    assert any(admitted_mid_block)
+    assert any(len(jobs) >= 2 for _, _, jobs, _ in steps)  # several videos' blocks in one step
+    assert any(len({li for li, _, _ in parts}) >= 2 for _, _, jobs, _ in steps for _, parts in jobs)
+    assert any(branch and jobs for branch, _, jobs, _ in steps)
+    assert all(branch == decoding for branch, decoding, _, _ in steps)  # every running branch row, every step
     assert_pool_empty(eng)
 
 

@@ -12,15 +12,17 @@ A video moves through three phases, each a kind of row in the shared step:
            where the prefix mask allows (`legal_cuts`: never inside a bidirectional block). A
            bidirectional block larger than a whole step is prefilled layer by layer instead
            (`LayerJob`: at each layer the keys and values of the whole block, then the rest
-           of the layer for as many of its tokens as the budget leaves: exact, and within
-           the budget);
+           of the layer in parts: exact). A token through one layer is charged 1/layers of
+           a token, so a block moves through as many layers a step as the budget left pays
+           for, and costs what a chunk of its size would;
   PLAN     one row per step: the serial <G> it decided on at the previous row; the row's
            final state and grounding-layer state come back from the same forward;
   BRANCH   its K caption branches, one row each (the anchor at step 0, then the last token).
 
 Each step is filled in that priority: every running branch row, then every planning row,
-then prefill chunks in admission order up to `step_tokens`. A newcomer's prefill thus never
-stalls running videos for more than one chunk. Rows are laid out per video in query blocks
+then prefill chunks and layered blocks in admission order up to `step_tokens` (several videos'
+prefills share a step when the first leaves room). A newcomer's prefill thus never stalls
+running videos for more than one chunk. Rows are laid out per video in query blocks
 of at most `q_block` tokens (infer/engine/kernels.py); all of it is host bookkeeping done once per
 step, never per layer. Pure torch; no ray.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -67,7 +70,7 @@ class VideoState:
         self.cap = cap  # tokens per branch
         self.phase = Phase.PREFILL
         self.feed_g = False  # a serial <G> goes into the next step
-        self.job: LayerJob | None = None  # a bidirectional block being prefilled one layer per step
+        self.job: LayerJob | None = None  # a bidirectional block being prefilled layer by layer
         self.chunks: dict[int, list[torch.Tensor]] = {i: [] for i in prog.capture}
         self.branches: list[Branch] = []  # active ones, in event order
         self.finished: list[Branch] = []
@@ -99,15 +102,11 @@ class StepPlan:
     prefill: list[tuple[VideoState, int, int, int]]
     jobs: list[tuple[VideoState, LayerJob]] = field(default_factory=list)
     scratch: bool = False  # the main batch is one scratch token (a step of layered blocks only)
+    layer_tokens: int = 0  # what the layered blocks' parts cost, in tokens (token-layers / layers)
 
     @property
     def tokens(self) -> int:
         return 0 if self.scratch else int(self.batch.embeds.shape[0])
-
-    @property
-    def layer_tokens(self) -> int:
-        """Queries of layered blocks that went through one layer in this step."""
-        return sum(job.part[1] - job.part[0] for _, job in self.jobs)
 
 
 class Scheduler:
@@ -119,9 +118,9 @@ class Scheduler:
         self.step_tokens, self.max_rows, self.q_block = step_tokens, max_rows, q_block
         # prefill chunks attend in larger blocks: a block gathers its pages once for all its queries
         self.prefill_block = prefill_block or 4 * q_block
-        # the step's mask is rebuilt into one buffer every step (a layered job's meta, which lives across
-        # steps, has its own)
+        # the step's mask is rebuilt into one buffer every step
         self.mask_workspace = Workspace()
+        self.part_workspace = Workspace()  # the masks of the layered blocks' parts, built as each runs
         self.device = pool.device
 
     # ------------------------------------------------------------------ building a step
@@ -153,7 +152,10 @@ class Scheduler:
         embeds: list[torch.Tensor] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        rules: list[tuple[int, int, int, int]] = []  # per token (seq_a, lim_a, seq_b, lim_b): AttnMeta.build's
+        seq_a: list[int] = []  # per token, the two (sequence, limit) rules of AttnMeta.build
+        lim_a: list[int] = []
+        seq_b: list[int] = []
+        lim_b: list[int] = []
         blocks: list[QueryBlock] = []
         n = 0
         branch_rows, plan_rows, chunks = [], [], []
@@ -174,7 +176,10 @@ class Scheduler:
             k = v.rows
             positions.append(torch.full((3, k), v.anchors.anchor_pos + j, dtype=torch.long))
             slots.append(torch.tensor([b.seq.pages[j // S] * S + j % S for b in v.branches], dtype=torch.long))
-            rules += [(pref.id, pref.length, b.seq.id, j + 1) for b in v.branches]
+            seq_a += [pref.id] * k
+            lim_a += [pref.length] * k
+            seq_b += [b.seq.id for b in v.branches]
+            lim_b += [j + 1] * k
             blocks += self._blocks(n, k, pref.pages, [b.seq.pages for b in v.branches])
             branch_rows.append((v, n, k))
             n += k
@@ -194,56 +199,58 @@ class Scheduler:
             embeds.append(x[None].to(self.runner.w.dtype))
             positions.append(pos[:, None].cpu())
             slots.append(self.pool.slots(pref, key, key + 1))
-            rules.append((pref.id, key + 1, FREE_SEQ, 0))
+            seq_a.append(pref.id)
+            lim_a.append(key + 1)
             blocks += self._blocks(n, 1, pref.pages)
             plan_rows.append((v, n))
             n += 1
-        # 3. prefill: layered blocks and chunks, up to the budget (a block in progress gets at least one block
-        #    of queries a step, so it always moves)
-        jobs: list[tuple[VideoState, LayerJob]] = []
-        prefilled_any = False
+        seq_b += [FREE_SEQ] * len(plan_rows)
+        lim_b += [0] * len(plan_rows)
+        # 3. prefill in admission order, up to the budget: first the chunks (short causal pieces, which bring
+        #    videos to their blocks), then the layered blocks, started or going on, each charged what its parts
+        #    cost (a block in progress moves every step, by at least one block of queries)
+        ends: dict[VideoState, int] = {}  # where each video's chunk in this step ends
         for v in videos:
-            if v.phase is not Phase.PREFILL:
+            if v.phase is not Phase.PREFILL or v.job is not None:
                 continue
-            room = self.step_tokens - n - sum(j.part[1] - j.part[0] for _, j in jobs)
-            if v.job is None:
-                cut = _largest_cut(v.prog.cuts, v.cursor, v.cursor + room)
-                if cut is None:
-                    nxt = _smallest_cut(v.prog.cuts, v.cursor)
-                    if nxt - v.cursor > self.step_tokens and (room >= self.prefill_block or not prefilled_any):
-                        v.job = self._layer_job(v, v.cursor, nxt)  # a block no step can hold: by layer and by part
-                    elif prefilled_any:
-                        continue  # its smallest chunk does not fit beside the others: a later step
-                    else:
-                        cut = nxt  # a whole bidirectional block, over the budget (alone, it still fits a step)
-            if v.job is not None:  # a layered block, started now or before: its part in this step
-                self._job_part(v.job, room)
-                jobs.append((v, v.job))
-                prefilled_any = True
+            lo, hi = v.cursor, self._chunk_end(v, self.step_tokens - n, not chunks)
+            if hi is None:
                 continue
-            lo, hi = v.cursor, cut
             pref = v.prefix
             self._grow(v, pref, hi)
             embeds.append(v.prog.embeds[lo:hi].to(self.runner.w.dtype))
             positions.append(v.prog.positions[:, lo:hi].cpu())
             slots.append(self.pool.slots(pref, lo, hi))
             lims = v.prog.limits[lo:hi].tolist()
-            rules += [(pref.id, lim, FREE_SEQ, 0) for lim in lims]
+            seq_a += [pref.id] * (hi - lo)
+            lim_a += lims
+            seq_b += [FREE_SEQ] * (hi - lo)
+            lim_b += [0] * (hi - lo)
             blocks += self._chunk_blocks(n, pref, lims)
             chunks.append((v, n, lo, hi))
+            ends[v] = hi
             n += hi - lo
-            prefilled_any = True
+        jobs: list[tuple[VideoState, LayerJob]] = []
+        charged = 0  # what the layered parts cost, in tokens
+        for v in videos:
+            if v.phase is not Phase.PREFILL:
+                continue
+            if v.job is None:  # its next block, after its chunk (whose keys it sees at each layer)
+                v.job = self._new_job(v, ends.get(v, v.cursor), self.step_tokens - n - charged, not (chunks or jobs))
+            if v.job is not None:
+                charged += self._job_parts(v.job, self.step_tokens - n - charged)
+                jobs.append((v, v.job))
         if n == 0 and jobs:  # only layered blocks in this step: a dummy-free empty main batch is not allowed
-            return self._jobs_only(jobs)
+            return self._jobs_only(jobs, charged)
         if n == 0:
             return None
         self.pool.sync()
         capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
-        attn = self._meta(blocks, *zip(*rules), self.attn_q_block, self.mask_workspace)
+        attn = self._meta(blocks, seq_a, lim_a, seq_b, lim_b, self.attn_q_block, self.mask_workspace)
         batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
                              slots=torch.cat(slots).to(self.device), attn=attn, capture=capture,
                              jobs=tuple(job for _, job in jobs))
-        return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks, jobs)
+        return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks, jobs, layer_tokens=charged)
 
     def _meta(self, blocks: list[QueryBlock], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
               lim_b: Sequence[int], q_block: int, workspace: Workspace | None = None) -> AttnMeta:
@@ -261,27 +268,60 @@ class Scheduler:
             blk.pages = pref.pages[: pages_for(last, self.pool.page_size)]
         return out
 
-    def _layer_job(self, v: VideoState, lo: int, hi: int) -> LayerJob:
-        """Prefix tokens [lo, hi) of v (a bidirectional block) as a LayerJob: its pages now."""
+    def _chunk_end(self, v: VideoState, room: int, alone: bool) -> int | None:
+        """Where v's chunk in this step ends: the largest legal cut within `room`; else, for the step's first
+        prefill, its next block whole over the budget if a step can hold it; else None."""
+        hi = _largest_cut(v.prog.cuts, v.cursor, v.cursor + room)
+        nxt = _smallest_cut(v.prog.cuts, v.cursor)
+        return hi if hi is not None or not alone or nxt - v.cursor > self.step_tokens else nxt
+
+    def _new_job(self, v: VideoState, lo: int, room: int, alone: bool) -> LayerJob | None:
+        """v's block at prefix token lo as a LayerJob if no step can hold it whole (its pages now) and the
+        step has room for a part, else None."""
+        if lo == v.prog.length or (room <= 0 and not alone):
+            return None
+        hi = _smallest_cut(v.prog.cuts, lo)
+        if hi - lo <= self.step_tokens:
+            return None
         pref, prog, w = v.prefix, v.prog, self.runner.w
         self._grow(v, pref, hi)
         cos, sin = self.runner.rope(prog.positions[:, lo:hi].to(self.device), w.dtype)
         return LayerJob(x=prog.embeds[lo:hi].to(w.dtype), cos=cos, sin=sin,
                         slots=self.pool.slots(pref, lo, hi).to(self.device), capture=prog.capture, span=(lo, hi),
-                        seq=pref, limits=prog.limits[lo:hi])
+                        meta=functools.partial(self._part_meta, pref, prog.limits[lo:hi]))
 
-    def _job_part(self, job: LayerJob, room: int) -> None:
-        """The job's queries for this step: the next `room` of its layer (at least one query block), and
-        their attention metadata."""
-        a = 0 if job.part[1] >= job.tokens else job.part[1]
-        b = min(job.tokens, a + max(self.prefill_block, room))
-        job.part = (a, b)
-        lims = job.limits[a:b].tolist()
-        self.pool.sync()  # the metadata reads the pages' owners
-        job.attn = self._meta(self._chunk_blocks(0, job.seq, lims), [job.seq.id] * (b - a), lims,
-                              [FREE_SEQ] * (b - a), [0] * (b - a), self.prefill_block)
+    def _job_parts(self, job: LayerJob, room: int) -> int:
+        """The job's parts in this step: `room` tokens' worth of its work (a token through one layer is
+        1/layers of a token; at least one block of queries), in parts of at most step_tokens queries.
+        -> what they cost, in tokens (rounded up).
 
-    def _jobs_only(self, jobs) -> StepPlan:
+        >>> from types import SimpleNamespace as NS
+        >>> sched = NS(runner=NS(w=NS(layers=[0] * 4)), step_tokens=8, prefill_block=4)
+        >>> job = NS(layer=0, at=6, tokens=10, parts=())
+        >>> Scheduler._job_parts(sched, job, 5), job.parts   # 20 token-layers: the rest of layer 0, then on
+        (5, ((0, 6, 10), (1, 0, 8), (1, 8, 10), (2, 0, 6)))
+        >>> Scheduler._job_parts(sched, NS(layer=3, at=0, tokens=10, parts=()), 0)  # at least 4 token-layers
+        1
+        """
+        layers = len(self.runner.w.layers)
+        share = max(room * layers, self.prefill_block)
+        parts, li, a, n = [], job.layer, job.at, job.tokens
+        while share > 0 and li < layers:
+            b = min(n, a + share, a + self.step_tokens)
+            parts.append((li, a, b))
+            share -= b - a
+            li, a = (li + 1, 0) if b == n else (li, b)
+        job.parts = tuple(parts)
+        return -(-sum(b - a for _, a, b in parts) // layers)
+
+    def _part_meta(self, seq: Seq, limits: torch.Tensor, a: int, b: int) -> AttnMeta:
+        """The attention metadata of a layered block's tokens [a, b) (`limits`: the block's), its masks in
+        the one workspace of the layered parts (a part's meta is used before the next is built)."""
+        lims = limits[a:b].tolist()
+        return self._meta(self._chunk_blocks(0, seq, lims), [seq.id] * (b - a), lims, [FREE_SEQ] * (b - a),
+                          [0] * (b - a), self.prefill_block, self.part_workspace)
+
+    def _jobs_only(self, jobs, charged: int) -> StepPlan:
         """A step whose only work is layered blocks: the main batch is one scratch token (its KV goes to
         the scratch page, it sees only the scratch page's first key; nothing reads its output)."""
         self.pool.sync()
@@ -291,7 +331,7 @@ class Scheduler:
                              positions=torch.zeros(3, 1, dtype=torch.long, device=self.device),
                              slots=torch.zeros(1, dtype=torch.long, device=self.device), attn=attn,
                              jobs=tuple(job for _, job in jobs))
-        return StepPlan(batch, 0, [], [], [], jobs, scratch=True)
+        return StepPlan(batch, 0, [], [], [], jobs, scratch=True, layer_tokens=charged)
 
 
 def _largest_cut(cuts: list[int], lo: int, hi: int) -> int | None:

@@ -20,7 +20,8 @@ differ only in their metadata, never in the code they run, so one step reads top
 Every token writes its KV before attending, so a token sees itself and earlier tokens of the
 same step exactly as it would in a separate forward (the kernels' visibility rule decides).
 Host work is per step, not per video or per layer: the metadata (`ForwardBatch`, built once)
-is a handful of device tensors; the layer loop issues the same ops whatever the mix.
+is a handful of device tensors; the layer loop issues the same ops whatever the mix (a layered
+block's parts, `LayerJob`, build their metadata as they run).
 
 This is the inference path; HF's forward stays the training path and the test oracle (the
 norms and activations are the HF modules themselves, the linear weights are read from them:
@@ -29,6 +30,7 @@ infer/engine/step_weights.py). Pure torch; no ray.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,13 +47,17 @@ class LayerJob:
     """A bidirectional block of one video's prefix, prefilled layer by layer: exact, since every token
     of the block needs the whole block's keys at each layer. At the first part of a layer the keys
     and values of all B tokens are projected and written (a small share of a layer's work with GQA);
-    then each step runs the rest of the layer (queries, attention, MLP) for the next `part` of the
-    block's tokens, as much as the step's budget leaves, so a long block never stalls a step.
+    each part then runs the rest of the layer (queries, attention, MLP) for a range of the block's
+    tokens. A step carries as many parts as its budget pays for, in order: the scheduler charges a
+    token through one layer 1/layers of a token (infer/engine/scheduler.py), so a block moves through
+    several layers a step at the cost of a chunk of the same size.
 
     x [B, d]: the block's input to `layer`; out: that layer's output as the parts fill it; cos,
-    sin [B, 1, D]; slots [B]; part: (a, b) this step's tokens, attn: their metadata; seq, limits:
-    the prefix sequence and the tokens' visibility limits; capture / states: hidden-state indices to keep and what was kept;
-    hidden: the final-norm states once the last layer is done; span: the block's prefix positions.
+    sin [B, 1, D]; slots [B]; layer, at: the next part starts at token `at` of `layer`; parts: this
+    step's (layer, a, b), in order; meta(a, b): the attention metadata of tokens [a, b), built when
+    their part runs (one part's masks alive at a time); capture / states: hidden-state indices to
+    keep and what was kept; hidden: the final-norm states once the last layer is done; span: the
+    block's prefix positions.
     """
 
     x: torch.Tensor
@@ -60,11 +66,10 @@ class LayerJob:
     slots: torch.Tensor
     capture: tuple[int, ...]
     span: tuple[int, int]
-    seq: object  # the video's prefix sequence (infer/engine/paged.py Seq)
-    limits: torch.Tensor  # [B] visibility limits of the block's tokens
+    meta: Callable[[int, int], AttnMeta]
     layer: int = 0
-    part: tuple[int, int] = (0, 0)
-    attn: AttnMeta | None = None
+    at: int = 0
+    parts: tuple[tuple[int, int, int], ...] = ()
     states: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden: torch.Tensor | None = None
     normed: torch.Tensor | None = None
@@ -83,7 +88,7 @@ class ForwardBatch:
     id on all three, which is 1D RoPE); slots [N] long: flat pool slot of each token's KV;
     attn: the kernels' metadata; capture: hidden-state indices to return (HF's numbering:
     i < layers is the input of layer i, `layers` the final-norm output); jobs: layered blocks
-    that advance by one layer in this step (`LayerJob`).
+    with parts in this step (`LayerJob`).
     """
 
     embeds: torch.Tensor
@@ -123,20 +128,21 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """-> final-norm hidden [N, d] and the captured hidden states {index: [N, d]}; each job in
-        the batch moves through one more layer (its states kept as it passes the capture layers)."""
+        the batch runs its parts at their layers (its states kept as it passes the capture layers)."""
         w = self.w
         cos, sin = self.rope(batch.positions, batch.embeds.dtype)
         x = batch.embeds
         states: dict[int, torch.Tensor] = {}
-        at = {}
+        at: dict[int, list[tuple[LayerJob, int, int]]] = {}
         for job in batch.jobs:
-            at.setdefault(job.layer, []).append(job)
+            for li, a, b in job.parts:
+                at.setdefault(li, []).append((job, a, b))
         for li, lw in enumerate(w.layers):
             if li in batch.capture:
                 states[li] = x
             x = self._layer(lw, li, x, cos, sin, batch.slots, batch.attn)
-            for job in at.get(li, ()):
-                self._job_part(lw, li, job)
+            for job, a, b in at.get(li, ()):
+                self._job_part(lw, li, job, a, b)
         hidden = w.norm(x)
         if len(w.layers) in batch.capture:
             states[len(w.layers)] = hidden
@@ -145,11 +151,12 @@ class ModelRunner:
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + x.roll(self.w.head_dim // 2, dims=-1) * sin
 
-    def _job_part(self, lw, li: int, job: LayerJob) -> None:
-        """This step's part of a layered block at layer li (LayerJob doc); the same arithmetic per token
+    def _job_part(self, lw, li: int, job: LayerJob, a: int, b: int) -> None:
+        """Tokens [a, b) of a layered block at layer li (LayerJob doc); the same arithmetic per token
         as `_layer`."""
-        w = self.w
-        n, (a, b) = job.tokens, job.part
+        w, n = self.w, job.tokens
+        if (li, a) != (job.layer, job.at):
+            raise RuntimeError(f"a layered block's part at ({li}, {a}), its next is ({job.layer}, {job.at})")
         if a == 0:  # the layer's first part: keys and values of the whole block
             if li in job.capture:
                 job.states[li] = job.x
@@ -159,10 +166,11 @@ class ModelRunner:
             self.pool.layer[li].index_copy_(0, job.slots, torch.stack([k, v], dim=1))
             job.out = torch.empty_like(job.x)
         q = self._rotate(F.linear(job.normed[a:b], *lw.q).view(b - a, w.heads, w.head_dim), job.cos[a:b], job.sin[a:b])
-        job.out[a:b] = self._out_and_mlp(lw, job.x[a:b], self.kernel(q, self.pool, li, job.attn, self.scale))
+        job.out[a:b] = self._out_and_mlp(lw, job.x[a:b], self.kernel(q, self.pool, li, job.meta(a, b), self.scale))
+        job.at = b
         if b < n:
             return
-        job.x, job.out, job.normed = job.out, None, None
+        job.x, job.out, job.normed, job.at = job.out, None, None, 0
         job.layer += 1
         if job.layer == len(w.layers):
             job.hidden = w.norm(job.x)
