@@ -54,6 +54,9 @@ def test_plan_figures_add_up():
     assert p.videos_in_flight["10000"] == (p.pages - 1) // worst_pages(10000, 30, 321, 128)  # pages of 128 (CUDA)
     bigger = plan(shape, int(9.4e9), 80.0, [10000])
     assert bigger.videos_in_flight["10000"] > p.videos_in_flight["10000"]
+    # off the pool, each video keeps its prompt embeddings and two layers' states: 12 KiB a token in bf16
+    assert p.retained_gb_per_video["10000"] == pytest.approx(10000 * (3 * 2048 * 2 + 2 + 48) / 1e9, abs=1e-4)
+    assert p.headroom_needed_gb() == pytest.approx(p.working_gb + p.videos_in_flight["10000"] * p.retained_gb_per_video["10000"])
     nothing = plan(shape, int(9.4e9), 8.0, [10000])  # the weights alone do not leave room
     assert nothing.pages == 0 and nothing.videos_in_flight["10000"] == 0
 
@@ -117,3 +120,59 @@ def test_a_pool_layer_stays_within_the_cuda_kernels_int32_offsets(caplog):
     pool, q, meta, _ = _layout(0, 4, 2, kernel)
     with pytest.raises(ValueError, match="int32 offsets"):
         tight.check(q, pool.layer[0], meta)
+
+
+def _retained(obj, seen: set[int], found: dict[int, int]) -> None:
+    """Sum into `found` (storage address -> bytes) every tensor reachable from `obj` through attributes,
+    dataclass fields, lists, tuples and dicts, skipping modules and the tokenizer (shared by all videos)."""
+    import torch
+
+    if id(obj) in seen or isinstance(obj, (torch.nn.Module, str, bytes, int, float, bool, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _retained(v, seen, found)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _retained(v, seen, found)
+    elif hasattr(obj, "__dict__") and "tokeniz" not in type(obj).__name__.lower():
+        for v in vars(obj).values():
+            _retained(v, seen, found)
+
+
+def test_what_a_release_video_retains_is_what_the_plan_counts():
+    """Midway through its branches, the tensors a video in flight holds (its program's prompt embeddings,
+    grounding and aggregation states, segment keys, ids; the encoder inputs it came with) add up to the
+    plan's `retained_bytes` within 10 %, with and without the encoder inputs."""
+    import torch
+
+    from bench.release_models import fixture_video, load
+    from infer.engine.memory_plan import VideoDims, checkpoint_shape_and_weights, retained_bytes
+    from infer.engine.requests import Request
+
+    model = load()
+    eng = CaptionEngine(model, InferConfig(device="cpu", max_events=3, max_branch_tokens=6))
+    video = fixture_video()
+    pending, seen = [Request(video, DecodeControl(num_events=2, lengths=[5]))], {}
+
+    def feed():
+        live = [v for v in eng._in_flight if v.phase.value == "branch" and v.steps >= 2]
+        if live and not seen:
+            without_inputs: dict[int, int] = {}
+            _retained(live[0], {id(live[0].request.sample), id(live[0].prog.video)}, without_inputs)
+            everything: dict[int, int] = {}
+            _retained(live[0], set(), everything)
+            seen.update(state=sum(without_inputs.values()), total=sum(everything.values()), prefix=live[0].prog.length)
+        return pending.pop() if pending else None
+
+    eng.run(feed, lambda req, res: None)
+    shape, _ = checkpoint_shape_and_weights(FIXTURE, 4)
+    t, h, w = video.grid_thw
+    bare = VideoDims(prefix=seen["prefix"], timesteps=t)
+    dims = dataclasses.replace(bare, patches=t * h * w, audio_chunks=int(video.mel.shape[0]))
+    assert model.dtype == torch.float32
+    assert retained_bytes(shape, bare, 4, 3) == pytest.approx(seen["state"], rel=0.10)
+    assert retained_bytes(shape, dims, 4, 3) == pytest.approx(seen["total"], rel=0.10)

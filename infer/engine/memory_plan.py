@@ -17,6 +17,13 @@ converted to the decoding dtype; the caps are the checkpoint's (`max_planning_ev
 1 + `max_branch_tokens`) unless given. The step's working memory is an estimate (its largest
 activations at `step_tokens`, the logits of `max_batch_rows` rows); 1 GB is set aside for the
 CUDA context. `bench/gpu_check.sh` compares the plan with a measured peak.
+
+Besides its KV pages a video in flight keeps state off the pool (`retained_bytes`: its prompt
+embeddings, the grounding and aggregation layers' states over the prompt, its segment keys, the
+encoder inputs it came with) and, while it is encoded, the towers' activations
+(`encoder_bytes`); `video_peak` adds them up for one video of `VideoDims` (what
+`bench/release_full_size.py` compares with a measured peak), and the table's headroom note
+counts them for the videos that fit.
 Pure python; no ray, no model load.
 """
 
@@ -52,6 +59,88 @@ class Shape:
 
 
 @dataclass
+class Towers:
+    """What the plan needs of the release's media towers (the published 3B's by default)."""
+
+    vision_hidden: int = 1280
+    vision_intermediate: int = 3420
+    audio_width: int = 1280
+    audio_ffn: int = 5120
+    audio_heads: int = 20
+    patch_values: int = 3 * 2 * 14 * 14  # one patch's pixel values (channels x temporal x 14 x 14)
+
+
+@dataclass
+class VideoDims:
+    """One video as the plan sizes it: prompt tokens, timesteps, vision-tower patches (T*H*W of its
+    grid), 30 s audio chunks."""
+
+    prefix: int
+    timesteps: int
+    patches: int = 0
+    audio_chunks: int = 0
+
+
+MEL_VALUES = 128 * 3000  # one 30 s chunk's log-mel
+WHISPER_FRAMES = 1500  # encoder frames per chunk
+
+
+def retained_bytes(shape: Shape, video: VideoDims, dtype_bytes: int, max_events: int = 30) -> int:
+    """Bytes a video in flight keeps besides its KV pages: in the model dtype its prompt embeddings,
+    the grounding and aggregation layers' states [L, d] each, the aggregation row [L] and its segment
+    keys [T, d]; int64 M-RoPE ids [3, L], row limits, ids and token slots (about 6 L); fp32 planning
+    similarities [K, T]; the fp32 encoder inputs it came with (pixels [N, 1176], log-mel [C, 128, 3000]).
+
+    >>> retained_bytes(Shape(2, 8, 2, 1, 4, 16, 100), VideoDims(prefix=10, timesteps=2), 2, max_events=1)
+    1020
+    """
+    model = (3 * video.prefix * shape.hidden + video.prefix + video.timesteps * shape.hidden) * dtype_bytes
+    ints = 6 * video.prefix * 8  # ids [3, L], limits [L], input ids [L], token slots (< L)
+    inputs = (video.patches * Towers.patch_values + video.audio_chunks * MEL_VALUES) * 4
+    return model + ints + inputs + max_events * video.timesteps * 4
+
+
+def encoder_bytes(towers: Towers, video: VideoDims, dtype_bytes: int) -> int:
+    """The towers' largest live activations while a video is encoded (one tower at a time): the vision
+    tower's pixels in the model dtype and a block's residual, norm, q/k/v, attention output and MLP
+    (gate, up, product) over all N patches; Whisper's conv output, a layer's states and MLP and one
+    layer's attention probabilities over the C chunks' 1500 frames."""
+    vision = video.patches * (Towers.patch_values + 6 * towers.vision_hidden + 3 * towers.vision_intermediate)
+    frames = video.audio_chunks * WHISPER_FRAMES
+    audio = frames * (2 * 2 * towers.audio_width + 6 * towers.audio_width + 2 * towers.audio_ffn) + \
+        frames * WHISPER_FRAMES * towers.audio_heads
+    return max(vision, audio) * dtype_bytes
+
+
+@dataclass
+class VideoPeak:
+    """One video's peak, by part (bytes): weights, KV at its worst case, retained state, and the larger of
+    the encoders' and the step's working memory (they do not overlap)."""
+
+    weights: int
+    kv: int
+    retained: int
+    encoders: int
+    working: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.retained + max(self.encoders, self.working)
+
+
+def video_peak(shape: Shape, towers: Towers, weights_bytes: int, video: VideoDims, *, dtype_bytes: int = 2,
+               page_size: int = 16, step_tokens: int = 512, rows: int = 128, max_events: int = 30,
+               max_branch_tokens: int = 321) -> VideoPeak:
+    """The memory one video needs decoded alone (module doc); page_size / step_tokens: the engine's
+    CPU defaults (16 / 512), pass the CUDA ones (128 / 2048) for a GPU."""
+    pages = worst_pages(video.prefix, max_events, max_branch_tokens, page_size)
+    kv = pages * page_size * 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+    return VideoPeak(weights=weights_bytes, kv=kv, retained=retained_bytes(shape, video, dtype_bytes, max_events),
+                     encoders=encoder_bytes(towers, video, dtype_bytes),
+                     working=working_bytes(shape, step_tokens, min(rows, max_events), dtype_bytes))
+
+
+@dataclass
 class Plan:
     device_memory_gb: float
     weights_gb: float
@@ -65,6 +154,12 @@ class Plan:
     max_branch_tokens: int
     videos_in_flight: dict[str, int]  # prefix tokens -> videos whose worst case fits at once
     live_kv_gb_per_video: dict[str, float]  # prefix tokens -> KV of its prefix alone
+    retained_gb_per_video: dict[str, float]  # prefix tokens -> its state off the pool (no encoder inputs)
+
+    def headroom_needed_gb(self) -> float:
+        """The step's working memory plus the retained state of the most videos in flight at any prefix."""
+        return self.working_gb + max([n * self.retained_gb_per_video[p] for p, n in self.videos_in_flight.items()],
+                                     default=0.0)
 
 
 def worst_pages(prefix: int, max_events: int, max_branch_tokens: int, page_size: int) -> int:
@@ -101,7 +196,9 @@ def plan(shape: Shape, weights_bytes: int, device_memory_gb: float, prefixes: li
                 page_size=page_size, pages=pages, max_events=max_events, max_branch_tokens=max_branch_tokens,
                 videos_in_flight={str(p): videos_that_fit(pages, p, max_events, max_branch_tokens, page_size)
                                   for p in prefixes},
-                live_kv_gb_per_video={str(p): round(p * per_token / 1e9, 3) for p in prefixes})
+                live_kv_gb_per_video={str(p): round(p * per_token / 1e9, 3) for p in prefixes},
+                retained_gb_per_video={str(p): round(retained_bytes(shape, VideoDims(p, 0), dtype_bytes, max_events) / 1e9, 4)
+                                       for p in prefixes})
 
 
 # ----------------------------------------------------------------------------------- checkpoints
@@ -151,6 +248,17 @@ def checkpoint_shape_and_weights(model_dir: Path, dtype_bytes: int) -> tuple[Sha
         raise SystemExit(f"{model_dir}: no model.safetensors / pytorch_model.bin to size the weights")
     stored = _BYTES.get(str(raw.get("torch_dtype") or text.get("torch_dtype") or "float32"), 4)
     return shape, int(sum(f.stat().st_size for f in bins) * dtype_bytes / stored)
+
+
+def checkpoint_towers(model_dir: Path) -> Towers:
+    """The media towers' widths a release checkpoint's config.json states (the 3B's where absent)."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    v, a, d = raw.get("vision_config") or {}, raw.get("audio_config") or {}, Towers()
+    return Towers(vision_hidden=int(v.get("hidden_size", d.vision_hidden)),
+                  vision_intermediate=int(v.get("intermediate_size", d.vision_intermediate)),
+                  audio_width=int(a.get("d_model", d.audio_width)),
+                  audio_ffn=int(a.get("encoder_ffn_dim", d.audio_ffn)),
+                  audio_heads=int(a.get("encoder_attention_heads", d.audio_heads)))
 
 
 SHAPES = {  # known shapes (no checkpoint needed): (LLM shape, parameters the decoding process holds)
@@ -206,9 +314,10 @@ def main(argv=None) -> dict:
         cols = "  ".join(f"{p.videos_in_flight[str(x)]:>{len(f'videos@{x}')}}" for x in prefixes)
         print(f"{p.device_memory_gb:>9.0f}  {p.weights_gb:>10.2f}  {p.kv_pool_gb:>10.2f}  {p.headroom_gb:>11.2f}  "
               f"{p.working_gb:>10.2f}  {cols}")
-        if p.headroom_gb < p.working_gb:
-            print(f"  note: at {p.device_memory_gb:.0f} GB the headroom is below the step's working memory: lower "
-                  f"infer.kv_memory_fraction or infer.step_tokens")
+        if p.headroom_gb < p.headroom_needed_gb():
+            print(f"  note: at {p.device_memory_gb:.0f} GB the headroom is below the step's working memory and the "
+                  f"videos' retained state ({p.headroom_needed_gb():.2f} GB): lower infer.kv_memory_fraction, "
+                  f"infer.step_tokens or infer.max_batch_videos")
     return out
 
 
