@@ -420,6 +420,7 @@ class PadCaptioner(nn.Module):
         (path / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
         self.tokenizer.save_pretrained(str(path / "tokenizer"))
         self.backbone.save_pretrained(str(path / "adapter"), save_embedding_layers=False)
+        sort_target_modules(path / "adapter" / "adapter_config.json")
         save_file({k: v.detach().contiguous().cpu() for k, v in self.extra_state().items()}, str(path / EXTRA_FILE))
         return path
 
@@ -455,3 +456,16 @@ class PadCaptioner(nn.Module):
         if missing or unexpected:
             raise ModelError(f"{path}: extra weights mismatch (missing {missing[:3]}, unexpected {unexpected[:3]})")
         return model
+
+
+def sort_target_modules(config_file: Path) -> None:
+    """Write peft's adapter config with `target_modules` sorted.
+
+    peft keeps `target_modules` as a set and writes it in string-hash order, which changes with
+    PYTHONHASHSEED: the same model would be saved as different bytes by two processes, and its
+    model_id (a hash of the saved files, infer/loading.py) would differ with it.
+    """
+    conf = json.loads(config_file.read_text())
+    if isinstance(conf.get("target_modules"), list):
+        conf["target_modules"] = sorted(conf["target_modules"])
+    config_file.write_text(json.dumps(conf, indent=2, sort_keys=True))

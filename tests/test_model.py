@@ -3,6 +3,12 @@ K=1 == plain causal LM, mixed batches, trainable set, aggregation, save/load rou
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -413,3 +419,20 @@ def test_plan_logits_are_the_g_and_s_columns_of_lm_logits(model):
         h = torch.randn(4, model.new_embed.shape[1], generator=torch.Generator().manual_seed(0))
         full = model.lm_logits(h)[:, [model.g_id, model.s_id]]
         torch.testing.assert_close(model.plan_logits(h), full, atol=1e-6, rtol=1e-6)
+
+
+def test_saved_files_do_not_depend_on_the_hash_seed(tmp_path, monkeypatch):
+    """The same model saved by two processes with different PYTHONHASHSEED gives the same bytes
+    (peft writes its target_modules set in hash order; the model_id hashes these files)."""
+    from infer.loading import weights_fingerprint
+
+    script = ("import sys, torch; from pipeline.model import PadCaptioner; from tests.support.padcap import tiny_cfg; "
+              "torch.manual_seed(0); PadCaptioner(tiny_cfg()).save_pretrained(sys.argv[1])")
+    monkeypatch.setenv("PADCAP_CACHE_DIR", str(tmp_path / "cache"))
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / seed)], check=True, env=env,
+                       cwd=Path(__file__).resolve().parents[1])
+    conf = [json.loads((tmp_path / s / "adapter" / "adapter_config.json").read_text()) for s in ("1", "2")]
+    assert conf[0]["target_modules"] == sorted(conf[0]["target_modules"]) and conf[0] == conf[1]
+    assert weights_fingerprint(tmp_path / "1") == weights_fingerprint(tmp_path / "2")
