@@ -120,11 +120,9 @@ class CaptionEngine:
                                         kv_budget_bytes(cfg, self.device), zero=self.kernel.reads_whole_pool,
                                         max_layer_elements=self.kernel.contract.max_layer_elements)
         self.runner = ModelRunner(w, self.pool, self.kernel)
-        self.scheduler = Scheduler(self.runner, self.pool, step_tokens=self.step_tokens, max_rows=cfg.max_batch_rows,
-                                   q_block=self.q_block, prefill_block=4 * self.q_block)
+        self.scheduler = Scheduler(self.runner, self.pool, step_tokens=self.step_tokens, q_block=self.q_block)
         self.graphs = step_graphs(cfg, self.runner, self.device, tokens=self.step_tokens, q_block=self.q_block,
-                                  attn_q_block=self.scheduler.attn_q_block,
-                                  capture_layers=model.capture_layers())
+                                  attn_q_block=self.scheduler.prefill_block, capture_layers=model.capture_layers())
         self.bias = torch.zeros(w.head.shape[0], device=self.device)
         self.bias[model.banned_ids()] = float("-inf")  # structural tokens are never caption text
         self._in_flight: list[VideoState] = []
@@ -271,7 +269,7 @@ class CaptionEngine:
                     f"events x {cap} tokens), the pool has {self.pool.usable}: raise infer.kv_memory_gb or lower "
                     f"infer.max_events / max_branch_tokens"))
                 return None
-            v = VideoState(req, opts, prog, worst, cap)
+            v = VideoState(req, prog, worst, cap)
             if opts.temperature > 0:
                 v.sampler = video_chooser(self.model.ids, opts, req.sample.video_id, self.device)
             return v
@@ -444,7 +442,7 @@ class StepRecord(NamedTuple):
     prefill_tokens: int
     videos: int
     ms: float
-    layer_tokens: int = 0  # tokens of layered bidirectional blocks that moved one layer
+    layer_tokens: int = 0  # what the layered blocks' parts cost, in tokens (token-layers / layers)
     cpu_ms: float = 0.0  # the process's CPU time in the step (on a shared CPU box: the step's own work)
 
 
