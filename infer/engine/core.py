@@ -47,7 +47,7 @@ import torch
 from infer.engine.decoded import Decoded, to_events
 from infer.engine.graphs import describe_graphs, step_graphs
 from infer.engine.kernels import choose_kernel
-from infer.engine.memory_plan import videos_that_fit
+from infer.engine.memory_plan import videos_that_fit, worst_pages
 from infer.engine.paged import PagePool, pages_for
 from infer.engine.programs import PROGRAMS
 from infer.engine.requests import Request, VideoResult, check_config, model_caps, resolve_device, resolve_dtype
@@ -120,11 +120,9 @@ class CaptionEngine:
                                         kv_budget_bytes(cfg, self.device), zero=self.kernel.reads_whole_pool,
                                         max_layer_elements=self.kernel.contract.max_layer_elements)
         self.runner = ModelRunner(w, self.pool, self.kernel)
-        self.scheduler = Scheduler(self.runner, self.pool, step_tokens=self.step_tokens, max_rows=cfg.max_batch_rows,
-                                   q_block=self.q_block, prefill_block=4 * self.q_block)
+        self.scheduler = Scheduler(self.runner, self.pool, step_tokens=self.step_tokens, q_block=self.q_block)
         self.graphs = step_graphs(cfg, self.runner, self.device, tokens=self.step_tokens, q_block=self.q_block,
-                                  attn_q_block=self.scheduler.attn_q_block,
-                                  capture_layers=model.capture_layers())
+                                  attn_q_block=self.scheduler.prefill_block, capture_layers=model.capture_layers())
         self.bias = torch.zeros(w.head.shape[0], device=self.device)
         self.bias[model.banned_ids()] = float("-inf")  # structural tokens are never caption text
         self._in_flight: list[VideoState] = []
@@ -237,7 +235,9 @@ class CaptionEngine:
                 waiting.times["admit"] = time.perf_counter()
                 videos.append(waiting)
                 waiting = None
-            self._drop_cancelled(videos)
+            for v in [v for v in videos if v.request.cancelled()]:
+                videos.remove(v)
+                self._release(v)
             if not videos:
                 if waiting is None:
                     return
@@ -262,16 +262,15 @@ class CaptionEngine:
             except ValueError as e:  # DecodeError, or per-video options out of range
                 emit(req, e)
                 return None
-            S = self.pool.page_size
             cap = opts.max_branch_tokens
-            worst = pages_for(prog.length + opts.max_events, S) + opts.max_events * pages_for(cap, S)
+            worst = worst_pages(prog.length, opts.max_events, cap, self.pool.page_size)
             if worst > self.pool.usable:
                 emit(req, DecodeError(
                     f"{req.sample.video_id}: needs up to {worst} KV pages ({prog.length} prefix tokens, {opts.max_events} "
                     f"events x {cap} tokens), the pool has {self.pool.usable}: raise infer.kv_memory_gb or lower "
                     f"infer.max_events / max_branch_tokens"))
                 return None
-            v = VideoState(req, opts, prog, worst, cap)
+            v = VideoState(req, prog, worst, cap)
             if opts.temperature > 0:
                 v.sampler = video_chooser(self.model.ids, opts, req.sample.video_id, self.device)
             return v
@@ -388,11 +387,6 @@ class CaptionEngine:
                                              sum(h - lo for _, _, lo, h in plan.prefill), len(videos), ms,
                                              plan.layer_tokens, cpu_ms))
 
-    def _drop_cancelled(self, videos: list[VideoState]) -> None:
-        for v in [v for v in videos if v.request.cancelled()]:
-            videos.remove(v)
-            self._release(v)
-
     def _release(self, v: VideoState) -> None:
         """All of v's pages and promises back to the pool."""
         for b in v.branches:
@@ -404,18 +398,16 @@ class CaptionEngine:
         v.reserved = 0
 
     def _finish(self, v: VideoState) -> Decoded:
-        req, a = v.request, v.anchors
-        t = v.times
+        req, a, t = v.request, v.anchors, v.times
         now = time.perf_counter()
-        timings = {"prefill_ms": (t.get("prefilled", now) - t["admit"]) * 1000.0,
-                   "planning_ms": (t.get("planned", now) - t.get("prefilled", now)) * 1000.0,
-                   "grounding_ms": v.grounding_ms,
-                   "decode_ms": (now - t.get("branches", now)) * 1000.0}
         by_event = sorted(v.finished, key=lambda b: b.event)
         tokens = [b.tokens for b in by_event]
-        timings.update(total_ms=(now - t["admit"]) * 1000.0, steps=float(v.steps), tokens=float(sum(map(len, tokens))),
-                       events=float(len(tokens)), segments_kept=float(a.segments_kept),
-                       segments_total=float(req.sample.num_segments))
+        timings = {"prefill_ms": (t.get("prefilled", now) - t["admit"]) * 1000.0,
+                   "planning_ms": (t.get("planned", now) - t.get("prefilled", now)) * 1000.0,
+                   "grounding_ms": v.grounding_ms, "decode_ms": (now - t.get("branches", now)) * 1000.0,
+                   "total_ms": (now - t["admit"]) * 1000.0, "steps": float(v.steps), "tokens": float(sum(map(len, tokens))),
+                   "events": float(len(tokens)), "segments_kept": float(a.segments_kept),
+                   "segments_total": float(req.sample.num_segments)}
         trace = req.control.trace
         return Decoded(video_id=req.sample.video_id, duration=float(req.sample.duration), intervals=a.intervals,
                        tokens=tokens, steps=v.steps, timings=timings,
@@ -444,7 +436,7 @@ class StepRecord(NamedTuple):
     prefill_tokens: int
     videos: int
     ms: float
-    layer_tokens: int = 0  # tokens of layered bidirectional blocks that moved one layer
+    layer_tokens: int = 0  # what the layered blocks' parts cost, in tokens (token-layers / layers)
     cpu_ms: float = 0.0  # the process's CPU time in the step (on a shared CPU box: the step's own work)
 
 

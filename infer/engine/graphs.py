@@ -1,7 +1,7 @@
 """CUDA graphs of the decode step, captured at start-up for fixed buckets and replayed step after step.
 
     graphs = step_graphs(cfg.infer, runner, device, tokens=256, q_block=sched.q_block,
-                         attn_q_block=sched.attn_q_block, capture_layers=model.capture_layers())
+                         attn_q_block=sched.prefill_block, capture_layers=model.capture_layers())
     hidden, states = graphs.forward(batch)      # a covered step replayed; any other runs eagerly
 
 Why. At the published model's size a decode step is a few milliseconds of weight reads on a

@@ -7,7 +7,7 @@ The engine's KV pool (infer/engine/paged.py) is `kv_memory_fraction` of the devi
 once the weights are loaded (or `infer.kv_memory_gb`), as the engine sizes it on CUDA; the
 rest is the step's headroom, which must hold its working memory. A video is admitted only
 when the pool can promise its worst case, so the figures here are exactly the engine's
-admission rule (`videos_that_fit`, also used for /v1/model):
+admission rule (`worst_pages`, which the engine admits by; `videos_that_fit`, also used for /v1/model):
 
     worst pages = ceil((prefix + max_events) / page) + max_events * ceil(max_branch_tokens / page)
 
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from infer.engine.kernels import FLEX_CUDA_CONTRACT
-from infer.engine.paged import max_pages
+from infer.engine.paged import max_pages, pages_for
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4,
           "U8": 1, "I8": 1, "BOOL": 1}
@@ -164,7 +164,7 @@ class Plan:
 
 def worst_pages(prefix: int, max_events: int, max_branch_tokens: int, page_size: int) -> int:
     """The pages the engine promises a video at admission (module doc)."""
-    return math.ceil((prefix + max_events) / page_size) + max_events * math.ceil(max_branch_tokens / page_size)
+    return pages_for(prefix + max_events, page_size) + max_events * pages_for(max_branch_tokens, page_size)
 
 
 def videos_that_fit(pages: int, prefix: int, max_events: int, max_branch_tokens: int, page_size: int) -> int:

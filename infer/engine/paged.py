@@ -32,6 +32,7 @@ Pure torch; no ray.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -92,7 +93,7 @@ class PagePool:
         self.owner[0] = SCRATCH_SEQ
         self._free = list(range(pages - 1, 0, -1))  # pop() gives the lowest page first
         self._reserved = 0
-        self._next_id = 0
+        self._ids = itertools.count()  # sequence ids, never reused
         self._pending: list[tuple[int, int, int]] = []  # (page, owner, start) not yet on the device
         self.peak_pages = 0
 
@@ -146,9 +147,7 @@ class PagePool:
     # ------------------------------------------------------------------ sequences
 
     def open(self) -> Seq:
-        seq = Seq(self._next_id)
-        self._next_id += 1
-        return seq
+        return Seq(next(self._ids))
 
     def grow(self, seq: Seq, length: int) -> None:
         """Make room for keys [0, length) of seq, taking new pages from the reservation."""
@@ -184,10 +183,7 @@ class PagePool:
             return
         last = {page: (own, start) for page, own, start in self._pending}  # a page freed and retaken: the last wins
         self._pending.clear()
-        idx = torch.tensor(list(last), dtype=torch.long)
-        own = torch.tensor([o for o, _ in last.values()], dtype=torch.long)
-        start = torch.tensor([s for _, s in last.values()], dtype=torch.long)
-        idx, own, start = idx.to(self.device), own.to(self.device), start.to(self.device)
+        idx, own, start = torch.tensor([list(last), *zip(*last.values())], dtype=torch.long).to(self.device)  # one copy
         self.owner.index_copy_(0, idx, own)
         self.start.index_copy_(0, idx, start)
         # A new page's unwritten slots are read (masked) by the kernels: 0 * NaN would be NaN, and torch.empty

@@ -1,6 +1,6 @@
 """The token-budget scheduler: what each step carries, for every video in flight.
 
-    sched = Scheduler(runner, pool, step_tokens=512, max_rows=128, q_block=16)
+    sched = Scheduler(runner, pool, step_tokens=512, q_block=16)
     plan = sched.plan(videos)            # -> StepPlan (ForwardBatch + who owns which rows), or None
     hidden, states = runner.forward(plan.batch)
     # the engine (infer/engine/core.py, CaptionEngine._absorb) hands the outputs back to each video:
@@ -62,8 +62,8 @@ class Branch:
 class VideoState:
     """A video in flight: its program (infer/engine/programs.py), its sequences, and where it is."""
 
-    def __init__(self, request, opts, prog, reserved: int, cap: int):
-        self.request, self.opts, self.prog = request, opts, prog
+    def __init__(self, request, prog, reserved: int, cap: int):
+        self.request, self.prog = request, prog
         self.prefix: Seq | None = None  # opened at admission
         self.cursor = 0  # prefix tokens prefilled
         self.reserved = reserved  # pages promised to this video, not yet taken
@@ -101,34 +101,25 @@ class StepPlan:
     plan: list[tuple[VideoState, int]]
     prefill: list[tuple[VideoState, int, int, int]]
     jobs: list[tuple[VideoState, LayerJob]] = field(default_factory=list)
-    scratch: bool = False  # the main batch is one scratch token (a step of layered blocks only)
+    tokens: int = 0  # the main batch's (0 in a step of layered blocks only: its main batch is one scratch token)
     layer_tokens: int = 0  # what the layered blocks' parts cost, in tokens (token-layers / layers)
-
-    @property
-    def tokens(self) -> int:
-        return 0 if self.scratch else int(self.batch.embeds.shape[0])
 
 
 class Scheduler:
     """Fills each step under the token budget and lays out its metadata (module doc)."""
 
-    def __init__(self, runner: ModelRunner, pool: PagePool, *, step_tokens: int, max_rows: int, q_block: int,
-                 prefill_block: int = 0):
+    def __init__(self, runner: ModelRunner, pool: PagePool, *, step_tokens: int, q_block: int):
         self.runner, self.pool = runner, pool
-        self.step_tokens, self.max_rows, self.q_block = step_tokens, max_rows, q_block
-        # prefill chunks attend in larger blocks: a block gathers its pages once for all its queries
-        self.prefill_block = prefill_block or 4 * q_block
+        self.step_tokens, self.q_block = step_tokens, q_block
+        # prefill chunks attend in larger blocks: a block gathers its pages once for all its queries; the
+        # step's attention metadata takes their size as its query block (flex's BM)
+        self.prefill_block = 4 * q_block
         # the step's mask is rebuilt into one buffer every step
         self.mask_workspace = Workspace()
         self.part_workspace = Workspace()  # the masks of the layered blocks' parts, built as each runs
         self.device = pool.device
 
     # ------------------------------------------------------------------ building a step
-
-    @property
-    def attn_q_block(self) -> int:
-        """The query block of a step's attention metadata (flex's BM): the larger of the two block sizes."""
-        return max(self.q_block, self.prefill_block)
 
     def _grow(self, v: VideoState, seq: Seq, length: int) -> None:
         before = len(seq.pages)
@@ -152,8 +143,8 @@ class Scheduler:
         embeds: list[torch.Tensor] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        seq_a: list[int] = []  # per token, the two (sequence, limit) rules of AttnMeta.build
-        lim_a: list[int] = []
+        seq_a: list[int] = []  # per token, the two (sequence, limit) rules of AttnMeta.build (only branch
+        lim_a: list[int] = []  # rows have a second sequence: the others' are added as FREE_SEQ at the end)
         seq_b: list[int] = []
         lim_b: list[int] = []
         blocks: list[QueryBlock] = []
@@ -204,16 +195,16 @@ class Scheduler:
             blocks += self._blocks(n, 1, pref.pages)
             plan_rows.append((v, n))
             n += 1
-        seq_b += [FREE_SEQ] * len(plan_rows)
-        lim_b += [0] * len(plan_rows)
         # 3. prefill in admission order, up to the budget: first the chunks (short causal pieces, which bring
         #    videos to their blocks), then the layered blocks, started or going on, each charged what its parts
         #    cost (a block in progress moves every step, by at least one block of queries)
-        ends: dict[VideoState, int] = {}  # where each video's chunk in this step ends
         for v in videos:
             if v.phase is not Phase.PREFILL or v.job is not None:
                 continue
-            lo, hi = v.cursor, self._chunk_end(v, self.step_tokens - n, not chunks)
+            lo, cuts = v.cursor, v.prog.cuts
+            hi = _largest_cut(cuts, lo, lo + self.step_tokens - n)
+            if hi is None and not chunks and _smallest_cut(cuts, lo) - lo <= self.step_tokens:
+                hi = _smallest_cut(cuts, lo)  # the step's first chunk: its next block whole, over what is left
             if hi is None:
                 continue
             pref = v.prefix
@@ -224,12 +215,10 @@ class Scheduler:
             lims = v.prog.limits[lo:hi].tolist()
             seq_a += [pref.id] * (hi - lo)
             lim_a += lims
-            seq_b += [FREE_SEQ] * (hi - lo)
-            lim_b += [0] * (hi - lo)
             blocks += self._chunk_blocks(n, pref, lims)
             chunks.append((v, n, lo, hi))
-            ends[v] = hi
             n += hi - lo
+        ends = {v: hi for v, _, _, hi in chunks}  # where each video's chunk in this step ends
         jobs: list[tuple[VideoState, LayerJob]] = []
         charged = 0  # what the layered parts cost, in tokens
         for v in videos:
@@ -240,17 +229,24 @@ class Scheduler:
             if v.job is not None:
                 charged += self._job_parts(v.job, self.step_tokens - n - charged)
                 jobs.append((v, v.job))
-        if n == 0 and jobs:  # only layered blocks in this step: a dummy-free empty main batch is not allowed
-            return self._jobs_only(jobs, charged)
-        if n == 0:
+        if n == 0 and not jobs:
             return None
+        # a step of layered blocks only: its main batch (never empty) is one scratch token, whose KV goes to the
+        # scratch page; it sees only the scratch page's first key and nothing reads its output
+        if n == 0:
+            w = self.runner.w
+            embeds = [torch.zeros(1, w.hidden, dtype=w.dtype, device=self.device)]
+            positions, slots = [torch.zeros(3, 1, dtype=torch.long)], [torch.zeros(1, dtype=torch.long)]
+            blocks, seq_a, lim_a = [QueryBlock([0], [0])], [SCRATCH_SEQ], [1]
         self.pool.sync()
         capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
-        attn = self._meta(blocks, seq_a, lim_a, seq_b, lim_b, self.attn_q_block, self.mask_workspace)
+        free = len(seq_a) - n_branch
+        attn = self._meta(blocks, seq_a, lim_a, seq_b + [FREE_SEQ] * free, lim_b + [0] * free, self.prefill_block,
+                          self.mask_workspace)
         batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
                              slots=torch.cat(slots).to(self.device), attn=attn, capture=capture,
                              jobs=tuple(job for _, job in jobs))
-        return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks, jobs, layer_tokens=charged)
+        return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks, jobs, tokens=n, layer_tokens=charged)
 
     def _meta(self, blocks: list[QueryBlock], seq_a: Sequence[int], lim_a: Sequence[int], seq_b: Sequence[int],
               lim_b: Sequence[int], q_block: int, workspace: Workspace | None = None) -> AttnMeta:
@@ -267,13 +263,6 @@ class Scheduler:
             last = max(lims[t - first] for t in blk.tokens)
             blk.pages = pref.pages[: pages_for(last, self.pool.page_size)]
         return out
-
-    def _chunk_end(self, v: VideoState, room: int, alone: bool) -> int | None:
-        """Where v's chunk in this step ends: the largest legal cut within `room`; else, for the step's first
-        prefill, its next block whole over the budget if a step can hold it; else None."""
-        hi = _largest_cut(v.prog.cuts, v.cursor, v.cursor + room)
-        nxt = _smallest_cut(v.prog.cuts, v.cursor)
-        return hi if hi is not None or not alone or nxt - v.cursor > self.step_tokens else nxt
 
     def _new_job(self, v: VideoState, lo: int, room: int, alone: bool) -> LayerJob | None:
         """v's block at prefix token lo as a LayerJob if no step can hold it whole (its pages now) and the
@@ -320,18 +309,6 @@ class Scheduler:
         lims = limits[a:b].tolist()
         return self._meta(self._chunk_blocks(0, seq, lims), [seq.id] * (b - a), lims, [FREE_SEQ] * (b - a),
                           [0] * (b - a), self.prefill_block, self.part_workspace)
-
-    def _jobs_only(self, jobs, charged: int) -> StepPlan:
-        """A step whose only work is layered blocks: the main batch is one scratch token (its KV goes to
-        the scratch page, it sees only the scratch page's first key; nothing reads its output)."""
-        self.pool.sync()
-        w = self.runner.w
-        attn = self._meta([QueryBlock([0], [0])], [SCRATCH_SEQ], [1], [FREE_SEQ], [0], self.prefill_block)
-        batch = ForwardBatch(embeds=torch.zeros(1, w.hidden, dtype=w.dtype, device=self.device),
-                             positions=torch.zeros(3, 1, dtype=torch.long, device=self.device),
-                             slots=torch.zeros(1, dtype=torch.long, device=self.device), attn=attn,
-                             jobs=tuple(job for _, job in jobs))
-        return StepPlan(batch, 0, [], [], [], jobs, scratch=True, layer_tokens=charged)
 
 
 def _largest_cut(cuts: list[int], lo: int, hi: int) -> int | None:
