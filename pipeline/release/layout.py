@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.layout import LayoutError, LayoutOptions, Role, TokenMeta, event_order, mask_between
-from pipeline.release.geometry import RELEASE
+from pipeline.release.geometry import RELEASE, Geometry
 
 SYSTEM = "You are a helpful assistant."
 POSITION_MODES = ("release", "training")
@@ -61,6 +61,15 @@ class AVGrid:
     @property
     def per_step(self) -> int:
         return self.rows * self.cols
+
+
+def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int, geo: Geometry = RELEASE) -> AVGrid:
+    """The layout's view of one video: the vision tower's patch grid (T, H, W) merged by the checkpoint's
+    spatial merge, seconds per timestep d, A_total audio tokens, the checkpoint's token rates."""
+    m = geo.spatial_merge_size
+    return AVGrid(timesteps=int(grid_thw[0]), rows=int(grid_thw[1]) // m, cols=int(grid_thw[2]) // m,
+                  seconds_per_step=float(d), audio_tokens=int(audio_total), tokens_per_second=geo.tokens_per_second,
+                  audio_seconds_per_token=geo.audio_seconds_per_token)
 
 
 def tau(grid: AVGrid) -> torch.Tensor:
