@@ -83,8 +83,6 @@ def audio_counts(grid: AVGrid) -> list[int]:
     Bounds are clamped to A_total, so an audio track shorter than the video gives the late
     timesteps no tokens instead of negative counts.
     """
-    if grid.audio_tokens <= 0:
-        return [0] * grid.timesteps
     bounds = [min(int(b), grid.audio_tokens) for b in tau(grid).tolist()] + [grid.audio_tokens]
     return [bounds[t + 1] - bounds[t] for t in range(grid.timesteps)]
 
@@ -97,12 +95,9 @@ def index_sets(grid: AVGrid) -> tuple[list[list[int]], list[list[int]]]:
         start, end = t * d, (t + 1) * d
         s0, s1 = math.floor(start / d), min(math.ceil(end / d), grid.timesteps)
         video.append(list(range(s0 * grid.per_step, s1 * grid.per_step)))
-        if grid.audio_tokens > 0:
-            a0 = min(math.floor(start / grid.audio_seconds_per_token), grid.audio_tokens)
-            a1 = min(math.ceil(end / grid.audio_seconds_per_token), grid.audio_tokens)
-            audio.append(list(range(a0, a1)))
-        else:
-            audio.append([])
+        a0 = min(math.floor(start / grid.audio_seconds_per_token), grid.audio_tokens)  # none without audio
+        a1 = min(math.ceil(end / grid.audio_seconds_per_token), grid.audio_tokens)
+        audio.append(list(range(a0, a1)))
     return video, audio
 
 
