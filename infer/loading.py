@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from pipeline.config import Config, ConfigError, section_hash
+from pipeline.release.checkpoint import is_release_dir
 
 log = logging.getLogger("padcap.serve")
 CONFIG_FILE = "config.json"
@@ -147,8 +148,6 @@ def release_config(cfg: Config, path: Path) -> Config:
 
 
 def release_dir(model_dir: str) -> Path | None:
-    from pipeline.release.checkpoint import is_release_dir
-
     path = Path(model_dir).expanduser() if model_dir and model_dir != RANDOM_MODEL else None
     return path.resolve() if path is not None and is_release_dir(path) else None
 
