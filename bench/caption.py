@@ -39,17 +39,17 @@ def random_model(cfg, out: str) -> str:
     from transformers import AutoModelForCausalLM
 
     from bench.decode import BENCH_SHAPE
-    from infer.loading import feature_dims
     from pipeline import backbone as backbone_mod
     from pipeline.model import PadCaptioner
     from pipeline.tokens import build_tokenizer
+    from preprocess.encoders import encoder_dims
 
     backbone_mod.PRESETS.setdefault("bench-small", BENCH_SHAPE)
     hf_cfg = backbone_mod.preset_config("bench-small", len(build_tokenizer(cfg.model)))
     torch.manual_seed(0)
     base_dir = os.path.join(out, "backbone")
     AutoModelForCausalLM.from_config(copy.deepcopy(hf_cfg)).save_pretrained(base_dir)
-    dv, da = feature_dims(cfg)
+    dv, da = encoder_dims(cfg.features)
     model_cfg = copy.deepcopy(cfg.model)
     model_cfg.backbone = base_dir
     PadCaptioner(model_cfg, visual_dim=dv, audio_dim=da).save_pretrained(os.path.join(out, "padcaptioner"))

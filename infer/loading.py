@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from pipeline.config import Config, ConfigError, section_hash
+from pipeline.release.checkpoint import is_release_dir
 
 log = logging.getLogger("padcap.serve")
 CONFIG_FILE = "config.json"
@@ -66,14 +67,6 @@ class ModelCard:
     source: str  # the model dir, or "tiny (random init, smoke mode)"
     device: str
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def feature_dims(cfg: Config) -> tuple[int, int]:
-    """(Dv, Da) that the configured encoders produce, from their configs: a caption actor or a replica
-    loading its model builds no encoder for this (the HF and release towers are not loaded)."""
-    from preprocess.encoders import encoder_dims
-
-    return encoder_dims(cfg.features)
 
 
 def serving_model(cfg: Config, model_dir: str = "") -> str:
@@ -155,8 +148,6 @@ def release_config(cfg: Config, path: Path) -> Config:
 
 
 def release_dir(model_dir: str) -> Path | None:
-    from pipeline.release.checkpoint import is_release_dir
-
     path = Path(model_dir).expanduser() if model_dir and model_dir != RANDOM_MODEL else None
     return path.resolve() if path is not None and is_release_dir(path) else None
 
@@ -183,7 +174,7 @@ def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
     from pipeline.model import PadCaptioner
 
     device = resolve_device(cfg.infer.device)
-    model_id, resolved = resolve_model(cfg, model_dir)  # a release: cfg with the release encoders
+    model_id, cfg = resolve_model(cfg, model_dir)  # a release: cfg with the release encoders
     release = release_dir(model_dir)
     if release is not None:
         from pipeline.release.model import ReleaseCaptioner, settings_from
@@ -191,9 +182,10 @@ def load_model(cfg: Config, model_dir: str) -> tuple[Any, ModelCard, Config]:
         model = ReleaseCaptioner.from_release(release, settings_from(cfg), device=device).eval().requires_grad_(False)
         card = ModelCard(model_id=model_id, source=f"{release} (PadCaptioner release)", device=str(device),
                          extra={"release": model.describe()})
-        return model, card, resolved
-    cfg = resolved
-    dv, da = feature_dims(cfg)
+        return model, card, cfg
+    from preprocess.encoders import encoder_dims
+
+    dv, da = encoder_dims(cfg.features)  # from the encoders' configs: no tower is loaded for this
     if model_dir != RANDOM_MODEL:
         path = Path(model_dir).expanduser().resolve()
         model = PadCaptioner.from_pretrained(path)

@@ -62,11 +62,6 @@ def _need_release_path(cfg: FeaturesConfig) -> Path:
     return path.resolve()
 
 
-def release_width(path: Path) -> int:
-    """The LLM width d (what both towers output), from config.json alone."""
-    return int(json.loads((path / "config.json").read_text())["hidden_size"])
-
-
 def release_model(path: str | Path, device: torch.device):
     """The checkpoint's two towers (a towers-only ReleaseCaptioner: the LLM is never read nor put on
     `device`), loaded once per process (shared by both encoders)."""
@@ -92,11 +87,12 @@ class _ReleaseTower:
     def __init__(self, cfg: FeaturesConfig):
         super().__init__(cfg)  # the encoder kind's set-up (VisualEncoder / AudioEncoder, next in the MRO), then the checkpoint's
         self.path = _need_release_path(cfg)
-        self.dim = release_width(self.path)
+        self.dim = self.config_dim(cfg)
 
     @classmethod
     def config_dim(cls, cfg: FeaturesConfig) -> int:
-        return release_width(_need_release_path(cfg))
+        """The LLM width d (what both towers output), from config.json alone."""
+        return int(json.loads((_need_release_path(cfg) / "config.json").read_text())["hidden_size"])
 
     @property
     def model(self):
@@ -110,10 +106,6 @@ class _ReleaseTower:
 @register_visual("release")
 class ReleaseVisualEncoder(_ReleaseTower, VisualEncoder):
     """The checkpoint's Qwen2.5-VL vision tower + merger: V merged tokens of width d per timestep."""
-
-    def __init__(self, cfg: FeaturesConfig):
-        super().__init__(cfg)
-        self.tokens = 0  # per video: (gh/2)(gw/2), from the frame grid
 
     @torch.inference_mode()
     def encode_inputs(self, inputs: ReleaseInputs) -> np.ndarray:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from pipeline.release.geometry import CHUNK_SECONDS as WHISPER_SECONDS
 from pipeline.release.geometry import RELEASE, Geometry
-from pipeline.release.layout import AVGrid, audio_counts
+from pipeline.release.layout import AVGrid, audio_counts, av_grid
 from preprocess.media import METADATA_ERRORS, MediaError, _first_line, open_media, probe_video
 
 # patch / temporal patch / merge sizes, tokens per second and the audio window are the checkpoint's
@@ -230,17 +230,6 @@ def mel_chunks(waveform: np.ndarray, extractor=None) -> tuple[np.ndarray, int]:
     return np.stack(mels), int(audio.shape[0])
 
 
-# --------------------------------------------------------------------------- interleave and index sets
-
-
-def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int, geo: Geometry = RELEASE) -> AVGrid:
-    """The release layout's view of one video (pipeline/release/layout.py owns the interleave and index-set rules)."""
-    m = geo.spatial_merge_size
-    return AVGrid(timesteps=int(grid_thw[0]), rows=int(grid_thw[1]) // m, cols=int(grid_thw[2]) // m,
-                  seconds_per_step=float(d), audio_tokens=int(audio_total), tokens_per_second=geo.tokens_per_second,
-                  audio_seconds_per_token=geo.audio_seconds_per_token)
-
-
 # --------------------------------------------------------------------------- one video
 
 
@@ -263,8 +252,7 @@ class ReleaseInputs:
     @property
     def tokens_per_timestep(self) -> int:
         """V = (gh / m) * (gw / m) merged tokens per timestep."""
-        m = self.geometry.spatial_merge_size
-        return (self.grid_thw[1] // m) * (self.grid_thw[2] // m)
+        return self.layout_grid.per_step
 
     @property
     def has_audio(self) -> bool:
@@ -282,7 +270,7 @@ class ReleaseInputs:
     def to_bytes(self) -> bytes:
         """A compact serialisation (uint8 frames, float32 mel, the numbers) to ship between processes."""
         numbers = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("frames", "mel")}  # in field order
-        numbers["geometry"] = self.geometry.to_dict()
+        numbers["geometry"] = asdict(self.geometry)
         arrays = {"frames": self.frames.numpy(), "numbers": np.frombuffer(json.dumps(numbers).encode("utf-8"), dtype=np.uint8)}
         if self.mel is not None:
             arrays["mel"] = self.mel
@@ -294,7 +282,7 @@ class ReleaseInputs:
     def from_bytes(cls, data: bytes) -> ReleaseInputs:
         with np.load(io.BytesIO(data), allow_pickle=False) as z:
             n = json.loads(z["numbers"].tobytes().decode("utf-8"))
-            n.update(grid_thw=tuple(n["grid_thw"]), geometry=Geometry.from_dict(n.get("geometry")))
+            n.update(grid_thw=tuple(n["grid_thw"]), geometry=Geometry(**(n.get("geometry") or {})))
             return cls(frames=torch.from_numpy(z["frames"]), mel=z["mel"] if "mel" in z.files else None, **n)
 
     def pixel_values(self) -> torch.Tensor:

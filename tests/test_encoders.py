@@ -296,7 +296,7 @@ def test_encoders_on_cuda_match_cpu(vision_dirs, whisper_dir):
 
 @pytest.mark.parametrize("kind", ["siglip", "siglip_full", "clip"])
 def test_tower_dims_come_from_the_configs_without_loading_weights(vision_dirs, whisper_dir, kind, monkeypatch):
-    # what infer/loading.py feature_dims reads when a caption actor or a replica sizes its model
+    # what infer/loading.py load_model reads when a caption actor or a replica sizes its model
     from preprocess.encoders import encoder_dims
     from preprocess.hf_encoders import HFVisionEncoder, WhisperAudioEncoder
 

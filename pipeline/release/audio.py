@@ -75,16 +75,6 @@ class _Attention(nn.Module):
         return self.output(self.self(x, context), x)
 
 
-class _Intermediate(nn.Module):
-    def __init__(self, dim: int, inner: int, act: str):
-        super().__init__()
-        self.dense = nn.Linear(dim, inner)
-        self.act = ACT2FN[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
-
-
 class QFormerLayer(nn.Module):
     """Query self-attention -> cross-attention to the window -> query feed-forward."""
 
@@ -93,14 +83,16 @@ class QFormerLayer(nn.Module):
         dim, heads, eps = q["hidden_size"], q["num_attention_heads"], q.get("layer_norm_eps", 1e-12)
         self.attention = _Attention(dim, heads, dim, eps)
         self.crossattention = _Attention(dim, heads, q["encoder_width"], eps) if cross else None
-        self.intermediate_query = _Intermediate(dim, q["intermediate_size"], q.get("hidden_act", "gelu"))
+        self.intermediate_query = nn.Module()  # a plain container: the release's key name of `dense`
+        self.intermediate_query.dense = nn.Linear(dim, q["intermediate_size"])
+        self.act = ACT2FN[q.get("hidden_act", "gelu")]
         self.output_query = _Residual(q["intermediate_size"], dim, eps)
 
     def forward(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         x = self.attention(x, x)
         if self.crossattention is not None:
             x = self.crossattention(x, window)
-        return self.output_query(self.intermediate_query(x), x)
+        return self.output_query(self.act(self.intermediate_query.dense(x)), x)
 
 
 class WindowQFormer(nn.Module):

@@ -65,7 +65,7 @@ def prefill_inputs(model, video: ReleaseVideo, embed=None) -> tuple[ReleaseLayou
     trained <G>/<S> rows); the media tokens come from the frozen towers, without gradients.
     Raises DecodeError for a video that cannot be decoded as given (the engine records it
     for that video alone): bad timing, features that do not match the grid, a prompt over
-    the model's max_seq_len."""
+    the settings' max_seq_len."""
     if not (video.duration > 0 and video.seconds_per_step > 0):
         raise DecodeError(f"{video.video_id}: duration and seconds per timestep must be positive")
     with torch.no_grad():
@@ -78,8 +78,8 @@ def prefill_inputs(model, video: ReleaseVideo, embed=None) -> tuple[ReleaseLayou
     if vis.shape[0] != grid.timesteps * grid.per_step:
         raise DecodeError(f"{video.video_id}: {vis.shape[0]} video tokens for a grid of {grid.timesteps} x "
                           f"{grid.per_step}")
-    if lay.length > model.max_seq_len:
-        raise DecodeError(f"{video.video_id}: prompt of {lay.length} tokens is over the model's {model.max_seq_len}")
+    if lay.length > model.settings.max_seq_len:
+        raise DecodeError(f"{video.video_id}: prompt of {lay.length} tokens is over the model's {model.settings.max_seq_len}")
     pos, delta = mrope_ids(lay, model.settings.positions)
     dev = model.device
     emb = (model.embed_tokens if embed is None else embed)(lay.input_ids.to(dev))

@@ -263,7 +263,7 @@ class ReleaseFinetune(nn.Module):
         m = self.model
         m.hf_config.save_pretrained(path)
         torch.save(self.merged_release_state(), path / "pytorch_model.bin")
-        source = Path(getattr(m, "source", ""))
+        source = Path(m.source)
         copied = [name for name in TOKENIZER_FILES if source.is_dir() and (source / name).is_file()]
         for name in copied:
             shutil.copy2(source / name, path / name)

@@ -15,7 +15,7 @@ them. Pure python.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +39,6 @@ class Geometry:
     def audio_tokens_per_chunk(self) -> int:
         """Audio tokens per 30 s Whisper chunk (60 for the 3B)."""
         return round(CHUNK_SECONDS / self.audio_seconds_per_token)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> Geometry:
-        return cls(**(data or {}))
 
     @classmethod
     def from_config(cls, raw: dict[str, Any]) -> Geometry:

@@ -35,12 +35,9 @@ def find_and_merge(sim: torch.Tensor, threshold: float, merge_gap: int) -> tuple
 
 def interval_tokens(lay, interval: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence indices of the video and audio tokens of timesteps a..b (duplicates kept)."""
-    a, b = interval
-    vid = [i for t in range(a, b + 1) for i in lay.video_sets[t]]
-    aud = [i for t in range(a, b + 1) for i in lay.audio_sets[t]]
-    v = lay.video_slots[torch.tensor(vid, dtype=torch.long)] if vid else torch.zeros(0, dtype=torch.long)
-    au = lay.audio_slots[torch.tensor(aud, dtype=torch.long)] if aud else torch.zeros(0, dtype=torch.long)
-    return v, au
+    steps = range(interval[0], interval[1] + 1)
+    return tuple(slots[torch.tensor([i for t in steps for i in sets[t]], dtype=torch.long)]
+                 for slots, sets in ((lay.video_slots, lay.video_sets), (lay.audio_slots, lay.audio_sets)))
 
 
 WEIGHT_RULES = {"release": "softmax", "renormalised": "normalise"}  # aggregation mode -> pipeline/aggregation.py rule

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.layout import LayoutError, LayoutOptions, Role, TokenMeta, event_order, mask_between
-from pipeline.release.geometry import RELEASE
+from pipeline.release.geometry import RELEASE, Geometry
 
 SYSTEM = "You are a helpful assistant."
 POSITION_MODES = ("release", "training")
@@ -63,6 +63,15 @@ class AVGrid:
         return self.rows * self.cols
 
 
+def av_grid(grid_thw: tuple[int, int, int], d: float, audio_total: int, geo: Geometry = RELEASE) -> AVGrid:
+    """The layout's view of one video: the vision tower's patch grid (T, H, W) merged by the checkpoint's
+    spatial merge, seconds per timestep d, A_total audio tokens, the checkpoint's token rates."""
+    m = geo.spatial_merge_size
+    return AVGrid(timesteps=int(grid_thw[0]), rows=int(grid_thw[1]) // m, cols=int(grid_thw[2]) // m,
+                  seconds_per_step=float(d), audio_tokens=int(audio_total), tokens_per_second=geo.tokens_per_second,
+                  audio_seconds_per_token=geo.audio_seconds_per_token)
+
+
 def tau(grid: AVGrid) -> torch.Tensor:
     """[T] int64: the temporal position offset of each timestep, float32 as the release computes it."""
     return (torch.arange(grid.timesteps) * float(grid.seconds_per_step) * grid.tokens_per_second).long()
@@ -74,8 +83,6 @@ def audio_counts(grid: AVGrid) -> list[int]:
     Bounds are clamped to A_total, so an audio track shorter than the video gives the late
     timesteps no tokens instead of negative counts.
     """
-    if grid.audio_tokens <= 0:
-        return [0] * grid.timesteps
     bounds = [min(int(b), grid.audio_tokens) for b in tau(grid).tolist()] + [grid.audio_tokens]
     return [bounds[t + 1] - bounds[t] for t in range(grid.timesteps)]
 
@@ -88,12 +95,9 @@ def index_sets(grid: AVGrid) -> tuple[list[list[int]], list[list[int]]]:
         start, end = t * d, (t + 1) * d
         s0, s1 = math.floor(start / d), min(math.ceil(end / d), grid.timesteps)
         video.append(list(range(s0 * grid.per_step, s1 * grid.per_step)))
-        if grid.audio_tokens > 0:
-            a0 = min(math.floor(start / grid.audio_seconds_per_token), grid.audio_tokens)
-            a1 = min(math.ceil(end / grid.audio_seconds_per_token), grid.audio_tokens)
-            audio.append(list(range(a0, a1)))
-        else:
-            audio.append([])
+        a0 = min(math.floor(start / grid.audio_seconds_per_token), grid.audio_tokens)  # none without audio
+        a1 = min(math.ceil(end / grid.audio_seconds_per_token), grid.audio_tokens)
+        audio.append(list(range(a0, a1)))
     return video, audio
 
 

@@ -93,6 +93,8 @@ def settings_from(cfg, *, positions: str | None = None) -> ReleaseSettings:
 class ReleaseCaptioner(nn.Module):
     """See the module docstring. Build with `from_release` (weights) or the constructor (random)."""
 
+    source = ""  # the release directory `from_release` read ("" when built by the constructor)
+
     def __init__(self, hf_config, tokenizer, settings: ReleaseSettings | None = None):
         super().__init__()
         settings = settings or ReleaseSettings()
@@ -229,15 +231,11 @@ class ReleaseCaptioner(nn.Module):
     def hidden_size(self) -> int:
         return self.decoder.embed_tokens.weight.shape[1]
 
-    @property
-    def max_seq_len(self) -> int:
-        return int(self.settings.max_seq_len)
-
     def step_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(embed [V, d], head [V, d], head bias) for the decode step: the release's rows are in the tables."""
         emb = self.decoder.embed_tokens.weight.detach()
         out = self.hf.lm_head.weight.detach()
-        return emb, (emb if out.data_ptr() == emb.data_ptr() else out), getattr(self.hf.lm_head, "bias", None)
+        return emb, (emb if out.data_ptr() == emb.data_ptr() else out), self.hf.lm_head.bias
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(ids.to(self.device))
@@ -251,7 +249,7 @@ class ReleaseCaptioner(nn.Module):
         """hidden [N, d] -> [N, 2]: the (<G>, <S>) columns of `lm_logits` alone (a planning decision's)."""
         head = self.hf.lm_head
         ids = [self.g_id, self.s_id]
-        bias = head.bias[ids] if getattr(head, "bias", None) is not None else None
+        bias = head.bias[ids] if head.bias is not None else None
         return torch.nn.functional.linear(hidden, head.weight[ids], bias)
 
     def segment_vectors(self, hidden: torch.Tensor, lay) -> torch.Tensor:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.release.geometry import RELEASE, Geometry
-from pipeline.release.layout import AVGrid
+from pipeline.release.layout import AVGrid, av_grid
 
 
 @dataclass
@@ -41,11 +41,7 @@ class ReleaseVideo:
         return int(self.grid_thw[0])
 
     def grid(self, audio_tokens: int) -> AVGrid:
-        t, h, w = (int(x) for x in self.grid_thw)
-        geo = self.geometry
-        return AVGrid(timesteps=t, rows=h // geo.spatial_merge_size, cols=w // geo.spatial_merge_size,
-                      seconds_per_step=float(self.seconds_per_step), audio_tokens=int(audio_tokens),
-                      tokens_per_second=geo.tokens_per_second, audio_seconds_per_token=geo.audio_seconds_per_token)
+        return av_grid(self.grid_thw, self.seconds_per_step, audio_tokens, self.geometry)
 
 
 def as_release_video(item, geometry: Geometry = RELEASE) -> ReleaseVideo:
