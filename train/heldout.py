@@ -76,7 +76,7 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     out: dict[str, Any] = summary(engine_counts(samples, events, parse))
     out.pop("token_acc")  # teacher-forced only
     if texts:  # a text baseline: how its timestamps failed to parse
-        out.update(parse_failures(texts).numbers())
+        out.update(parse_failures(texts))
     out["seconds_per_video"] = seconds / max(1, len(samples))
     out["decoder"] = name
     out["engine_errors"] = errors
