@@ -156,14 +156,15 @@ def chunk_size(todo: int, actors: int, most: int = CHUNK_VIDEOS) -> int:
     return max(1, min(most, -(-todo // (4 * max(1, actors)))))
 
 
-StageWrapper = Callable[[str, type], type]  # (stage name, stage class) -> the class Ray Data runs
+StageWrapper = Callable[[str, type], type]  # (stage name, stage class) -> the class Ray Data runs (module doc)
 
 
-def _as_is(stage: str, cls: type) -> type:
+def stage_as_is(stage: str, cls: type) -> type:
+    """The default `wrap_stage` of this job and of offline captioning (infer/offline/job.py): the class itself."""
     return cls
 
 
-def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str, wrap_stage: StageWrapper = _as_is):
+def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str, wrap_stage: StageWrapper = stage_as_is):
     """Featurize and write `chunks` ({"chunk", "videos"}) on one actor pool for the whole job ->
     an iterator over each finished chunk's manifest rows, in the order they finish."""
     actors = max(1, cfg.cluster.preprocess_actors)
@@ -185,7 +186,7 @@ def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str, 
 
 def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, out_dir: str,
                    chunk_videos: int | None = None, max_chunks: int | None = None,
-                   wrap_stage: StageWrapper = _as_is) -> dict[str, Any]:
+                   wrap_stage: StageWrapper = stage_as_is) -> dict[str, Any]:
     """The whole job. `annotations` maps split -> (path, format). Returns a summary dict.
 
     `chunk_videos`: videos per chunk (default `chunk_size`'s). `max_chunks` stops early (used to

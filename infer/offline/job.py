@@ -41,7 +41,6 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,6 +53,7 @@ from pipeline import storage
 from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.schema import FIELDS, KEY, decode, encode
+from preprocess.job import StageWrapper, stage_as_is
 
 SAMPLE_COLUMNS = [KEY, *FIELDS]
 RELEASE_INPUTS = "release_inputs"  # online release encoders: the media preparation's output (ReleaseInputs.to_bytes)
@@ -295,16 +295,9 @@ def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed
     return verdict
 
 
-StageWrapper = Callable[[str, type], type]  # (stage name, stage class) -> the class Ray Data runs
-
-
-def _as_is(stage: str, cls: type) -> type:
-    return cls
-
-
 def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
                 chunk_videos: int = 64, max_chunks: int | None = None,
-                wrap_stage: StageWrapper = _as_is) -> dict[str, Any]:
+                wrap_stage: StageWrapper = stage_as_is) -> dict[str, Any]:
     """Caption every listed video not yet captioned with this model+config. Returns a summary,
     with `judge`'s verdict in it (`failure` is set when the job failed). `wrap_stage`: the module doc's hook."""
     judge([], [], cfg.infer.max_failed_fraction, out)  # a threshold out of range fails before any work
