@@ -2,7 +2,7 @@
 
     decoded = layout_ordered(model, sample, cfg.infer)     # model.mask=causal, model.g_visibility=own
     decoded = text_chain(model, sample, cfg.infer)         # model.layout=sequential / textual_planning
-    decoder = decoder_for(model, cfg.infer)                # the right one for any model (or None: the engine)
+    decoder = decoder_for(model)                           # the right one for any model (or None: the engine)
 
 layout_ordered  for the parallel layout under any mask rule the engine cannot run (the
                 causal ablation, own-<G> visibility): the front half as every decoder
@@ -38,16 +38,10 @@ from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
 from infer.oracles.decoders import finish_decoded, monolithic
 from infer.oracles.front import StageTimer, run_front
 from pipeline.config import InferConfig
-from pipeline.decoding import prepare_example
+from pipeline.decoding import prepare_example, token_position_ids
 from pipeline.examples import collate
 from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, event_order, mask_between
 from pipeline.textual import parse_events_text
-
-
-def _positions(model, position: torch.Tensor, role: Role) -> torch.Tensor:
-    """Backbone position ids [1, n] for n tokens of one role at layout positions `position` [n]."""
-    pos = position.reshape(1, -1).long()
-    return model.adapter.position_ids(pos, torch.full_like(pos, -1), torch.full_like(pos, int(role))).to(model.device)
 
 
 def _meta(order, role: Role, event) -> TokenMeta:
@@ -87,7 +81,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     anchors = _meta(event_order(torch.arange(k), 0, base, k, opts.branch_order), Role.ANCHOR, torch.arange(k))
     keys = cat_meta(keys, anchors)
     mask = additive_mask(mask_between(anchors, keys, opts))[None, None]
-    pos = _positions(model, torch.full((k,), branch_position(front.anchor_pos, 0)), Role.ANCHOR)
+    pos = token_position_ids(model, branch_position(front.anchor_pos, 0), k, Role.ANCHOR, dev).transpose(-1, -2)  # [.., 1, K]
     out = model.run_decoder(front.anchors[None], mask, pos, cache=cache)
     logits = model.lm_logits(out.last_hidden_state[0])
     first = chooser.branch(logits, 0, list(range(k)), control).tolist()
@@ -105,7 +99,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
             keys = cat_meta(keys, q)
             emb = model.embed_tokens(torch.tensor([[tokens[e][-1]]], device=dev))
             out = model.run_decoder(emb, additive_mask(mask_between(q, keys, opts))[None, None],
-                                    _positions(model, torch.tensor([branch_position(front.anchor_pos, step)]), Role.BRANCH),
+                                    token_position_ids(model, branch_position(front.anchor_pos, step), 1, Role.BRANCH, dev),
                                     cache=cache)
             logits = model.lm_logits(out.last_hidden_state[:, -1])
             tokens[e].append(int(chooser.branch(logits, step, [e], control)[0]))
@@ -115,7 +109,6 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
             live[e] = step + 1
             if done(e):
                 del live[e]
-    timer.lap("decode_ms")
     return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                           front.grounding_logits, control)
 
@@ -166,8 +159,8 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
         if tok == chooser.eos_id or len(ids) >= (len(forced) if forced is not None else cap):
             break
         emb = model.embed_tokens(torch.tensor([[tok]], device=model.device))
-        step = model.run_decoder(emb, torch.zeros(1, 1, 1, index + 1), _positions(model, torch.tensor([index]), Role.RESPONSE),
-                                 cache=cache)
+        pos = token_position_ids(model, index, 1, Role.RESPONSE, model.device)
+        step = model.run_decoder(emb, torch.zeros(1, 1, 1, index + 1), pos, cache=cache)
         hidden = step.last_hidden_state[:, -1]
         index += 1
     t_end = time.perf_counter()
@@ -182,7 +175,7 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
 # --------------------------------------------------------------------------- which decoder
 
 
-def decoder_for(model, cfg: InferConfig):
+def decoder_for(model):
     """The reference-style decoder a model must use instead of the engine, or None (the engine).
 
     parallel layout + factorized + global <G>: None (the engine); chain: monolithic;
@@ -198,7 +191,7 @@ def caption_engine(model, cfg: InferConfig):
     """The engine for `model` under `cfg`, with the single-chain decoder `infer.decoder=monolithic` runs:
     the model's own baseline (`decoder_for`: an ablation model decodes in its own layout), else
     infer/oracles/decoders.py `monolithic`."""
-    return CaptionEngine(model, cfg, single_chain=decoder_for(model, cfg) or monolithic)
+    return CaptionEngine(model, cfg, single_chain=decoder_for(model) or monolithic)
 
 
 def decode_events(model, decoder, sample, cfg: InferConfig) -> tuple[dict, dict[str, float]]:

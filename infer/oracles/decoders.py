@@ -48,7 +48,9 @@ from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat
 
 
 def finish_decoded(sample, example, intervals, tokens, steps, timer, planning, branch_logits, grounding, control) -> Decoded:
-    """A reference decoder's Decoded: its timings (the timer's stages, totals, counts) and, when traced, its logits."""
+    """A reference decoder's Decoded once its branches have ended (the timer's "decode_ms" lap is taken here): its
+    timings (the timer's stages, totals, counts) and, when traced, its logits."""
+    timer.lap("decode_ms")
     timings = dict(timer.ms)
     timings.update(total_ms=sum(timer.ms.values()), steps=float(steps), tokens=float(sum(map(len, tokens))),
                    events=float(len(tokens)), segments_kept=float(example.layout.num_segments),
@@ -125,7 +127,6 @@ def full_recompute(model, sample, cfg: InferConfig, control: DecodeControl = NO_
             logits_of[e].append(logits[row].float().cpu())
         active = [e for e in active if not _done(tokens[e][-1], len(tokens[e]), chooser, cfg.max_branch_tokens)]
         step += 1
-    timer.lap("decode_ms")
     return finish_decoded(sample, example, intervals, tokens, step, timer,
                           torch.stack(planning) if planning else torch.zeros(0, 2), logits_of, g_logits, control)
 
@@ -177,7 +178,6 @@ def _token_by_token(model, sample, cfg: InferConfig, control: DecodeControl, inp
             embeds = model.embed_tokens(torch.tensor([[tok]], device=dev))
         if crop:
             cache.crop(base - cache.get_seq_length())  # HF 5: a negative count of tokens to drop
-    timer.lap("decode_ms")
     return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                           front.grounding_logits, control)
 
@@ -245,7 +245,6 @@ def parallel_copy(model, sample, cfg: InferConfig, control: DecodeControl = NO_C
                               lambda logits, step: chooser.branch(logits, step, list(range(k)), control).tolist(),
                               cfg.max_branch_tokens)
     logits_of = [[rounds[r][e].float().cpu() for r in range(len(tokens[e]))] if control.trace else [] for e in range(k)]
-    timer.lap("decode_ms")
     return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                           front.grounding_logits, control)
 
