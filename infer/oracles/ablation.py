@@ -35,7 +35,7 @@ from infer.engine.core import CaptionEngine
 from infer.engine.decoded import Decoded, caption_text, to_events
 from infer.engine.requests import model_caps
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
-from infer.oracles.decoders import finish_decoded, monolithic
+from infer.oracles.decoders import branch_ended, finish_decoded, monolithic
 from infer.oracles.front import StageTimer, run_front
 from pipeline.config import InferConfig
 from pipeline.decoding import prepare_example, token_position_ids
@@ -89,10 +89,8 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     logits_of = [[logits[e].float().cpu()] if control.trace else [] for e in range(k)]
     steps = 1
 
-    def done(e: int) -> bool:
-        return tokens[e][-1] == chooser.eos_id or len(tokens[e]) >= cfg.max_branch_tokens
-
-    live = {e: 1 for e in range(k) if not done(e)}  # event -> the branch step its next input takes
+    # event -> the branch step its next input takes
+    live = {e: 1 for e in range(k) if not branch_ended(tokens[e], chooser.eos_id, cfg.max_branch_tokens)}
     while live:
         for e, step in _schedule(k, opts.branch_order, live):
             q = _meta(event_order(e, step, base, k, opts.branch_order), Role.BRANCH, e)
@@ -107,7 +105,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
                 logits_of[e].append(logits[0].float().cpu())
             steps += 1
             live[e] = step + 1
-            if done(e):
+            if branch_ended(tokens[e], chooser.eos_id, cfg.max_branch_tokens):
                 del live[e]
     return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                           front.grounding_logits, control)
