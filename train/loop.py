@@ -46,7 +46,7 @@ from torch import nn
 from pipeline.config import Config
 from pipeline.model import PadCaptioner
 from train import checkpoint as ckpt
-from train.data import Augment, Batcher, DataStats
+from train.data import Augment, Batcher
 from train.deepspeed_config import deepspeed_config
 from train.evaluate import ATTRIBUTES, EvalCounts, heldout_counts, summary
 from train.losses import compute_losses
@@ -369,7 +369,6 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
     on_gpu = ctx.device.type == "cuda"
     backend = (DeepSpeedBackend if resolve_backend(tc, on_gpu) == "deepspeed" else DDPBackend)(model, cfg, ctx)
     generator = torch.Generator().manual_seed(tc.seed * 1000 + ctx.rank + 1)
-    stats = DataStats()
     state = ckpt.TrainState()
 
     resume = ctx.latest_checkpoint()
@@ -385,7 +384,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
 
     probe_val = Batcher(model, 1)  # keeps the samples that become examples (the same list on every rank)
     val_samples = [s for s in val_samples[: tc.val_samples or None] if probe_val.example(s) is not None]
-    batcher = Batcher(model, tc.batch_size, stats=stats, generator=generator,
+    batcher = Batcher(model, tc.batch_size, generator=generator,
                       augment=Augment(tc.augment_crop, tc.augment_noise, generator))
     stream = BatchStream(data, batcher, state, ctx)
     autocast = on_gpu and tc.bf16 and backend.name == "ddp"
@@ -417,7 +416,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
             rec.update(val)
             if ctx.rank == 0 and val:
                 print("[train] validation " + "  ".join(f"{k} {v:.3f}" for k, v in val.items()), flush=True)
-        state.data_stats = stats.as_dict()
+        state.data_stats = batcher.stats.as_dict()
         logged = bool(tc.log_every) and state.step % tc.log_every == 0  # 0: first and last step only
         if ctx.rank == 0 and (logged or state.step == 1 or last):
             print(_log_line(rec), flush=True)
@@ -429,4 +428,4 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
         ctx.on_step(state.step)
 
     return {"steps": state.step, "seconds": time.perf_counter() - t_start, "metrics": last_metrics,
-            "data": stats.as_dict(), "backend": backend.name}
+            "data": batcher.stats.as_dict(), "backend": backend.name}
