@@ -164,11 +164,7 @@ class CaptionVideos:
         self.pid = os.getpid()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
-        rows = [r.to_row() for r in self._caption(batch)]
-        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
-
-    def _caption(self, batch: dict[str, np.ndarray]) -> list[CaptionResult]:
-        """One CaptionResult per video of `batch`: the engine's captions, or the reason it gave none."""
+        """One CaptionResult row per video of `batch`: the engine's captions, or the reason it gave none."""
         fields = {"model_id": self.model_id, "config_hash": self.config_hash}
         items = []
         for i in range(len(batch["video_id"])):
@@ -187,7 +183,8 @@ class CaptionVideos:
             if result.ok:  # captioned by the engine
                 result.timings.update(featurize_s=float(batch["seconds"][i]), kernel=self.kernel, caption_pid=self.pid,
                                       featurize_pid=int(batch.get("featurize_pid", [0] * len(results))[i]))
-        return results
+        rows = [r.to_row() for r in results]
+        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
 
 
 # ----------------------------------------------------------------------------- results
