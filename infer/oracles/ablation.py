@@ -17,7 +17,7 @@ layout_ordered  for the parallel layout under any mask rule the engine cannot ru
                 equal the training forward's (tests/test_ordered.py), which `monolithic`
                 (consecutive positions, a1 b1 a2 b2) does not for a causal model.
 text_chain      the single causal chain of the sequential baselines: the prefix, then
-                greedy text at consecutive positions until <eos> or `max_tokens`; the
+                greedy text at consecutive positions until <eos> or max_events x max_branch_tokens; the
                 text goes to the metrics as `{"text": ...}` and is parsed there
                 (pipeline/textual.py).
 The chain model (model.layout=chain) is what infer/oracles/decoders.py `monolithic` decodes.
@@ -129,11 +129,11 @@ class TextDecoded:
 
 @torch.no_grad()
 def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL,
-               max_tokens: int | None = None, forced: list[int] | None = None) -> TextDecoded:
-    """Prefix, then greedy text at consecutive positions to <eos> or `max_tokens`
-    (default max_events x max_branch_tokens). `forced`: feed these ids instead of the
-    chosen ones (tests compare the logits with the training forward)."""
-    cap = int(max_tokens or cfg.max_events * cfg.max_branch_tokens)
+               forced: list[int] | None = None) -> TextDecoded:
+    """Prefix, then greedy text at consecutive positions to <eos> or max_events x max_branch_tokens
+    tokens. `forced`: feed these ids instead of the chosen ones (tests compare the logits with the
+    training forward)."""
+    cap = int(cfg.max_events * cfg.max_branch_tokens)
     t0 = time.perf_counter()
     example = prepare_example(model, sample, cap)
     lay = example.layout
