@@ -51,12 +51,6 @@ def _meta(order, role: Role, event) -> TokenMeta:
                      plan_index=torch.full_like(order, -1))
 
 
-def _with_plan(keys: TokenMeta, prefix_len: int) -> TokenMeta:
-    """The front's keys (prefix + serial <G>s, order = index) with each serial <G>'s plan index."""
-    plan = torch.where(keys.role == Role.SERIAL_G, keys.order - prefix_len, -1)
-    return TokenMeta(order=keys.order, role=keys.role, event=keys.event, plan_index=plan)
-
-
 def _schedule(k: int, branch_order: str, live) -> list[tuple[int, int]]:
     """The (event, step) of the next branch tokens to feed, in layout order (live: event -> step)."""
     if branch_order == "round_robin":
@@ -75,7 +69,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     opts, dev = model.options, model.device
     p, k = front.prefix_len, front.num_events
     base = p + k
-    keys = _with_plan(front.keys, p)
+    keys = front.keys  # with each serial <G>'s plan index (the own-<G> rule reads it)
     chooser = video_chooser(model.ids, cfg, sample.video_id, dev)
 
     anchors = _meta(event_order(torch.arange(k), 0, base, k, opts.branch_order), Role.ANCHOR, torch.arange(k))
