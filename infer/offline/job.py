@@ -53,6 +53,7 @@ from pipeline import storage
 from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.schema import FIELDS, KEY, decode, encode
+from preprocess import manifest as mf
 from preprocess.job import StageWrapper, stage_as_is
 
 SAMPLE_COLUMNS = [KEY, *FIELDS]
@@ -81,7 +82,7 @@ def list_videos(spec: str, extensions: list[str]) -> list[dict[str, str]]:
     must not pass for an empty archive.
     """
     if spec.endswith(".parquet"):
-        rows = pq.read_table(io.BytesIO(storage.read_bytes(spec))).to_pylist()
+        rows = mf.read_table(spec)
         return [{"video_id": r["video_id"], "uri": r["uri"] or ""} for r in rows]
     if any(ch in spec for ch in "*?["):
         fs, inner = storage.filesystem(spec)
@@ -195,10 +196,7 @@ def _parts_dir(out: str) -> str:
 
 
 def _read_parts(out: str) -> list[dict[str, Any]]:
-    rows = []
-    for p in storage.list_files(_parts_dir(out), (".parquet",)):
-        rows.extend(pq.read_table(io.BytesIO(storage.read_bytes(p))).to_pylist())
-    return rows
+    return [row for p in storage.list_files(_parts_dir(out), (".parquet",)) for row in mf.read_table(p)]
 
 
 def _write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
@@ -231,8 +229,7 @@ def _parsed(row: dict[str, Any]) -> dict[str, Any]:
 
 def read_results(out: str) -> list[dict[str, Any]]:
     """The consolidated rows, events and timings parsed."""
-    rows = pq.read_table(io.BytesIO(storage.read_bytes(storage.join(out, "captions.parquet")))).to_pylist()
-    return [_parsed(r) for r in rows]
+    return [_parsed(r) for r in mf.read_table(storage.join(out, "captions.parquet"))]
 
 
 class OncePerVideo:
