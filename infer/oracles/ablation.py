@@ -35,12 +35,12 @@ from infer.engine.core import CaptionEngine
 from infer.engine.decoded import Decoded, caption_text, to_events
 from infer.engine.requests import model_caps
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
-from infer.oracles.decoders import branch_ended, finish_decoded, monolithic
+from infer.oracles.decoders import branch_ended, finish_decoded, monolithic, row_mask
 from infer.oracles.front import StageTimer, run_front
 from pipeline.config import InferConfig
 from pipeline.decoding import prepare_example, token_position_ids
 from pipeline.examples import collate
-from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, event_order, mask_between
+from pipeline.layout import Role, TokenMeta, branch_position, cat_meta, event_order
 from pipeline.textual import parse_events_text
 
 
@@ -74,7 +74,7 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
 
     anchors = _meta(event_order(torch.arange(k), 0, base, k, opts.branch_order), Role.ANCHOR, torch.arange(k))
     keys = cat_meta(keys, anchors)
-    mask = additive_mask(mask_between(anchors, keys, opts))[None, None]
+    mask = row_mask(model, anchors, keys)
     pos = token_position_ids(model, branch_position(front.anchor_pos, 0), k, Role.ANCHOR, dev).transpose(-1, -2)  # [.., 1, K]
     out = model.run_decoder(front.anchors[None], mask, pos, cache=cache)
     logits = model.lm_logits(out.last_hidden_state[0])
@@ -90,9 +90,8 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
             q = _meta(event_order(e, step, base, k, opts.branch_order), Role.BRANCH, e)
             keys = cat_meta(keys, q)
             emb = model.embed_tokens(torch.tensor([[tokens[e][-1]]], device=dev))
-            out = model.run_decoder(emb, additive_mask(mask_between(q, keys, opts))[None, None],
-                                    token_position_ids(model, branch_position(front.anchor_pos, step), 1, Role.BRANCH, dev),
-                                    cache=cache)
+            pos = token_position_ids(model, branch_position(front.anchor_pos, step), 1, Role.BRANCH, dev)
+            out = model.run_decoder(emb, row_mask(model, q, keys), pos, cache=cache)
             logits = model.lm_logits(out.last_hidden_state[:, -1])
             tokens[e].append(int(chooser.branch(logits, step, [e], control)[0]))
             if control.trace:
