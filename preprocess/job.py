@@ -107,14 +107,13 @@ def _resolve_videos(video_root: str, extensions: list[str]) -> dict[str, str]:
     return found
 
 
-def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, done_ok: dict[str, str]):
+def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, done_ok: dict[str, str], feature_hash: str):
     """Rows to featurize and error rows known before any decoding.
 
-    done_ok: {video id: annotation hash} of the videos already ok; one is redone when its
-    annotation hash changed. Returns (rows to featurize, error rows, ids skipped as done,
-    every video id the annotations name)."""
+    done_ok: {video id: annotation hash} of the videos already ok with `feature_hash` (the
+    config's features); one is redone when its annotation hash changed. Returns (rows to
+    featurize, error rows, ids skipped as done, every video id the annotations name)."""
     videos = _resolve_videos(video_root, cfg.data.video_extensions)
-    feature_hash = section_hash(cfg.features)
     todo: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -199,7 +198,7 @@ def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_r
     if removed:
         print(f"[preprocess] removed {len(removed)} uncommitted chunk(s) of an interrupted run: {removed}", flush=True)
     done_ok = mf.done_videos(parts, feature_hash)
-    todo, early_errors, skipped, named = _plan(cfg, annotations, video_root, done_ok)
+    todo, early_errors, skipped, named = _plan(cfg, annotations, video_root, done_ok, feature_hash)
     print(f"[preprocess] {len(todo)} videos to process, {len(skipped)} already done, "
           f"{len(early_errors)} failed before decoding", flush=True)
     dropped = mf.removed_videos(parts, named)
