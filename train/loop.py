@@ -345,12 +345,6 @@ def _save(ctx, backend, model, state: ckpt.TrainState, cfg: Config, generator, m
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _log_line(rec: dict[str, Any]) -> str:
-    parts = [f"step {rec['step']}", *(f"{k} {rec[k]:.4f}" for k in LOSS_KEYS if k in rec),
-             f"lr {rec['lr']:.2e}", f"tok/s {rec['tokens_per_s']:.0f}", f"{rec['elapsed_s']:.0f}s"]
-    return "[train] " + "  ".join(parts)
-
-
 def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual_dim: int, audio_dim: int,
                parse=None, probe=None) -> dict[str, Any]:
     """Train to `cfg.train.max_steps` (resuming from ctx.latest_checkpoint()); returns rank-local summary.
@@ -419,7 +413,9 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
         state.data_stats = batcher.stats.as_dict()
         logged = bool(tc.log_every) and state.step % tc.log_every == 0  # 0: first and last step only
         if ctx.rank == 0 and (logged or state.step == 1 or last):
-            print(_log_line(rec), flush=True)
+            parts = [f"step {rec['step']}", *(f"{k} {rec[k]:.4f}" for k in LOSS_KEYS if k in rec),
+                     f"lr {rec['lr']:.2e}", f"tok/s {rec['tokens_per_s']:.0f}", f"{rec['elapsed_s']:.0f}s"]
+            print("[train] " + "  ".join(parts), flush=True)
         last_metrics = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
         if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0) or last:
             _save(ctx, backend, model, state, cfg, generator, last_metrics)
