@@ -204,16 +204,13 @@ class QuietConsole:
     def _observe(self, line: str) -> None:
         with self._lock:
             if _ERROR.search(_WORKER_PREFIX.sub("", line)):
-                self._error_line(line)
+                self._errors += 1
+                if self._errors <= MAX_ERROR_LINES:
+                    self._write_line(line.rstrip())
+                elif self._errors == MAX_ERROR_LINES + 1:
+                    self._write_line(f"(more error lines in {self.log_path})")
             elif self.stage is not None and parse_progress(self.stage, line, self.max_steps):
                 self._draw()
-
-    def _error_line(self, line: str) -> None:
-        self._errors += 1
-        if self._errors <= MAX_ERROR_LINES:
-            self._write_line(line.rstrip())
-        elif self._errors == MAX_ERROR_LINES + 1:
-            self._write_line(f"(more error lines in {self.log_path})")
 
     # ------------------------------------------------------------------ the terminal
 
