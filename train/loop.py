@@ -253,18 +253,15 @@ class BatchStream:
             self.state.records_in_epoch += 1
             yield rec
 
-    def _start_epoch(self) -> None:
-        skip = self.state.records_in_epoch
-        self._resumed_mid_epoch = skip > 0
-        records = iter(self.source.epoch(self.state.epoch))
-        self.state.records_in_epoch = sum(1 for _ in itertools.islice(records, skip))  # resume: those already given
-        self._records = self._count(records)
-        self._batches = self.batcher(self._records)
-
     def next(self):
         while True:
-            if self._batches is None:
-                self._start_epoch()
+            if self._batches is None:  # a new epoch
+                skip = self.state.records_in_epoch
+                self._resumed_mid_epoch = skip > 0
+                records = iter(self.source.epoch(self.state.epoch))
+                self.state.records_in_epoch = sum(1 for _ in itertools.islice(records, skip))  # resume: those already given
+                self._records = self._count(records)
+                self._batches = self.batcher(self._records)
                 self._produced = 0
             batch = next(self._batches, None)
             empty = batch is None and self._produced == 0 and not self._resumed_mid_epoch
