@@ -175,7 +175,7 @@ def score(records: dict[tuple[str, int], dict], refs: list) -> dict[str, list[di
                        "loss_last": rec["train"]["loss_last"]}
             texts = [o["text"] for o in rec["outputs"].values() if "text" in o]
             if texts:
-                numbers.update(parse_failures(texts).numbers())
+                numbers.update(parse_failures(texts))
             out.setdefault(variant, []).append(numbers)
     return out
 

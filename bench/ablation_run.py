@@ -32,7 +32,7 @@ from pipeline.config import Config
 def _decode_all(model, cfg: Config, samples: list) -> tuple[dict[str, dict], list[dict[str, float]], str]:
     from infer.oracles.ablation import caption_engine, decode_events, decoder_for
 
-    decoder = decoder_for(model, cfg.infer)
+    decoder = decoder_for(model)
     if decoder is None:
         engine = caption_engine(model, cfg.infer)
 

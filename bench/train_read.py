@@ -76,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import ray
 
-    from pipeline.config import Config
     from train.trainer import read_train_dataset
 
     work = Path(tempfile.mkdtemp(prefix="padcap-bench-read-"))
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
              _node_ip_address="127.0.0.1")
     try:
         results, orders = {}, {}
-        for name, fn in (("one_pass", lambda: read_train_dataset(keys, Config())), ("two_pass", lambda: two_pass(keys))):
+        for name, fn in (("one_pass", lambda: read_train_dataset(keys)), ("two_pass", lambda: two_pass(keys))):
             before = plasma_used_mb()
             peak, ds = peak_while(fn)
             rows = orders[name] = [r[KEY] for r in ds.iter_rows()]

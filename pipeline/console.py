@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,11 +130,9 @@ def log_dir(run_dir: str) -> str:
 class QuietConsole:
     """Redirects fds 1/2 into a log file and draws the stage bars on the terminal (see above)."""
 
-    def __init__(self, run_dir: str, max_steps: int,
-                 parser: Callable[[StageProgress, str, int], bool] = parse_progress):
+    def __init__(self, run_dir: str, max_steps: int):
         self.log_path = str(Path(log_dir(run_dir)) / time.strftime("run-%Y%m%d-%H%M%S.log"))
         self.max_steps = max_steps
-        self.parser = parser
         self.passthrough = False  # set for good when parsing or drawing failed (see the docstring)
         self.stage: StageProgress | None = None
         self._lock = threading.Lock()
@@ -207,16 +204,13 @@ class QuietConsole:
     def _observe(self, line: str) -> None:
         with self._lock:
             if _ERROR.search(_WORKER_PREFIX.sub("", line)):
-                self._error_line(line)
-            elif self.stage is not None and self.parser(self.stage, line, self.max_steps):
+                self._errors += 1
+                if self._errors <= MAX_ERROR_LINES:
+                    self._write_line(line.rstrip())
+                elif self._errors == MAX_ERROR_LINES + 1:
+                    self._write_line(f"(more error lines in {self.log_path})")
+            elif self.stage is not None and parse_progress(self.stage, line, self.max_steps):
                 self._draw()
-
-    def _error_line(self, line: str) -> None:
-        self._errors += 1
-        if self._errors <= MAX_ERROR_LINES:
-            self._write_line(line.rstrip())
-        elif self._errors == MAX_ERROR_LINES + 1:
-            self._write_line(f"(more error lines in {self.log_path})")
 
     # ------------------------------------------------------------------ the terminal
 

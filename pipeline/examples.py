@@ -60,9 +60,6 @@ class Batch:
     packed: Packed
     examples: list[Example]
 
-    def __len__(self) -> int:
-        return len(self.examples)
-
     @property
     def num_tokens(self) -> int:
         """Tokens that are not padding (what the loop counts per step)."""
@@ -154,9 +151,6 @@ class Packed:
     split: int
     columns: list[torch.Tensor]
     layouts: list[Layout]
-
-    def __len__(self) -> int:
-        return len(self.layouts)
 
 
 _PAD_VALUES = {"input_ids": 0, "labels": IGNORE, "event": -1, "role": int(Role.PAD), "segment": -1,

@@ -3,7 +3,7 @@
     text = format_sequential(events)        # "3.0-7.5 seconds: caption" per event, one a line
     text = format_textual_planning(events)  # "events: 3.0-7.5, 9.0-12.0 seconds" then "event 1: caption" ...
     events, problems = parse_events_text(text)
-    failures = parse_failures(texts)        # how a run's text outputs failed to parse
+    failures = parse_failures(texts)        # how a run's text outputs failed to parse: parse_* numbers
 
 The sequential baseline (`model.layout=sequential`, video-SALMONN 2+ / LongVALE-LLM
 style) writes every event in one causal chain with textual timestamps; the textual
@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 NUMBER = r"(\d+(?:\.\d+)?)"
 SPAN = NUMBER + r"\s*-\s*" + NUMBER
@@ -113,27 +112,18 @@ def parse_events_text(text: str) -> tuple[list[tuple[float, float, str]], list[s
     return events, problems
 
 
-@dataclass(frozen=True)
-class ParseFailures:
-    """How a sequential baseline's text outputs failed to parse (the metrics parse them the same
-    way): the held-out cost of writing timestamps as text, which the latent layouts cannot pay."""
-
-    videos: int = 0  # text outputs
-    unparsable_videos: int = 0  # no valid event (an empty text included): the video scores nothing
-    problems: int = 0  # parse problems (each dropped line, interval or caption, or a caption given twice)
-
-    def numbers(self) -> dict[str, float]:
-        """The flat `parse_*` numbers a held-out summary reports (the unparsable share 0 without outputs)."""
-        return {"parse_unparsable_videos": self.unparsable_videos, "parse_problems": self.problems,
-                "parse_unparsable_share": self.unparsable_videos / self.videos if self.videos else 0.0}
-
-
-def parse_failures(texts: Iterable[str]) -> ParseFailures:
-    """Count `parse_events_text`'s results over texts (a run's raw outputs)."""
+def parse_failures(texts: Iterable[str]) -> dict[str, float]:
+    """How a sequential baseline's text outputs (a run's raw outputs) failed to parse, counted over
+    `parse_events_text`'s results (the metrics parse them the same way): the held-out cost of
+    writing timestamps as text, which the latent layouts cannot pay. -> the flat `parse_*` numbers
+    a held-out summary reports: videos without a valid event (an empty text included; such a video
+    scores nothing), parse problems (each dropped line, interval or caption, or a caption given
+    twice) and the unparsable share of the outputs (0 without outputs)."""
     videos = unparsable = problems = 0
     for text in texts:
         parsed, found = parse_events_text(text)
         videos += 1
         unparsable += int(not parsed)
         problems += len(found)
-    return ParseFailures(videos, unparsable, problems)
+    return {"parse_unparsable_videos": unparsable, "parse_problems": problems,
+            "parse_unparsable_share": unparsable / videos if videos else 0.0}

@@ -107,14 +107,13 @@ def _resolve_videos(video_root: str, extensions: list[str]) -> dict[str, str]:
     return found
 
 
-def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, done_ok: dict[str, str]):
+def _plan(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, done_ok: dict[str, str], feature_hash: str):
     """Rows to featurize and error rows known before any decoding.
 
-    done_ok: {video id: annotation hash} of the videos already ok; one is redone when its
-    annotation hash changed. Returns (rows to featurize, error rows, ids skipped as done,
-    every video id the annotations name)."""
+    done_ok: {video id: annotation hash} of the videos already ok with `feature_hash` (the
+    config's features); one is redone when its annotation hash changed. Returns (rows to
+    featurize, error rows, ids skipped as done, every video id the annotations name)."""
     videos = _resolve_videos(video_root, cfg.data.video_extensions)
-    feature_hash = section_hash(cfg.features)
     todo: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -156,14 +155,15 @@ def chunk_size(todo: int, actors: int, most: int = CHUNK_VIDEOS) -> int:
     return max(1, min(most, -(-todo // (4 * max(1, actors)))))
 
 
-StageWrapper = Callable[[str, type], type]  # (stage name, stage class) -> the class Ray Data runs
+StageWrapper = Callable[[str, type], type]  # (stage name, stage class) -> the class Ray Data runs (module doc)
 
 
-def _as_is(stage: str, cls: type) -> type:
+def stage_as_is(stage: str, cls: type) -> type:
+    """The default `wrap_stage` of this job and of offline captioning (infer/offline/job.py): the class itself."""
     return cls
 
 
-def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str, wrap_stage: StageWrapper = _as_is):
+def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str, wrap_stage: StageWrapper = stage_as_is):
     """Featurize and write `chunks` ({"chunk", "videos"}) on one actor pool for the whole job ->
     an iterator over each finished chunk's manifest rows, in the order they finish."""
     actors = max(1, cfg.cluster.preprocess_actors)
@@ -185,7 +185,7 @@ def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str, 
 
 def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_root: str, out_dir: str,
                    chunk_videos: int | None = None, max_chunks: int | None = None,
-                   wrap_stage: StageWrapper = _as_is) -> dict[str, Any]:
+                   wrap_stage: StageWrapper = stage_as_is) -> dict[str, Any]:
     """The whole job. `annotations` maps split -> (path, format). Returns a summary dict.
 
     `chunk_videos`: videos per chunk (default `chunk_size`'s). `max_chunks` stops early (used to
@@ -198,7 +198,7 @@ def run_preprocess(cfg: Config, annotations: dict[str, tuple[str, str]], video_r
     if removed:
         print(f"[preprocess] removed {len(removed)} uncommitted chunk(s) of an interrupted run: {removed}", flush=True)
     done_ok = mf.done_videos(parts, feature_hash)
-    todo, early_errors, skipped, named = _plan(cfg, annotations, video_root, done_ok)
+    todo, early_errors, skipped, named = _plan(cfg, annotations, video_root, done_ok, feature_hash)
     print(f"[preprocess] {len(todo)} videos to process, {len(skipped)} already done, "
           f"{len(early_errors)} failed before decoding", flush=True)
     dropped = mf.removed_videos(parts, named)

@@ -69,6 +69,7 @@ def test_a_failing_parser_falls_back_to_passing_the_output_through(tmp_path):
     failure reaches the terminal as it came."""
     script = textwrap.dedent(f"""
         import os, sys
+        from pipeline import console as module
         from pipeline.console import QuietConsole, parse_progress
 
         def parser(stage, line, max_steps):
@@ -76,7 +77,8 @@ def test_a_failing_parser_falls_back_to_passing_the_output_through(tmp_path):
                 raise ValueError("a parser bug")
             return parse_progress(stage, line, max_steps)
 
-        console = QuietConsole({str(tmp_path / "run")!r}, max_steps=100, parser=parser)
+        module.parse_progress = parser  # the reader thread's parser, broken on purpose
+        console = QuietConsole({str(tmp_path / "run")!r}, max_steps=100)
         console.stage_start("train")
         print("[train] step 30  total 0.5000  lr 1e-3  1s", flush=True)
         print("boom: a line the parser cannot take", flush=True)

@@ -73,7 +73,7 @@ def test_own_g_decoder_equals_training_forward():
     video = sample()
     got = layout_ordered(model, video, CFG, CONTROL)
     assert max_gap(model, video, got) < 1e-4
-    assert decoder_for(model, CFG) is layout_ordered
+    assert decoder_for(model) is layout_ordered
     assert "factorized mask and global <G>" in model.engine_refusal("parallel")
     assert model.engine_refusal("monolithic") is None  # its single-chain path runs layout_ordered
 
@@ -83,7 +83,7 @@ def test_chain_layout_is_what_monolithic_decodes():
     video = sample()
     got = monolithic(model, video, CFG, CONTROL)
     assert max_gap(model, video, got) < 1e-4
-    assert decoder_for(model, CFG) is monolithic
+    assert decoder_for(model) is monolithic
 
 
 def test_text_chain_equals_training_forward():

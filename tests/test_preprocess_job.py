@@ -239,7 +239,7 @@ def test_edited_annotations_redo_the_video_and_readers_take_only_the_new_sample(
     assert sorted(s.video_id for s in current) == sorted(by_id)
     got = {s.video_id: s for s in current}
     assert got[edited].events[0].caption == "An edited caption." and got[moved].split == "test"
-    ds = read_train_dataset(mf.current_keys(rows, "train"), cfg)
+    ds = read_train_dataset(mf.current_keys(rows, "train"))
     train_keys = [r["__key__"] for r in ds.take_all()]
     assert train_keys == sorted(by_id[v]["key"] for v in anns["train"])  # once each, sorted, `moved` gone
 
@@ -278,7 +278,7 @@ def test_videos_removed_from_the_annotations_leave_the_manifest_and_every_reader
     assert kept == (set(anns["train"]) | set(anns["test"])) - {gone_train, gone_test} and summary["ok"] == 3
     for split in ("train", "test"):  # what training's validation, held-out evaluation and the caption stage read
         assert {s.video_id for s in read_current(mf.current_keys(rows, split))} == {v for v in kept if v in anns[split]}
-    ds = read_train_dataset(mf.current_keys(rows, "train"), cfg)
+    ds = read_train_dataset(mf.current_keys(rows, "train"))
     train_keys = {r["__key__"] for r in ds.take_all()}
     assert train_keys == {r["key"] for r in rows if r["split"] == "train"} and len(train_keys) == len(anns["train"]) - 1
     assert gone_test not in {v["video_id"] for v in _test_videos(paths)}

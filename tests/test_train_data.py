@@ -95,7 +95,7 @@ def test_corrupt_records_are_skipped_and_counted(tmp_path, model):
     stats = DataStats()
     batches = list(Batcher(model, 2, stats=stats)(read_shard_records([path], stats)))
     assert stats.records == 5 and stats.used == 3 and stats.skipped == 2
-    assert sum(len(b) for b in batches) == 3
+    assert sum(len(b.examples) for b in batches) == 3
     reasons = " | ".join(stats.reasons)
     assert "schema version 99" in reasons and "record" in reasons
 
@@ -190,7 +190,7 @@ def test_batcher_truncates_long_samples_instead_of_failing(model):
     small.cfg = dataclasses.replace(model.cfg, max_seq_len=120)
     stats = DataStats()
     batches = list(Batcher(small, 2, stats=stats)(samples_n(3)))
-    assert stats.truncated == 3 and stats.used == 3 and [len(b) for b in batches] == [2, 1]
+    assert stats.truncated == 3 and stats.used == 3 and [len(b.examples) for b in batches] == [2, 1]
     assert all(len(lay) <= 120 for b in batches for lay in b.packed.layouts)
 
 
@@ -216,7 +216,7 @@ def test_in_memory_epochs_are_deterministic():
 def test_batcher_collates_padded_batches_with_jitter(model):
     g = torch.Generator().manual_seed(0)
     batches = list(Batcher(model, 2, generator=g)(samples_n(3)))
-    assert [len(b) for b in batches] == [2, 1]
+    assert [len(b.examples) for b in batches] == [2, 1]
     b = batches[0]
     assert b.packed.input_ids.shape[0] == 2 and b.packed.mask.shape[:2] == (2, 1)
     ex = b.examples[0]

@@ -9,7 +9,6 @@ import threading
 import pytest
 import webdataset as wds
 
-from pipeline.config import Config
 from pipeline.schema import KEY, encode
 from preprocess import manifest as mf
 from tests.support.padcap import sample
@@ -37,7 +36,7 @@ def _write_layout(root, groups, samples):
 def _worker_streams(keys, world: int = 2) -> list[list[str]]:
     """The keys each of `world` workers reads in epoch 0, as Ray Train hands them out
     (streaming_split, equal, no locality) and train/trainer.RayEpochs shuffles them."""
-    ds = read_train_dataset(keys, Config())
+    ds = read_train_dataset(keys)
     splits = ds.streaming_split(world, equal=True, locality_hints=None)
     out: list[list[str]] = [[] for _ in range(world)]
 

@@ -103,10 +103,9 @@ def load_checkpoint(path: str | Path, *, model, optimizer=None, scheduler=None) 
     path = Path(path)
     payload = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     load_trainable(path, payload, model)
-    if optimizer is not None and payload["optimizer"] is not None:
-        optimizer.load_state_dict(payload["optimizer"])
-    if scheduler is not None and payload["scheduler"] is not None:
-        scheduler.load_state_dict(payload["scheduler"])
+    for part, key in ((optimizer, "optimizer"), (scheduler, "scheduler")):
+        if part is not None and payload[key] is not None:
+            part.load_state_dict(payload[key])
     return TrainState(step=payload["step"], epoch=payload["epoch"], records_in_epoch=payload["records_in_epoch"],
                       history=read_history(path), data_stats=payload.get("data_stats") or {}, resumes=payload.get("resumes", 0))
 

@@ -17,8 +17,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from pipeline.config import Config
 from train import checkpoint as ckpt
 
@@ -33,8 +31,7 @@ def export_model(checkpoint: str | Path, out: str | Path) -> Path:
 
     config_json = (checkpoint / ckpt.CONFIG_FILE).read_text()
     tuner = release_tuner(Config.from_json(config_json))
-    payload = torch.load(checkpoint / ckpt.STATE_FILE, map_location="cpu", weights_only=False)
-    ckpt.load_trainable(checkpoint, payload, tuner)
+    ckpt.load_checkpoint(checkpoint, model=tuner)  # the trained tensors, exactly
     tuner.save_pretrained(out)
     (out / tuner.checkpoint.config_file).write_text(config_json)
     return out

@@ -61,7 +61,7 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
 
     model = model.decoding_model  # the release fine-tuning wrapper: its ReleaseCaptioner decodes
     infer_cfg = model_caps(cfg.infer, model)  # 0 = the model's own caps
-    ablation = decoder_for(model, infer_cfg)  # an ablation model decodes in its own training layout
+    ablation = decoder_for(model)  # an ablation model decodes in its own training layout
     t0 = time.perf_counter()
     if ablation is None:
         results = caption_engine(model, infer_cfg).caption(samples)
@@ -76,7 +76,7 @@ def free_running(model, cfg: Config, samples: list, parse=None) -> dict[str, Any
     out: dict[str, Any] = summary(engine_counts(samples, events, parse))
     out.pop("token_acc")  # teacher-forced only
     if texts:  # a text baseline: how its timestamps failed to parse
-        out.update(parse_failures(texts).numbers())
+        out.update(parse_failures(texts))
     out["seconds_per_video"] = seconds / max(1, len(samples))
     out["decoder"] = name
     out["engine_errors"] = errors

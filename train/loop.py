@@ -46,7 +46,7 @@ from torch import nn
 from pipeline.config import Config
 from pipeline.model import PadCaptioner
 from train import checkpoint as ckpt
-from train.data import Augment, Batcher, DataStats
+from train.data import Augment, Batcher
 from train.deepspeed_config import deepspeed_config
 from train.evaluate import ATTRIBUTES, EvalCounts, heldout_counts, summary
 from train.losses import compute_losses
@@ -253,18 +253,15 @@ class BatchStream:
             self.state.records_in_epoch += 1
             yield rec
 
-    def _start_epoch(self) -> None:
-        skip = self.state.records_in_epoch
-        self._resumed_mid_epoch = skip > 0
-        records = iter(self.source.epoch(self.state.epoch))
-        self.state.records_in_epoch = sum(1 for _ in itertools.islice(records, skip))  # resume: those already given
-        self._records = self._count(records)
-        self._batches = self.batcher(self._records)
-
     def next(self):
         while True:
-            if self._batches is None:
-                self._start_epoch()
+            if self._batches is None:  # a new epoch
+                skip = self.state.records_in_epoch
+                self._resumed_mid_epoch = skip > 0
+                records = iter(self.source.epoch(self.state.epoch))
+                self.state.records_in_epoch = sum(1 for _ in itertools.islice(records, skip))  # resume: those already given
+                self._records = self._count(records)
+                self._batches = self.batcher(self._records)
                 self._produced = 0
             batch = next(self._batches, None)
             empty = batch is None and self._produced == 0 and not self._resumed_mid_epoch
@@ -345,12 +342,6 @@ def _save(ctx, backend, model, state: ckpt.TrainState, cfg: Config, generator, m
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _log_line(rec: dict[str, Any]) -> str:
-    parts = [f"step {rec['step']}", *(f"{k} {rec[k]:.4f}" for k in LOSS_KEYS if k in rec),
-             f"lr {rec['lr']:.2e}", f"tok/s {rec['tokens_per_s']:.0f}", f"{rec['elapsed_s']:.0f}s"]
-    return "[train] " + "  ".join(parts)
-
-
 def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual_dim: int, audio_dim: int,
                parse=None, probe=None) -> dict[str, Any]:
     """Train to `cfg.train.max_steps` (resuming from ctx.latest_checkpoint()); returns rank-local summary.
@@ -369,7 +360,6 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
     on_gpu = ctx.device.type == "cuda"
     backend = (DeepSpeedBackend if resolve_backend(tc, on_gpu) == "deepspeed" else DDPBackend)(model, cfg, ctx)
     generator = torch.Generator().manual_seed(tc.seed * 1000 + ctx.rank + 1)
-    stats = DataStats()
     state = ckpt.TrainState()
 
     resume = ctx.latest_checkpoint()
@@ -385,7 +375,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
 
     probe_val = Batcher(model, 1)  # keeps the samples that become examples (the same list on every rank)
     val_samples = [s for s in val_samples[: tc.val_samples or None] if probe_val.example(s) is not None]
-    batcher = Batcher(model, tc.batch_size, stats=stats, generator=generator,
+    batcher = Batcher(model, tc.batch_size, generator=generator,
                       augment=Augment(tc.augment_crop, tc.augment_noise, generator))
     stream = BatchStream(data, batcher, state, ctx)
     autocast = on_gpu and tc.bf16 and backend.name == "ddp"
@@ -417,10 +407,12 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
             rec.update(val)
             if ctx.rank == 0 and val:
                 print("[train] validation " + "  ".join(f"{k} {v:.3f}" for k, v in val.items()), flush=True)
-        state.data_stats = stats.as_dict()
+        state.data_stats = batcher.stats.as_dict()
         logged = bool(tc.log_every) and state.step % tc.log_every == 0  # 0: first and last step only
         if ctx.rank == 0 and (logged or state.step == 1 or last):
-            print(_log_line(rec), flush=True)
+            parts = [f"step {rec['step']}", *(f"{k} {rec[k]:.4f}" for k in LOSS_KEYS if k in rec),
+                     f"lr {rec['lr']:.2e}", f"tok/s {rec['tokens_per_s']:.0f}", f"{rec['elapsed_s']:.0f}s"]
+            print("[train] " + "  ".join(parts), flush=True)
         last_metrics = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
         if (tc.checkpoint_every and state.step % tc.checkpoint_every == 0) or last:
             _save(ctx, backend, model, state, cfg, generator, last_metrics)
@@ -429,4 +421,4 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
         ctx.on_step(state.step)
 
     return {"steps": state.step, "seconds": time.perf_counter() - t_start, "metrics": last_metrics,
-            "data": stats.as_dict(), "backend": backend.name}
+            "data": batcher.stats.as_dict(), "backend": backend.name}

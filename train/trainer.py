@@ -218,7 +218,7 @@ def _read_blocks(batch: pa.Table) -> pa.Table:
     return pa.table(columns)
 
 
-def read_train_dataset(keys: dict[str, list[str]], cfg: Config):
+def read_train_dataset(keys: dict[str, list[str]]):
     """Ray Data: raw WebDataset records (bytes per field) of the manifest's current keys per
     shard (`preprocess.manifest.current_keys`), sorted by key in fixed-size blocks, materialised.
 
@@ -278,7 +278,7 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
                              failure_config=FailureConfig(max_failures=tc.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=max(1, tc.keep_checkpoints)),
                              worker_runtime_env={"env_vars": worker_env(cfg)}),
-        datasets={"train": read_train_dataset(train_keys, cfg)},
+        datasets={"train": read_train_dataset(train_keys)},
         dataset_config=DataConfig(enable_shard_locality=False),  # block -> worker by rows only: reproducible
     )
 

@@ -41,7 +41,6 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,6 +53,8 @@ from pipeline import storage
 from pipeline.cluster import init_ray, placement
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.schema import FIELDS, KEY, decode, encode
+from preprocess import manifest as mf
+from preprocess.job import StageWrapper, stage_as_is
 
 SAMPLE_COLUMNS = [KEY, *FIELDS]
 RELEASE_INPUTS = "release_inputs"  # online release encoders: the media preparation's output (ReleaseInputs.to_bytes)
@@ -81,7 +82,7 @@ def list_videos(spec: str, extensions: list[str]) -> list[dict[str, str]]:
     must not pass for an empty archive.
     """
     if spec.endswith(".parquet"):
-        rows = pq.read_table(io.BytesIO(storage.read_bytes(spec))).to_pylist()
+        rows = mf.read_table(spec)
         return [{"video_id": r["video_id"], "uri": r["uri"] or ""} for r in rows]
     if any(ch in spec for ch in "*?["):
         fs, inner = storage.filesystem(spec)
@@ -164,11 +165,7 @@ class CaptionVideos:
         self.pid = os.getpid()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
-        rows = [r.to_row() for r in self._caption(batch)]
-        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
-
-    def _caption(self, batch: dict[str, np.ndarray]) -> list[CaptionResult]:
-        """One CaptionResult per video of `batch`: the engine's captions, or the reason it gave none."""
+        """One CaptionResult row per video of `batch`: the engine's captions, or the reason it gave none."""
         fields = {"model_id": self.model_id, "config_hash": self.config_hash}
         items = []
         for i in range(len(batch["video_id"])):
@@ -187,7 +184,8 @@ class CaptionVideos:
             if result.ok:  # captioned by the engine
                 result.timings.update(featurize_s=float(batch["seconds"][i]), kernel=self.kernel, caption_pid=self.pid,
                                       featurize_pid=int(batch.get("featurize_pid", [0] * len(results))[i]))
-        return results
+        rows = [r.to_row() for r in results]
+        return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
 
 
 # ----------------------------------------------------------------------------- results
@@ -198,10 +196,7 @@ def _parts_dir(out: str) -> str:
 
 
 def _read_parts(out: str) -> list[dict[str, Any]]:
-    rows = []
-    for p in storage.list_files(_parts_dir(out), (".parquet",)):
-        rows.extend(pq.read_table(io.BytesIO(storage.read_bytes(p))).to_pylist())
-    return rows
+    return [row for p in storage.list_files(_parts_dir(out), (".parquet",)) for row in mf.read_table(p)]
 
 
 def _write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
@@ -234,8 +229,7 @@ def _parsed(row: dict[str, Any]) -> dict[str, Any]:
 
 def read_results(out: str) -> list[dict[str, Any]]:
     """The consolidated rows, events and timings parsed."""
-    rows = pq.read_table(io.BytesIO(storage.read_bytes(storage.join(out, "captions.parquet")))).to_pylist()
-    return [_parsed(r) for r in rows]
+    return [_parsed(r) for r in mf.read_table(storage.join(out, "captions.parquet"))]
 
 
 class OncePerVideo:
@@ -295,16 +289,9 @@ def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed
     return verdict
 
 
-StageWrapper = Callable[[str, type], type]  # (stage name, stage class) -> the class Ray Data runs
-
-
-def _as_is(stage: str, cls: type) -> type:
-    return cls
-
-
 def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
                 chunk_videos: int = 64, max_chunks: int | None = None,
-                wrap_stage: StageWrapper = _as_is) -> dict[str, Any]:
+                wrap_stage: StageWrapper = stage_as_is) -> dict[str, Any]:
     """Caption every listed video not yet captioned with this model+config. Returns a summary,
     with `judge`'s verdict in it (`failure` is set when the job failed). `wrap_stage`: the module doc's hook."""
     judge([], [], cfg.infer.max_failed_fraction, out)  # a threshold out of range fails before any work

@@ -2,7 +2,7 @@
 
     decoded = layout_ordered(model, sample, cfg.infer)     # model.mask=causal, model.g_visibility=own
     decoded = text_chain(model, sample, cfg.infer)         # model.layout=sequential / textual_planning
-    decoder = decoder_for(model, cfg.infer)                # the right one for any model (or None: the engine)
+    decoder = decoder_for(model)                           # the right one for any model (or None: the engine)
 
 layout_ordered  for the parallel layout under any mask rule the engine cannot run (the
                 causal ablation, own-<G> visibility): the front half as every decoder
@@ -17,7 +17,7 @@ layout_ordered  for the parallel layout under any mask rule the engine cannot ru
                 equal the training forward's (tests/test_ordered.py), which `monolithic`
                 (consecutive positions, a1 b1 a2 b2) does not for a causal model.
 text_chain      the single causal chain of the sequential baselines: the prefix, then
-                greedy text at consecutive positions until <eos> or `max_tokens`; the
+                greedy text at consecutive positions until <eos> or max_events x max_branch_tokens; the
                 text goes to the metrics as `{"text": ...}` and is parsed there
                 (pipeline/textual.py).
 The chain model (model.layout=chain) is what infer/oracles/decoders.py `monolithic` decodes.
@@ -35,19 +35,13 @@ from infer.engine.core import CaptionEngine
 from infer.engine.decoded import Decoded, caption_text, to_events
 from infer.engine.requests import model_caps
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
-from infer.oracles.decoders import finish_decoded, monolithic
+from infer.oracles.decoders import branch_ended, finish_decoded, monolithic, row_mask
 from infer.oracles.front import StageTimer, run_front
 from pipeline.config import InferConfig
-from pipeline.decoding import prepare_example
+from pipeline.decoding import prepare_example, token_position_ids
 from pipeline.examples import collate
-from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat_meta, event_order, mask_between
+from pipeline.layout import Role, TokenMeta, branch_position, cat_meta, event_order
 from pipeline.textual import parse_events_text
-
-
-def _positions(model, position: torch.Tensor, role: Role) -> torch.Tensor:
-    """Backbone position ids [1, n] for n tokens of one role at layout positions `position` [n]."""
-    pos = position.reshape(1, -1).long()
-    return model.adapter.position_ids(pos, torch.full_like(pos, -1), torch.full_like(pos, int(role))).to(model.device)
 
 
 def _meta(order, role: Role, event) -> TokenMeta:
@@ -55,12 +49,6 @@ def _meta(order, role: Role, event) -> TokenMeta:
     event = torch.as_tensor(event, dtype=torch.long).reshape(-1).expand(order.shape[0])
     return TokenMeta(order=order, role=torch.full_like(order, int(role)), event=event.clone(),
                      plan_index=torch.full_like(order, -1))
-
-
-def _with_plan(keys: TokenMeta, prefix_len: int) -> TokenMeta:
-    """The front's keys (prefix + serial <G>s, order = index) with each serial <G>'s plan index."""
-    plan = torch.where(keys.role == Role.SERIAL_G, keys.order - prefix_len, -1)
-    return TokenMeta(order=keys.order, role=keys.role, event=keys.event, plan_index=plan)
 
 
 def _schedule(k: int, branch_order: str, live) -> list[tuple[int, int]]:
@@ -81,13 +69,13 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     opts, dev = model.options, model.device
     p, k = front.prefix_len, front.num_events
     base = p + k
-    keys = _with_plan(front.keys, p)
+    keys = front.keys  # with each serial <G>'s plan index (the own-<G> rule reads it)
     chooser = video_chooser(model.ids, cfg, sample.video_id, dev)
 
     anchors = _meta(event_order(torch.arange(k), 0, base, k, opts.branch_order), Role.ANCHOR, torch.arange(k))
     keys = cat_meta(keys, anchors)
-    mask = additive_mask(mask_between(anchors, keys, opts))[None, None]
-    pos = _positions(model, torch.full((k,), branch_position(front.anchor_pos, 0)), Role.ANCHOR)
+    mask = row_mask(model, anchors, keys)
+    pos = token_position_ids(model, branch_position(front.anchor_pos, 0), k, Role.ANCHOR, dev).transpose(-1, -2)  # [.., 1, K]
     out = model.run_decoder(front.anchors[None], mask, pos, cache=cache)
     logits = model.lm_logits(out.last_hidden_state[0])
     first = chooser.branch(logits, 0, list(range(k)), control).tolist()
@@ -95,27 +83,23 @@ def layout_ordered(model, sample, cfg: InferConfig, control: DecodeControl = NO_
     logits_of = [[logits[e].float().cpu()] if control.trace else [] for e in range(k)]
     steps = 1
 
-    def done(e: int) -> bool:
-        return tokens[e][-1] == chooser.eos_id or len(tokens[e]) >= cfg.max_branch_tokens
-
-    live = {e: 1 for e in range(k) if not done(e)}  # event -> the branch step its next input takes
+    # event -> the branch step its next input takes
+    live = {e: 1 for e in range(k) if not branch_ended(tokens[e], chooser.eos_id, cfg.max_branch_tokens)}
     while live:
         for e, step in _schedule(k, opts.branch_order, live):
             q = _meta(event_order(e, step, base, k, opts.branch_order), Role.BRANCH, e)
             keys = cat_meta(keys, q)
             emb = model.embed_tokens(torch.tensor([[tokens[e][-1]]], device=dev))
-            out = model.run_decoder(emb, additive_mask(mask_between(q, keys, opts))[None, None],
-                                    _positions(model, torch.tensor([branch_position(front.anchor_pos, step)]), Role.BRANCH),
-                                    cache=cache)
+            pos = token_position_ids(model, branch_position(front.anchor_pos, step), 1, Role.BRANCH, dev)
+            out = model.run_decoder(emb, row_mask(model, q, keys), pos, cache=cache)
             logits = model.lm_logits(out.last_hidden_state[:, -1])
             tokens[e].append(int(chooser.branch(logits, step, [e], control)[0]))
             if control.trace:
                 logits_of[e].append(logits[0].float().cpu())
             steps += 1
             live[e] = step + 1
-            if done(e):
+            if branch_ended(tokens[e], chooser.eos_id, cfg.max_branch_tokens):
                 del live[e]
-    timer.lap("decode_ms")
     return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                           front.grounding_logits, control)
 
@@ -138,11 +122,11 @@ class TextDecoded:
 
 @torch.no_grad()
 def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL,
-               max_tokens: int | None = None, forced: list[int] | None = None) -> TextDecoded:
-    """Prefix, then greedy text at consecutive positions to <eos> or `max_tokens`
-    (default max_events x max_branch_tokens). `forced`: feed these ids instead of the
-    chosen ones (tests compare the logits with the training forward)."""
-    cap = int(max_tokens or cfg.max_events * cfg.max_branch_tokens)
+               forced: list[int] | None = None) -> TextDecoded:
+    """Prefix, then greedy text at consecutive positions to <eos> or max_events x max_branch_tokens
+    tokens. `forced`: feed these ids instead of the chosen ones (tests compare the logits with the
+    training forward)."""
+    cap = int(cfg.max_events * cfg.max_branch_tokens)
     t0 = time.perf_counter()
     example = prepare_example(model, sample, cap)
     lay = example.layout
@@ -166,8 +150,8 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
         if tok == chooser.eos_id or len(ids) >= (len(forced) if forced is not None else cap):
             break
         emb = model.embed_tokens(torch.tensor([[tok]], device=model.device))
-        step = model.run_decoder(emb, torch.zeros(1, 1, 1, index + 1), _positions(model, torch.tensor([index]), Role.RESPONSE),
-                                 cache=cache)
+        pos = token_position_ids(model, index, 1, Role.RESPONSE, model.device)
+        step = model.run_decoder(emb, torch.zeros(1, 1, 1, index + 1), pos, cache=cache)
         hidden = step.last_hidden_state[:, -1]
         index += 1
     t_end = time.perf_counter()
@@ -182,7 +166,7 @@ def text_chain(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONT
 # --------------------------------------------------------------------------- which decoder
 
 
-def decoder_for(model, cfg: InferConfig):
+def decoder_for(model):
     """The reference-style decoder a model must use instead of the engine, or None (the engine).
 
     parallel layout + factorized + global <G>: None (the engine); chain: monolithic;
@@ -198,7 +182,7 @@ def caption_engine(model, cfg: InferConfig):
     """The engine for `model` under `cfg`, with the single-chain decoder `infer.decoder=monolithic` runs:
     the model's own baseline (`decoder_for`: an ablation model decodes in its own layout), else
     infer/oracles/decoders.py `monolithic`."""
-    return CaptionEngine(model, cfg, single_chain=decoder_for(model, cfg) or monolithic)
+    return CaptionEngine(model, cfg, single_chain=decoder_for(model) or monolithic)
 
 
 def decode_events(model, decoder, sample, cfg: InferConfig) -> tuple[dict, dict[str, float]]:

@@ -39,7 +39,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from infer.engine.decoded import Decoded
-from infer.engine.sampling import NO_CONTROL, DecodeControl, TokenChooser, plan_decision, planning_capped, video_chooser
+from infer.engine.sampling import NO_CONTROL, DecodeControl, plan_decision, planning_capped, video_chooser
 from infer.oracles.front import StageTimer, run_front
 from pipeline.config import InferConfig
 from pipeline.decoding import decode_reserve, ground_intervals, prepare_example, token_position_ids
@@ -48,7 +48,9 @@ from pipeline.layout import Role, TokenMeta, additive_mask, branch_position, cat
 
 
 def finish_decoded(sample, example, intervals, tokens, steps, timer, planning, branch_logits, grounding, control) -> Decoded:
-    """A reference decoder's Decoded: its timings (the timer's stages, totals, counts) and, when traced, its logits."""
+    """A reference decoder's Decoded once its branches have ended (the timer's "decode_ms" lap is taken here): its
+    timings (the timer's stages, totals, counts) and, when traced, its logits."""
+    timer.lap("decode_ms")
     timings = dict(timer.ms)
     timings.update(total_ms=sum(timer.ms.values()), steps=float(steps), tokens=float(sum(map(len, tokens))),
                    events=float(len(tokens)), segments_kept=float(example.layout.num_segments),
@@ -60,8 +62,9 @@ def finish_decoded(sample, example, intervals, tokens, steps, timer, planning, b
                    grounding_logits=grounding if keep else None)
 
 
-def _done(tok: int, n_tokens: int, chooser: TokenChooser, max_tokens: int) -> bool:
-    return tok == chooser.eos_id or n_tokens >= max_tokens
+def branch_ended(tokens: list[int], eos_id: int, max_tokens: int) -> bool:
+    """A branch's tokens so far end it: its last is <eos> (kept), or it holds `max_tokens`."""
+    return tokens[-1] == eos_id or len(tokens) >= max_tokens
 
 
 # --------------------------------------------------------------------------- full recompute
@@ -123,9 +126,8 @@ def full_recompute(model, sample, cfg: InferConfig, control: DecodeControl = NO_
         for row, (e, tok) in enumerate(zip(active, chosen)):
             tokens[e].append(tok)
             logits_of[e].append(logits[row].float().cpu())
-        active = [e for e in active if not _done(tokens[e][-1], len(tokens[e]), chooser, cfg.max_branch_tokens)]
+        active = [e for e in active if not branch_ended(tokens[e], chooser.eos_id, cfg.max_branch_tokens)]
         step += 1
-    timer.lap("decode_ms")
     return finish_decoded(sample, example, intervals, tokens, step, timer,
                           torch.stack(planning) if planning else torch.zeros(0, 2), logits_of, g_logits, control)
 
@@ -149,7 +151,7 @@ def row_mask(model, query: TokenMeta, keys: TokenMeta) -> torch.Tensor:
 def _token_by_token(model, sample, cfg: InferConfig, control: DecodeControl, inputs, crop: bool) -> Decoded:
     """The cached decoders that feed one token per forward, branch after branch (`branch_sequential`,
     `monolithic`): each branch starts from its anchor and runs to <eos> or the cap; inputs(front, e, step,
-    seen) -> (mask, position ids) of event e's token `step` (seen: the tokens in the cache) is where
+    seen) -> (mask, layout position) of event e's token `step` (seen: the tokens in the cache) is where
     they differ; crop: the cache goes back to the prefix after each branch."""
     timer = StageTimer(model.device)
     front = run_front(model, sample, DynamicCache(config=model.hf_config), cfg, control, timer)
@@ -163,7 +165,8 @@ def _token_by_token(model, sample, cfg: InferConfig, control: DecodeControl, inp
     for e in range(k):
         embeds, step = front.anchors[e][None, None], 0
         while True:
-            mask, pos = inputs(front, e, step, cache.get_seq_length())
+            mask, position = inputs(front, e, step, cache.get_seq_length())
+            pos = token_position_ids(model, position, 1, Role.ANCHOR if step == 0 else Role.BRANCH, dev)
             out = model.run_decoder(embeds, mask, pos, cache=cache)
             logits = model.lm_logits(out.last_hidden_state[:, -1])
             tok = int(chooser.branch(logits, step, [e], control)[0])
@@ -172,12 +175,11 @@ def _token_by_token(model, sample, cfg: InferConfig, control: DecodeControl, inp
                 logits_of[e].append(logits[0].float().cpu())
             steps += 1
             step += 1
-            if _done(tok, len(tokens[e]), chooser, cfg.max_branch_tokens):
+            if branch_ended(tokens[e], chooser.eos_id, cfg.max_branch_tokens):
                 break
             embeds = model.embed_tokens(torch.tensor([[tok]], device=dev))
         if crop:
             cache.crop(base - cache.get_seq_length())  # HF 5: a negative count of tokens to drop
-    timer.lap("decode_ms")
     return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                           front.grounding_logits, control)
 
@@ -187,12 +189,10 @@ def branch_sequential(model, sample, cfg: InferConfig, control: DecodeControl = 
     """One branch at a time on a DynamicCache, cropped back to the prefix after each."""
     keys: dict[int, TokenMeta] = {}  # event -> the meta of the cached tokens its next token sees
 
-    def inputs(front, e: int, step: int, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(front, e: int, step: int, seen: int) -> tuple[torch.Tensor, int]:
         q = _branch_meta(model, front, e, step)
         keys[e] = cat_meta(keys[e] if step else front.keys, q)
-        role = Role.ANCHOR if step == 0 else Role.BRANCH
-        return row_mask(model, q, keys[e]), token_position_ids(model, branch_position(front.anchor_pos, step), 1, role,
-                                                               model.device)
+        return row_mask(model, q, keys[e]), branch_position(front.anchor_pos, step)
 
     return _token_by_token(model, sample, cfg, control, inputs, crop=True)
 
@@ -216,7 +216,7 @@ def lock_step(model, anchors: torch.Tensor, forward, choose, max_tokens: int) ->
         for i in range(k):
             if not ended[i]:
                 tokens[i].append(int(chosen[i]))
-                ended[i] = tokens[i][-1] == eos or len(tokens[i]) >= max_tokens
+                ended[i] = branch_ended(tokens[i], eos, max_tokens)
         r += 1
     return tokens, r
 
@@ -245,7 +245,6 @@ def parallel_copy(model, sample, cfg: InferConfig, control: DecodeControl = NO_C
                               lambda logits, step: chooser.branch(logits, step, list(range(k)), control).tolist(),
                               cfg.max_branch_tokens)
     logits_of = [[rounds[r][e].float().cpu() for r in range(len(tokens[e]))] if control.trace else [] for e in range(k)]
-    timer.lap("decode_ms")
     return finish_decoded(sample, front.example, front.intervals, tokens, steps, timer, front.planning_logits, logits_of,
                           front.grounding_logits, control)
 
@@ -254,9 +253,8 @@ def parallel_copy(model, sample, cfg: InferConfig, control: DecodeControl = NO_C
 def monolithic(model, sample, cfg: InferConfig, control: DecodeControl = NO_CONTROL) -> Decoded:
     """All events in one causal chain after the serial <G>s (module doc)."""
 
-    def inputs(front, e: int, step: int, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def inputs(front, e: int, step: int, seen: int) -> tuple[torch.Tensor, int]:
         mask = torch.zeros(1, 1, 1, seen + 1)  # a causal chain: the new token sees every earlier one (A: the first anchor)
-        role = Role.ANCHOR if step == 0 else Role.BRANCH
-        return mask, token_position_ids(model, shared_position(seen), 1, role, model.device)
+        return mask, shared_position(seen)
 
     return _token_by_token(model, sample, cfg, control, inputs, crop=False)

@@ -63,12 +63,13 @@ class Front:
 
     @property
     def keys(self) -> TokenMeta:
-        """order / role / event of every cached token: the prefix's, then the K serial <G>s (each where the
-        training layout places it)."""
+        """order / role / event / plan index of every cached token: the prefix's, then the K serial <G>s (each
+        where the training layout places it)."""
         keys = self.example.layout.meta()
         for k in range(self.num_events):
             keys = cat_meta(keys, TokenMeta(order=shared_position(torch.tensor([self.prefix_len + k])),
-                                            role=torch.tensor([int(Role.SERIAL_G)]), event=torch.tensor([-1])))
+                                            role=torch.tensor([int(Role.SERIAL_G)]), event=torch.tensor([-1]),
+                                            plan_index=torch.tensor([k])))
         return keys
 
     # the release's program: its grounded timestep intervals, and what its prefill left (the parity check)

@@ -71,16 +71,11 @@ def target_of(key: str) -> str | None:
     return hits[0] if hits else None
 
 
-def model_tensors(model) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer the model holds, by attribute path (tied ones under both names)."""
-    out = dict(model.named_parameters(remove_duplicate=False))
-    out.update({k: v for k, v in model.state_dict(keep_vars=True).items() if k not in out})
-    return out
-
-
 def weight_problems(model, state: Mapping[str, torch.Tensor], limit: int = 4) -> list[str]:
     """What disagrees between the file's tensors and the model's (module doc); [] when nothing does."""
-    held = model_tensors(model)
+    # every parameter and persistent buffer the model holds, by attribute path (tied ones under both names)
+    held = dict(model.named_parameters(remove_duplicate=False))
+    held.update({k: v for k, v in model.state_dict(keep_vars=True).items() if k not in held})
     filled: dict[str, str] = {}
     unknown, wrong, duplicate = [], [], []
     for key, tensor in state.items():
