@@ -109,10 +109,10 @@ class LayoutOptions:
         return self.mask == "factorized" and not self.chain
 
     @classmethod
-    def from_config(cls, model_cfg) -> LayoutOptions:
+    def from_config(cls, cfg) -> LayoutOptions:
         """The ModelConfig fields of the same names; chain from model.layout."""
         same = [f.name for f in fields(cls) if f.name != "chain"]
-        return cls(**{name: getattr(model_cfg, name) for name in same}, chain=model_cfg.layout == "chain")
+        return cls(**{name: getattr(cfg, name) for name in same}, chain=cfg.layout == "chain")
 
 
 # --------------------------------------------------------------------------- the rule
