@@ -1,6 +1,6 @@
 """The published PadCaptioner-3B at its real size on this machine: build, load, caption one mp4, plan vs peak.
 
-    nice -n 10 python -m bench.release_full_size --cache /work/fullsize-cache --out bench/results/release_full_size.json
+    nice -n 10 python -m bench.release_full_size --out bench/results/release_full_size.json
     python -m bench.release_full_size --scale ci --cache /tmp/rfs --out /tmp/rfs/r.json --seconds 4   # tests
 
 The weights are not downloadable here, so the checkpoint is random, but everything else is the
@@ -347,7 +347,8 @@ def inputs_grid(inputs):
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", choices=["full", "ci"], default="full")
-    ap.add_argument("--cache", type=Path, default=Path("/work/fullsize-cache"), help="where the checkpoint is kept")
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "padcaptioner" / "full-size",
+                    help="where the checkpoint is kept (about 9.4 GB at full scale)")
     ap.add_argument("--seconds", type=float, default=20.0, help="length of the rendered video")
     ap.add_argument("--size", type=int, default=112, help="frame side in pixels (even)")
     ap.add_argument("--threads", type=int, default=2)
