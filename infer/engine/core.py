@@ -12,7 +12,8 @@ video's program (infer/engine/programs.py) turns the step's outputs for it into 
 (planning over {<G>, <S>}, grounding, anchors); its branches join the next step.
 
     while videos wait or are in flight:
-        admit videos while the KV pool can promise their worst case (pages, not slots)
+        (raw media are encoded beside the loop, several videos per batch: infer/engine/encoding.py)
+        admit videos whose features are ready while the KV pool can promise their worst case (pages, not slots)
         plan = scheduler.plan(videos); hidden, states = runner.forward(plan.batch)
         prefill chunks: keep their grounding / aggregation states; the prefix's last row decides
         planning rows: decide the next <G>; the videos that stop are grounded and get their anchors
@@ -45,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 
 from infer.engine.decoded import Decoded, to_events
+from infer.engine.encoding import EncoderStage
 from infer.engine.graphs import describe_graphs, step_graphs
 from infer.engine.kernels import choose_kernel
 from infer.engine.memory_plan import videos_that_fit, worst_pages
@@ -127,6 +129,7 @@ class CaptionEngine:
         self.bias[model.banned_ids()] = float("-inf")  # structural tokens are never caption text
         self._in_flight: list[VideoState] = []
         self._running = False
+        self.encoder_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.stats: dict[str, Any] = _zero_stats()
 
     # ------------------------------------------------------------------ public API
@@ -204,12 +207,13 @@ class CaptionEngine:
             raise RuntimeError("CaptionEngine.run is not re-entrant (called from inside an emit?)")
         self._running = True
         try:
-            self._run(feed, emit)
+            with EncoderStage(PROGRAMS[self.model.program], self.model, budget=4 * self.step_tokens,
+                              lookahead=self.cfg.max_batch_videos, stats=self.stats, stream=self.encoder_stream) as stage:
+                self._run(stage, stage.staged(_poller(feed), emit), emit)
         finally:
             self._running = False
 
-    def _run(self, feed, emit) -> None:
-        poll = _poller(feed)
+    def _run(self, stage: EncoderStage, poll: Callable[[], Request | None], emit) -> None:
         for v in self._in_flight:  # a run that raised left these: their pages go back
             self._release(v)
         self._in_flight = videos = []
@@ -240,7 +244,9 @@ class CaptionEngine:
                 self._release(v)
             if not videos:
                 if waiting is None:
-                    return
+                    if not stage.busy:
+                        return
+                    stage.wait()  # videos being encoded, nothing to step
                 continue
             self._start_branches(videos)
             # a step: its metadata, the forward, and what the videos make of it (wall and CPU time)
@@ -442,8 +448,10 @@ class StepRecord(NamedTuple):
 
 def _zero_stats() -> dict[str, Any]:
     """`CaptionEngine.stats` at zero: steps, ms in steps (metadata + forward + decisions), of that in planning
-    ends (grounding, anchors), ms building programs (inputs of the prefix), the step log (StepRecord)."""
-    return {"steps": 0, "step_ms": 0.0, "front_ms": 0.0, "prepare_ms": 0.0, "step_log": []}
+    ends (grounding, anchors), ms building programs (inputs of the prefix), ms in the encoder stage's batches
+    (beside the steps) and the videos in them, the step log (StepRecord)."""
+    return {"steps": 0, "step_ms": 0.0, "front_ms": 0.0, "prepare_ms": 0.0, "encode_ms": 0.0, "encode_batches": 0,
+            "encoded_videos": 0, "step_log": []}
 
 
 def _prefilled(v: VideoState, cursor: int, captured: list[torch.Tensor]) -> bool:

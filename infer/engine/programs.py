@@ -7,6 +7,7 @@
     want_g = prog.decide(restricted, ground)              # at every decision row ((<G>, <S>) logits)
     x, pos = prog.plan_input()                            # the serial <G> to feed next
     prog.finish() -> Anchors                              # intervals, anchors [K, d], position A
+    Program.tokens_to_encode(sample), Program.encode(model, samples)   # the encoder stage's (infer/engine/encoding.py)
     PadProgram.finish_all(progs) -> [Anchors]             # the same for every video whose planning ended in a step
 
 The scheduler (infer/engine/scheduler.py) runs every forward in the shared step (infer/engine/step.py);
@@ -47,6 +48,7 @@ from pipeline.layout import Role, anchor_position, shared_position
 from pipeline.release.decoding import aggregation_row, anchor_inputs, decodable_video, prefill_inputs, seconds
 from pipeline.release.grounding import aggregate, find_and_merge
 from pipeline.release.layout import prompt_visible
+from pipeline.release.video import ReleaseVideo, encode_videos
 
 
 def row_limits(visible: torch.Tensor) -> torch.Tensor:
@@ -109,6 +111,15 @@ class PadProgram:
         self.queries: list[torch.Tensor] = []
         self.plan_logits: list[torch.Tensor] = []
         self.g_emb = model.embed_tokens(torch.tensor([[model.g_id]], device=model.device))[0, 0]
+
+    @staticmethod
+    def tokens_to_encode(sample) -> int:
+        """Tokens the model's towers still have to make for `sample`: none, this family's samples carry features."""
+        return 0
+
+    @staticmethod
+    def encode(model, samples: list) -> list:
+        return samples
 
     def prefilled(self, states: dict[int, torch.Tensor]) -> None:
         """The prefix is done: what grounding and the anchors need of it alone (segment states, the
@@ -184,6 +195,15 @@ class ReleaseProgram:
         self.plan_logits: list[torch.Tensor] = []
         self.g_emb = model.embed_tokens(torch.tensor([model.g_id]))[0]
         self._next: tuple[int, int] | None = None
+
+    @staticmethod
+    def tokens_to_encode(sample) -> int:
+        """Tokens the release's towers still have to make for a raw video (0 for stored tokens)."""
+        return sample.tokens_to_encode if isinstance(sample, ReleaseVideo) else 0
+
+    @staticmethod
+    def encode(model, samples: list[ReleaseVideo]) -> list[ReleaseVideo]:
+        return encode_videos(model, samples)
 
     def prefilled(self, states: dict[int, torch.Tensor]) -> None:
         self.h_ground, self.h_agg = states[self.ground_layer], states[self.agg_layer]

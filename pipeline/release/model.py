@@ -42,6 +42,7 @@ from pipeline.release.audio import ReleaseAudio
 from pipeline.release.checkpoint import ReleaseError, is_release_dir, map_state_dict, read_state_dict
 from pipeline.release.geometry import Geometry
 from pipeline.release.layout import POSITION_MODES
+from pipeline.release.video import use_window_attention
 from pipeline.two_stage import run_decoder
 
 AGGREGATIONS = ("release", "renormalised")
@@ -106,6 +107,7 @@ class ReleaseCaptioner(nn.Module):
         text = hf_config.get_text_config(decoder=True)
         self.hf = Qwen2_5_VLForConditionalGeneration._from_config(hf_config, dtype=torch.float32,
                                                                   attn_implementation="sdpa")
+        use_window_attention(self.visual)  # every window in a handful of SDPA calls (pipeline/release/video.py)
         d = text.hidden_size
         audio_cfg = raw.get("audio_config")
         self.audio = ReleaseAudio(audio_cfg, d) if audio_cfg else None
