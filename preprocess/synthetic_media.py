@@ -250,11 +250,34 @@ def render_audio(script: VideoScript, rng: np.random.Generator) -> np.ndarray:
 # --------------------------------------------------------------------------- mp4
 
 
+def rgb_to_yuv420p(rgb: np.ndarray) -> np.ndarray:
+    """uint8 [H, W, 3] RGB -> uint8 [H * 3 / 2, W] yuv420p (PyAV's plane layout: Y, then U, then V),
+    BT.601 limited range in integer arithmetic, chroma from each 2x2 block's mean (libswscale's
+    luma within one level; its chroma filter differs at shape edges).
+
+    The encoder is handed these planes rather than RGB: with libswscale converting inside the
+    encoder, the same frames sometimes gave another bitstream (one or two of the default's 144
+    videos in 5 of 7 corpus runs on one box), so the corpus was not byte-reproducible.
+
+    >>> rgb_to_yuv420p(np.zeros((2, 2, 3), np.uint8)).ravel().tolist()  # black: Y 16, U = V = 128
+    [16, 16, 16, 16, 128, 128]
+    >>> rgb_to_yuv420p(np.zeros((6, 4, 3), np.uint8)).shape
+    (9, 4)
+    """
+    x = rgb.astype(np.int32)
+    h, w = x.shape[:2]
+    y = ((66 * x[..., 0] + 129 * x[..., 1] + 25 * x[..., 2] + 128) >> 8) + 16
+    q = x.reshape(h // 2, 2, w // 2, 2, 3).sum(axis=(1, 3))  # 4x each 2x2 block's mean
+    u = ((-38 * q[..., 0] - 74 * q[..., 1] + 112 * q[..., 2] + 512) >> 10) + 128
+    v = ((112 * q[..., 0] - 94 * q[..., 1] - 18 * q[..., 2] + 512) >> 10) + 128
+    return np.concatenate([y.ravel(), u.ravel(), v.ravel()]).reshape(h * 3 // 2, w).astype(np.uint8)
+
+
 def write_mp4(path: str | Path, frames: np.ndarray, audio: np.ndarray, fps: int, sample_rate: int, crf: int = 12) -> None:
     """Encode uint8 [N, H, W, 3] frames (H.264, yuv420p) and float32 [S] mono audio (AAC) into `path`.
 
-    libx264 runs single-threaded with fixed options so the same input always gives the
-    same bitstream. Packets are muxed in time order (one video frame, then the audio up
+    Frames go to libx264 already in yuv420p (`rgb_to_yuv420p`), which runs single-threaded with
+    fixed options, so the same input always gives the same bitstream. Packets are muxed in time order (one video frame, then the audio up
     to the end of that frame).
     """
     n, h, w, _ = frames.shape
@@ -272,7 +295,7 @@ def write_mp4(path: str | Path, frames: np.ndarray, audio: np.ndarray, fps: int,
         chunk = 1024
         sent = 0  # audio samples handed to the encoder so far
         for f in range(n):
-            vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[f]), format="rgb24")
+            vf = av.VideoFrame.from_ndarray(rgb_to_yuv420p(frames[f]), format="yuv420p")
             vf.pts = f
             vf.time_base = Fraction(1, fps)
             out.mux(vs.encode(vf))
