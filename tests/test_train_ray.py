@@ -98,6 +98,23 @@ def test_ddp_two_workers_s3_in_and_out(ray_local, shards, s3_server, tmp_path):
     assert storage.exists("s3://test/train-out/model/adapter/adapter_config.json")
 
 
+def test_relative_shard_paths_reach_the_workers(ray_local, shards, tmp_path, monkeypatch):
+    """A manifest written from a relative run directory names its shards relative to the driver's
+    directory; the workers (which run elsewhere) still read the held-out set for validation."""
+    from train.trainer import run_train
+
+    monkeypatch.chdir(Path(shards).parent)
+    rows = mf.read_table(mf.manifest_path(shards))
+    for r in rows:
+        r["shard"] = os.path.relpath(r["shard"])
+    os.makedirs("relative", exist_ok=True)
+    mf.write_table(mf.manifest_path("relative"), rows)
+    cfg = small_cfg("train.max_steps=2", "train.checkpoint_every=0", "train.val_every=1", "train.backend=ddp")
+    summary = run_train(cfg, "relative", str(tmp_path / "out"))
+    hist = storage.read_json(storage.join(str(tmp_path / "out"), "history.json"))
+    assert [h["step"] for h in hist if "val_colour_acc" in h] == [1, 2], summary
+
+
 def test_deepspeed_zero2_on_cpu_two_workers(ray_local, shards, tmp_path):
     from train.trainer import run_train
 

@@ -60,7 +60,7 @@ from pipeline.schema import FIELDS, KEY
 from preprocess import manifest as mf
 from preprocess.encoders import encoder_versions
 from train import checkpoint as ckpt
-from train.data import read_keyed_records, read_samples, shuffle_buffer
+from train.data import DataStats, read_keyed_records, read_samples, shuffle_buffer
 from train.deepspeed_config import check_zero_stage
 from train.evaluate import caption_parser
 from train.export import export_model
@@ -136,7 +136,10 @@ def train_worker(config: dict[str, Any]) -> None:
     os.environ.setdefault("RANK", str(ctx.rank))
     os.environ.setdefault("WORLD_SIZE", str(ctx.world_size))
     os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
-    val = read_samples(config["val_keys"], limit=cfg.train.val_samples)
+    stats = DataStats()
+    val = read_samples(config["val_keys"], limit=cfg.train.val_samples, stats=stats)
+    if config["val_keys"] and not val:  # the periodic validation would be silently empty
+        raise RuntimeError(f"no readable held-out sample for the periodic validation: {stats.as_dict()['skip_reasons']}")
     data = RayEpochs(ray.train.get_dataset_shard("train"), cfg.train.seed, cfg.train.shuffle_buffer, ctx.rank)
     train_loop(cfg, ctx, data, val, visual_dim=config["visual_dim"], audio_dim=config["audio_dim"],
                parse=caption_parser(cfg))
@@ -236,6 +239,11 @@ def read_train_dataset(keys: dict[str, list[str]]):
     return ds
 
 
+def _absolute(keys: dict[str, list[str]]) -> dict[str, list[str]]:
+    """{shard: keys} with local shard paths made absolute (s3:// URIs as they are)."""
+    return {(p if storage.is_remote(p) else os.path.abspath(p)): k for p, k in keys.items()}
+
+
 def worker_env(cfg: Config) -> dict[str, str]:
     env = {**storage.forwarded_env(), **{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
     if resolve_backend(cfg.train, cfg.train.use_gpu) == "deepspeed":
@@ -255,7 +263,8 @@ def build_trainer(cfg: Config, shards_dir: str, out_dir: str, name: str | None =
     if resolve_backend(tc, tc.use_gpu) == "deepspeed":
         check_zero_stage(tc)  # refused here, on the driver, not in every worker after start-up
     rows = mf.read_table(mf.manifest_path(shards_dir)) if rows is None else rows
-    train_keys, val_keys = mf.current_keys(rows, tc.train_split), mf.current_keys(rows, tc.val_split)
+    # absolute shard paths: a Ray Train worker runs in its own directory, not the driver's
+    train_keys, val_keys = (_absolute(mf.current_keys(rows, split)) for split in (tc.train_split, tc.val_split))
     train_paths = list(train_keys)
     if not train_paths:
         raise SystemExit(f"no ok shards of split {tc.train_split!r} in {mf.manifest_path(shards_dir)}")
