@@ -173,6 +173,7 @@ class TrainConfig:
     torch_threads: int = 0  # intra-op threads per worker; 0 = cpus_per_worker
     max_failures: int = 1  # worker failures Ray Train recovers from (restarting from the last checkpoint)
     seed: int = 0  # seed of the LoRA init, the data order and the augmentations
+    init_jitter: float = 0.0  # seed studies: every initial weight times (1 + this * N(0, 1)); 1e-7 ~ one fp32 ulp; 0 = none
 
 
 @dataclass
