@@ -145,8 +145,8 @@ def _retained(obj, seen: set[int], found: dict[int, int]) -> None:
 
 def test_what_a_release_video_retains_is_what_the_plan_counts():
     """Midway through its branches, the tensors a video in flight holds (its program's prompt embeddings,
-    grounding and aggregation states, segment keys, ids; the encoder inputs it came with) add up to the
-    plan's `retained_bytes` within 10 %, with and without the encoder inputs."""
+    grounding and aggregation states, segment keys, ids; its media tokens, the raw inputs dropped once
+    encoded) add up to the plan's `retained_bytes` within 10 %, with and without its media tokens."""
     import torch
 
     from bench.release_models import fixture_video, load

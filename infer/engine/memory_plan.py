@@ -19,8 +19,8 @@ activations at `step_tokens`, the logits of `max_batch_rows` rows); 1 GB is set 
 CUDA context. `bench/gpu_check.sh` compares the plan with a measured peak.
 
 Besides its KV pages a video in flight keeps state off the pool (`retained_bytes`: its prompt
-embeddings, the grounding and aggregation layers' states over the prompt, its segment keys, the
-encoder inputs it came with) and, while it is encoded, the towers' activations
+embeddings, the grounding and aggregation layers' states over the prompt, its segment keys, its
+encoded media tokens) and, while it is encoded, the towers' activations
 (`encoder_bytes`); `video_peak` adds them up for one video of `VideoDims` (what
 `bench/release_full_size.py` compares with a measured peak), and the table's headroom note
 counts them for the videos that fit.
@@ -68,6 +68,8 @@ class Towers:
     audio_ffn: int = 5120
     audio_heads: int = 20
     patch_values: int = 3 * 2 * 14 * 14  # one patch's pixel values (channels x temporal x 14 x 14)
+    patches_per_token: int = 2 * 2  # the spatial merge: vision patches per LLM token
+    audio_tokens_per_chunk: int = 60  # LLM tokens of one 30 s audio chunk (one per 0.5 s)
 
 
 @dataclass
@@ -81,7 +83,6 @@ class VideoDims:
     audio_chunks: int = 0
 
 
-MEL_VALUES = 128 * 3000  # one 30 s chunk's log-mel
 WHISPER_FRAMES = 1500  # encoder frames per chunk
 
 
@@ -89,15 +90,16 @@ def retained_bytes(shape: Shape, video: VideoDims, dtype_bytes: int, max_events:
     """Bytes a video in flight keeps besides its KV pages: in the model dtype its prompt embeddings,
     the grounding and aggregation layers' states [L, d] each, the aggregation row [L] and its segment
     keys [T, d]; int64 M-RoPE ids [3, L], row limits, ids and token slots (about 6 L); fp32 planning
-    similarities [K, T]; the fp32 encoder inputs it came with (pixels [N, 1176], log-mel [C, 128, 3000]).
+    similarities [K, T]; its media tokens as the encoder stage leaves them ([N / 4 + 60 C, d] in the
+    model dtype, for N patches and C audio chunks: the pixels and log-mel are dropped once encoded).
 
     >>> retained_bytes(Shape(2, 8, 2, 1, 4, 16, 100), VideoDims(prefix=10, timesteps=2), 2, max_events=1)
     1020
     """
     model = (3 * video.prefix * shape.hidden + video.prefix + video.timesteps * shape.hidden) * dtype_bytes
     ints = 6 * video.prefix * 8  # ids [3, L], limits [L], input ids [L], token slots (< L)
-    inputs = (video.patches * Towers.patch_values + video.audio_chunks * MEL_VALUES) * 4
-    return model + ints + inputs + max_events * video.timesteps * 4
+    media = (video.patches // Towers.patches_per_token + video.audio_chunks * Towers.audio_tokens_per_chunk)
+    return model + ints + media * shape.hidden * dtype_bytes + max_events * video.timesteps * 4
 
 
 def encoder_bytes(towers: Towers, video: VideoDims, dtype_bytes: int) -> int:
