@@ -1,7 +1,11 @@
-"""The default run's training over several seeds: held-out free-running numbers per seed (issue #27).
+"""A one-process stand-in for the default's training, per seed, with the learning probes.
 
-    .venv/bin/python -m bench.default_seeds                      # seeds 0 1 2, the default's 3,800 steps
+    .venv/bin/python -m bench.default_seeds --seeds 0 1 --jobs 2 # -> bench/results/default_seeds_standin.json
     .venv/bin/python -m bench.default_seeds --seeds 0 --steps 800 --probe-every 50 --tag probe
+
+Not the run users get: one rank carries the global batch of the default's 2 Ray Train workers,
+so its numbers differ from the train stage's (on one box, seed 0: colour 0.86 here against 0.41 in
+the stage). bench/default_study.py measures the stage itself; this script is for the probes below.
 
 Reads the shards `make run` wrote (`--run-dir`, default runs/default: synth + preprocess are run
 first when they are missing, `pipeline/run.py --stages synth,preprocess`). Each seed is the
@@ -15,8 +19,8 @@ evaluate stage's metrics (pipeline.metrics, padcaptioner protocol: F1, CIDEr, ..
 Per seed, bench/attr_probe.py records every `--probe-every` steps the per-group gradient
 norms, each branch token's attention mass on its own anchor, and the branch loss split into
 attribute-word and grammar tokens; with the periodic teacher-forced validation they make the
-learning curves in `<out>/default_seeds<tag>.png`; `--linear-probe N` adds how linearly
-readable each attribute still is in the anchors' aggregated features (probe_lin_*). Written: `<out>/default_seeds<tag>.json` (`--name`: another stem)
+learning curves in `<out>/default_seeds_standin<tag>.png`; `--linear-probe N` adds how linearly
+readable each attribute still is in the anchors' aggregated features (probe_lin_*). Written: `<out>/default_seeds_standin<tag>.json` (`--name`: another stem)
 with `seeds` ({seed: colour, shape, sound, motion, planning, f1, cider, ...}), the spread
 (max - min) of each number and the targets of issue #27. Seeds run in `--jobs` processes.
 """
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = args.name or f"default_seeds{args.tag}"
+    stem = args.name or f"default_seeds_standin{args.tag}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     plot_seeds({s: r.get("history", []) for s, r in records.items()}, rows, out / f"{stem}.png")
     print(json.dumps({k: result[k] for k in ("seeds", "spread", "met", "timing_s")}, indent=1))
