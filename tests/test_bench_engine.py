@@ -44,6 +44,12 @@ def test_throughput_benchmark_smoke(capsys):
     counted = [out[k] for k in ("prefill_steps_per_video", "prefill_steps_cold_start") if out[k]]
     assert sum(p["videos"] for p in counted) == 18
     assert all(0 < p["bound"] <= p["mean"] <= p["max"] for p in counted)
+    # graph coverage: on the CPU counted by an arrival run at 16 in infer.cuda_graphs=static mode (same tokens)
+    static = out["arrivals"]["in_flight_16_static"]
+    r = static["graph_routes"]
+    assert r["full"] + r["pieces"] + r["eager"] == static["steps"] and out["arrivals"]["in_flight_16"]["graph_routes"] is None
+    assert out["graph_coverage"] == round((r["full"] + r["pieces"]) / static["steps"], 4)
+    assert out["targets"]["met"]["graph_coverage"] == (out["graph_coverage"] >= 0.9)
 
 
 def test_packing_benchmark_smoke(capsys):
