@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.engine.staging import Staging
+
 log = logging.getLogger("padcap.infer")
 
 SCRATCH_SEQ = -2  # owner id of the scratch page (page 0)
@@ -89,6 +91,7 @@ class PagePool:
         self.layer = list(self.kv.unbind(0))  # per layer [P*S, 2, Hkv, D] views, taken once
         self.layer_pages = [t.view(pages, -1) for t in self.layer]  # per layer [P, S*2*Hkv*D]: a row per page
         self.owner = torch.full((pages,), FREE_SEQ, dtype=torch.long, device=device)
+        self.staging = Staging(device)  # a step's host metadata to the device (infer/engine/staging.py)
         self.start = torch.zeros(pages, dtype=torch.long, device=device)
         self.owner[0] = SCRATCH_SEQ
         self._free = list(range(pages - 1, 0, -1))  # pop() gives the lowest page first
@@ -183,7 +186,7 @@ class PagePool:
             return
         last = {page: (own, start) for page, own, start in self._pending}  # a page freed and retaken: the last wins
         self._pending.clear()
-        idx, own, start = torch.tensor([list(last), *zip(*last.values())], dtype=torch.long).to(self.device)  # one copy
+        idx, own, start = self.staging.to_device([torch.tensor([list(last), *zip(*last.values())], dtype=torch.long)])[0]
         self.owner.index_copy_(0, idx, own)
         self.start.index_copy_(0, idx, start)
         # A new page's unwritten slots are read (masked) by the kernels: 0 * NaN would be NaN, and torch.empty
