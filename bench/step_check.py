@@ -150,6 +150,8 @@ class Loop:
             while todo and len(live) < in_flight:
                 worst = worst_pages(todo[0].length, todo[0].events, cap, self.pool.page_size)
                 if not self.pool.reserve(worst):
+                    if not live:
+                        raise RuntimeError(f"a video's {worst} KV pages do not fit the pool: raise --kv-memory-gb")
                     break
                 v = VideoState(NS(control=DecodeControl()), todo.pop(0), worst, cap)
                 v.prog.k = 0  # its planning starts over (the videos are run once per in-flight count)
@@ -163,6 +165,8 @@ class Loop:
                     out["front"][id(v.prog)] = out["front"].get(id(v.prog), 0) + 1
             t0 = time.perf_counter()
             plan = self.sched.plan(live)
+            if plan is None:
+                raise RuntimeError("videos in flight but nothing to run")
             hidden, _ = (self.graphs or self.runner).forward(plan.batch)
             self._absorb(plan, hidden, live, out)
             a = plan.batch.attn
