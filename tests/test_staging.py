@@ -35,3 +35,26 @@ def test_one_read_of_the_outputs_per_step(model, videos, controls, monkeypatch):
     eng = CaptionEngine(model, CPU)
     eng.caption(videos[:3], controls=controls[:3])
     assert len(calls) == eng.stats["steps"] > 0 and max(calls) > 2  # a step with branch tokens and decisions
+
+
+def test_two_host_to_device_copies_per_step(model, videos, controls):
+    """What a step sends to the device goes in two staging calls, each one pinned copy on CUDA: the scheduler's
+    (positions, slots, branch token ids, the page table's changes) and the flex metadata's; a layered block's
+    part adds its own metadata's (built as the part runs)."""
+    import dataclasses
+
+    eng = CaptionEngine(model, dataclasses.replace(CPU, kernel="flex", kv_memory_gb=0.004, max_batch_videos=3,
+                                                   step_tokens=64))
+    calls, per_step = [], []
+    stage, plan = eng.pool.staging.to_device, eng.scheduler.plan
+    eng.pool.staging.to_device = lambda ts: calls.append(len(ts)) or stage(ts)
+
+    def counted(videos):
+        calls.clear()
+        p = plan(videos)
+        per_step.append((len(calls), bool(p and p.jobs)))
+        return p
+
+    eng.scheduler.plan = counted
+    eng.caption(videos[:3], controls=controls[:3])
+    assert any(not jobs for _, jobs in per_step) and all(n == 2 for n, jobs in per_step if not jobs)
