@@ -203,12 +203,14 @@ class InferConfig:
     attention_calls: int = 3
     # parallel = the engine (event-factorized parallel decoding); monolithic = the single-chain baseline
     decoder: Literal["parallel", "monolithic"] = "parallel"
-    # CUDA graphs of the decode step (infer/engine/graphs.py): auto = captured at start-up on CUDA with the flex
-    # kernel, for steps of up to graph_tokens tokens (larger steps and layered prefill run eagerly), off
-    # elsewhere; static = the graphs' static buffers and padding run eagerly, on any device (what the
-    # CPU tests drive); off = every step eager. A failed capture runs eagerly, with the reason logged.
+    # CUDA graphs of the step (infer/engine/graphs.py): auto = captured at start-up on CUDA: whole steps (flex
+    # kernel, no layered block, up to graph_tokens tokens) and, for every other step up to the budget's largest,
+    # its work but attention in pieces per layer (infer/engine/pieces.py: mixed and layered steps too), off
+    # elsewhere; static = the graphs' static buffers and padding run eagerly, on any device (what the CPU
+    # tests and bench/throughput.py's graph_coverage drive); off = every step eager. A failed capture runs
+    # eagerly, with the reason logged.
     cuda_graphs: Literal["auto", "off", "static"] = "auto"
-    graph_tokens: int = 256  # CUDA graphs cover decode steps of at most this many tokens
+    graph_tokens: int = 256  # whole-step CUDA graphs cover steps of at most this many tokens
     # videos handed to the engine per call (offline: the Ray Data batch of a captioning actor)
     videos_per_call: int = 16
     # continuous batching: at most this many branch rows / videos in one decode step;

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import subprocess
+import sys
 
 
 def load_bench(name: str):
@@ -44,6 +47,12 @@ def test_throughput_benchmark_smoke(capsys):
     counted = [out[k] for k in ("prefill_steps_per_video", "prefill_steps_cold_start") if out[k]]
     assert sum(p["videos"] for p in counted) == 18
     assert all(0 < p["bound"] <= p["mean"] <= p["max"] for p in counted)
+    # graph coverage: on the CPU counted by an arrival run at 16 in infer.cuda_graphs=static mode (same tokens)
+    static = out["arrivals"]["in_flight_16_static"]
+    r = static["graph_routes"]
+    assert r["full"] + r["pieces"] + r["eager"] == static["steps"] and out["arrivals"]["in_flight_16"]["graph_routes"] is None
+    assert out["graph_coverage"] == round((r["full"] + r["pieces"]) / static["steps"], 4)
+    assert out["targets"]["met"]["graph_coverage"] == (out["graph_coverage"] >= 0.9)
 
 
 def test_packing_benchmark_smoke(capsys):
@@ -62,3 +71,26 @@ def test_packing_benchmark_smoke(capsys):
                                                       "--attention-calls", "0"])
     assert exact["attention_calls"] == 0 and exact["steps"] > 0
     assert exact["padded_over_needed_work"]["packed"] == 1.0 and exact["calls_per_layer"]["packed"] >= 4 - 1e-9
+
+
+def test_step_check_smoke(tmp_path):
+    """bench/gpu_check.sh --tiny (bench/step_check.py, what it runs at the 3B shape on CUDA) at the tiny shape on
+    the CPU, and the same with the flex kernel: mixed and layered steps, every step routed (whole steps with
+    flex, pieces otherwise), the counts consistent, and batched == alone exactly in fp32."""
+    run = subprocess.run(["bash", "bench/gpu_check.sh", "--tiny"], env={**os.environ, "OUT": str(tmp_path),
+                         "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "in_flight_3" in run.stdout, run.stdout + run.stderr
+    script = json.loads((tmp_path / "step_check_3b.json").read_text())
+    flex = load_bench("step_check").main(["--shape", "tiny", "--in-flight", "1", "3", "--videos", "4", "--caption", "4",
+                                          "--kernel", "flex"])
+    for out, kernel in ((script, "sdpa"), (flex, "flex")):
+        assert out["kernel"] == kernel and out["floor_ms_per_step"] > 0 and out["plan_gb"] > 0
+        for m in out["modes"].values():
+            r = m["graph_routes"]
+            assert m["mixed_steps"] > 0 and m["layered_steps"] > 0 and sum(r.values()) == m["steps"]
+            assert m["graph_coverage"] == round((r["full"] + r["pieces"]) / m["steps"], 4)
+            assert (r["full"] > 0) == (kernel == "flex") and r["pieces"] > 0
+            p = m["prefill_steps_per_video"]
+            assert p["videos"] > 0 and p["max"] >= p["mean"] > 0
+        assert out["modes"]["in_flight_3"]["batched_equals_alone"] is True
+    assert 0 < flex["flex_compiles"] <= flex["flex_compiles_bound"]

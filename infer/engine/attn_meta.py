@@ -227,11 +227,10 @@ def _flex_meta(blocks, rules, q_block: int, pool, kernel: KernelTraits) -> FlexM
     out = torch.empty(n, dtype=torch.long)
     real = gather < n
     out[gather[real]] = torch.arange(gather.numel())[real]
-    dev = pool.device
-    sa, la, sb, lb = (r.to(dev) for r in _per_slot(rules, gather))
-    return FlexMeta(tokens=n, q_block=q_block, page_size=pool.page_size, pages=page_t.to(dev),
-                    npages=npages.to(dev), q_gather_clamped=torch.where(real, gather, 0).to(dev), q_out=out.to(dev),
-                    seq_a=sa, lim_a=la, seq_b=sb, lim_b=lb)
+    pages, npages, q_gather, q_out, sa, la, sb, lb = pool.staging.to_device(
+        [page_t, npages, torch.where(real, gather, 0), out, *_per_slot(rules, gather)])  # one copy on CUDA
+    return FlexMeta(tokens=n, q_block=q_block, page_size=pool.page_size, pages=pages, npages=npages,
+                    q_gather_clamped=q_gather, q_out=q_out, seq_a=sa, lim_a=la, seq_b=sb, lim_b=lb)
 
 
 def flex_block_mask(meta: FlexMeta, pool, indices: torch.Tensor | None = None):

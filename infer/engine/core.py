@@ -20,7 +20,7 @@ video's program (infer/engine/programs.py) turns the step's outputs for it into 
             together (batched), and their branches start next step
         branch rows: logits -> tokens (bias bans <G>/<S>; test processors; greedy or a seeded draw);
             <eos> or the cap ends a branch (its pages freed); a video whose branches all ended is done
-    (the step's tokens come back to the host once per step)
+    (what the host reads of the step comes back in one copy: infer/engine/staging.py)
 
 KV lives in one pool of pages (infer/engine/paged.py) sized by `infer.kv_memory_gb`: a video's
 branches see its prefix pages in place (no copies), ending a branch or a video frees pages.
@@ -55,6 +55,7 @@ from infer.engine.programs import PROGRAMS
 from infer.engine.requests import Request, VideoResult, check_config, model_caps, resolve_device, resolve_dtype
 from infer.engine.sampling import NO_CONTROL, DecodeControl, video_chooser
 from infer.engine.scheduler import Branch, Phase, Scheduler, StepPlan, VideoState
+from infer.engine.staging import to_host
 from infer.engine.step import ModelRunner
 from infer.engine.step_weights import StepWeights
 from pipeline.config import InferConfig
@@ -299,7 +300,8 @@ class CaptionEngine:
             rows += k
 
     def _absorb(self, plan: StepPlan, hidden, states, videos: list[VideoState], emit) -> None:
-        """The step's outputs back into each video: prefill states, decisions, branch tokens."""
+        """The step's outputs back into each video: prefill states, decisions, branch tokens. Everything the
+        host reads of the step (branch tokens, planning logits, the programs' readouts) comes back in one copy."""
         decisions: list[tuple[VideoState, torch.Tensor, torch.Tensor]] = []  # (video, final state, grounding state)
         for v, first, lo, hi in plan.prefill:
             last = first + hi - lo - 1
@@ -312,18 +314,20 @@ class CaptionEngine:
             if _prefilled(v, job.span[1], [job.states[i] for i in v.prog.capture]):
                 decisions.append((v, job.hidden[-1], job.states[v.prog.ground_layer][-1]))
         decisions += [(v, hidden[row], states[v.prog.ground_layer][row]) for v, row in plan.plan]
-        if decisions:  # every decision row's (<G>, <S>) logits in one product, one copy to the host
-            restricted = self.model.plan_logits(torch.stack([h for _, h, _ in decisions])).float().cpu()
-            planned = []
-            for (v, _, ground), r in zip(decisions, restricted):  # another serial <G> next step, or planning ends
-                v.phase = Phase.PLAN
-                v.feed_g = v.prog.decide(r, ground)
-                if not v.feed_g:
-                    planned.append(v)
-            if planned:
-                self._ground(planned)
+        logits, chosen = self._choose(plan, hidden[: plan.n_branch]) if plan.n_branch else (None, None)
+        # every decision row's (<G>, <S>) logits in one product
+        restricted = self.model.plan_logits(torch.stack([h for _, h, _ in decisions])).float() if decisions else None
+        chosen, restricted, *reads = to_host([chosen, restricted, *(v.prog.readout(g) for v, _, g in decisions)])
+        planned = []
+        for (v, _, ground), r, read in zip(decisions, restricted if decisions else (), reads):
+            v.phase = Phase.PLAN  # another serial <G> next step, or planning ends
+            v.feed_g = v.prog.decide(r, ground, read)
+            if not v.feed_g:
+                planned.append(v)
+        if planned:
+            self._ground(planned)
         if plan.n_branch:
-            self._branch_tokens(plan, hidden[: plan.n_branch], emit)
+            self._branch_tokens(plan, logits, chosen.tolist())
         for v in [v for v in videos if v.phase is Phase.BRANCH and not v.branches] + \
                 [v for v in videos if v.phase is Phase.READY and v.anchors.anchors.shape[0] == 0]:
             videos.remove(v)
@@ -348,8 +352,9 @@ class CaptionEngine:
             v.reserved = keep
             v.phase = Phase.READY
 
-    def _branch_tokens(self, plan: StepPlan, hidden: torch.Tensor, emit) -> None:
-        """Logits of the branch rows -> one token each; ended branches leave (pages freed)."""
+    def _choose(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The branch rows' logits [R, V] and next tokens [R] on the device (bias bans <G>/<S>; test processors;
+        greedy, or each video's seeded draw)."""
         logits = self.runner.logits(hidden)
         scores = logits.float() + self.bias
         for v, first, k in plan.branch:
@@ -362,7 +367,10 @@ class CaptionEngine:
         for v, first, k in plan.branch:
             if v.sampler is not None:  # temperature > 0: this video's seeded draw
                 nxt[first:first + k] = v.sampler.pick(scores[first:first + k])
-        chosen = nxt.tolist()  # the step's one device-to-host copy
+        return logits, nxt
+
+    def _branch_tokens(self, plan: StepPlan, logits: torch.Tensor, chosen: list[int]) -> None:
+        """The branch rows' tokens (`chosen`, on the host) into their branches; ended branches leave (pages freed)."""
         eos = self.model.eos_id
         S = self.pool.page_size
         for v, first, k in plan.branch:
@@ -371,7 +379,7 @@ class CaptionEngine:
             for i, b in enumerate(v.branches):
                 tok = chosen[first + i]
                 b.tokens.append(tok)
-                if b.traced is not None:
+                if b.traced is not None:  # a test's trace: its own copies
                     b.traced.append(logits[first + i].float().cpu())
                 if tok == eos or v.steps >= v.cap:
                     unused = pages_for(v.cap, S) - len(b.seq.pages)
@@ -391,7 +399,7 @@ class CaptionEngine:
             videos = {id(v) for v, *_ in plan.branch + plan.plan + plan.prefill + plan.jobs}
             st["step_log"].append(StepRecord(plan.tokens, plan.n_branch, len(plan.plan),
                                              sum(h - lo for _, _, lo, h in plan.prefill), len(videos), ms,
-                                             plan.layer_tokens, cpu_ms))
+                                             plan.layer_tokens, cpu_ms, self.graphs.last if self.graphs else ""))
 
     def _release(self, v: VideoState) -> None:
         """All of v's pages and promises back to the pool."""
@@ -444,6 +452,7 @@ class StepRecord(NamedTuple):
     ms: float
     layer_tokens: int = 0  # what the layered blocks' parts cost, in tokens (token-layers / layers)
     cpu_ms: float = 0.0  # the process's CPU time in the step (on a shared CPU box: the step's own work)
+    graph: str = ""  # how it ran with CUDA graphs (infer/engine/graphs.py GraphPlan.route: full, pieces, eager)
 
 
 def _zero_stats() -> dict[str, Any]:

@@ -1,33 +1,37 @@
-"""CUDA graphs of the decode step, captured at start-up for fixed buckets and replayed step after step.
+"""CUDA graphs of the step, captured at start-up and replayed step after step: whole steps and pieces.
 
-    graphs = step_graphs(cfg.infer, runner, device, tokens=256, q_block=sched.q_block,
+    graphs = step_graphs(cfg.infer, runner, device, tokens=2048, q_block=sched.q_block,
                          attn_q_block=sched.prefill_block, capture_layers=model.capture_layers())
-    hidden, states = graphs.forward(batch)      # a covered step replayed; any other runs eagerly
+    hidden, states = graphs.forward(batch)      # replayed whole, in pieces, or eagerly: graphs.plan.route
 
 Why. At the published model's size a decode step is a few milliseconds of weight reads on a
 GPU but ~40 kernels per layer x 36 layers: launched one by one from Python, the host is the
-bottleneck. A CUDA graph records the step's kernels once and replays them with one launch; it
-needs every shape and every device address fixed, so a step is recorded per bucket (tokens N_b,
-query blocks Q_b) over static buffers, and each step is copied into the buffers of the smallest
-bucket that holds it.
+bottleneck. A CUDA graph records kernels once and replays them with one launch; it needs every
+shape and device address fixed. Two kinds, chosen per step by one pure function of the step's
+metadata (`GraphPlan.route`; `graph_coverage` in bench/throughput.py counts it):
 
-What is static. Per token bucket: the input embeddings, M-RoPE positions, KV slots and the
-output row of each token. Per block bucket: FlexAttention's block table (`npages`, `indices`,
-wide as the pool), the query slots' token and their two (sequence, limit) pairs, and the
-BlockMask over those very tensors (its mask_mod reads them and the pool's page owners, which
+  "full"    the whole step (attention included), recorded per bucket (tokens N_b, query blocks
+            Q_b) over static buffers: decode-heavy steps with the flex kernel, no layered block,
+            at most `infer.graph_tokens` tokens;
+  "pieces"  everything but attention, per token bucket, attention run eagerly between the
+            pieces (infer/engine/pieces.py): mixed steps (prefill chunks, planning rows) and steps
+            with layered blocks (their parts run eagerly beside attention), any kernel, up to the
+            step budget's largest step;
+  "eager"   the rest (a step over every bucket: the benchmarks' unlimited budgets).
+
+Whole steps. What is static per token bucket: the input embeddings, M-RoPE positions, KV slots
+and the output row of each token; per block bucket: FlexAttention's block table (`npages`,
+`indices`, wide as the pool), the query slots' token and their two (sequence, limit) pairs, and
+the BlockMask over those very tensors (its mask_mod reads them and the pool's page owners, which
 `PagePool.sync` edits in place). Padding: tokens past N write their KV into the scratch page
 (slot 0, which nothing real reads) and their outputs are dropped; blocks past Q have no pages;
 query slots past Q x BM see the scratch page's first key. Each token's arithmetic is its own,
 so a replayed step equals the eager one (tests/test_graphs.py, on the CPU through the same
 buffers and padding with the eager forward standing in for the replay: `capture=False`).
 
-Covered: steps with no layered block (infer/engine/step.py LayerJob: its tensors live across steps),
-with the flex kernel (the gathering kernels' calls change shape with the mix), at most the
-largest bucket's tokens and blocks, and capture layers among the graphs'. Others run eagerly,
-counted in `stats`. Capture runs at start-up for every bucket, largest first, sharing one memory
-pool; a failure is logged with its reason and the engine runs eagerly (`describe()` says so).
-The outputs are copied out of the graph's buffers (a video keeps its prefill states across
-steps). Pure torch; no ray.
+Capture runs at start-up for every bucket, largest first, sharing one memory pool; a failure is
+logged with its reason and the engine runs eagerly (`describe()` says so). The outputs are copied
+out of the graphs' buffers (a video keeps its prefill states across steps). Pure torch; no ray.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infer.engine.attn_meta import SLOT_PAD, FlexMeta, flex_block_mask, pow2
+from infer.engine.pieces import StepPieces
 from infer.engine.step import ForwardBatch, ModelRunner
 
 log = logging.getLogger("padcap.infer")
@@ -76,6 +81,75 @@ def graph_buckets(max_tokens: int, max_blocks: int, min_tokens: int = 8) -> Buck
     return Buckets(tuple(tokens), tuple(blocks))
 
 
+MAX_PIECE_TOKENS = 8192  # the largest piece bucket (a budget over it: its larger steps run eagerly)
+
+
+def piece_buckets(max_tokens: int, min_tokens: int = 8) -> tuple[int, ...]:
+    """Powers of two from min_tokens up to max_tokens (at most MAX_PIECE_TOKENS): the pieces' token buckets.
+
+    >>> piece_buckets(648), piece_buckets(1 << 30)[-1]
+    ((8, 16, 32, 64, 128, 256, 512, 1024), 8192)
+    """
+    return graph_buckets(min(max_tokens, MAX_PIECE_TOKENS), 1, min_tokens).tokens
+
+
+@dataclass(frozen=True)
+class StepKey:
+    """What routing reads of a step: its tokens N, its flex query blocks and their size (0, 0: another
+    kernel's metadata), whether layered blocks have parts in it, the hidden states it asks for."""
+
+    tokens: int
+    blocks: int
+    q_block: int
+    jobs: bool
+    capture: tuple[int, ...]
+
+    @staticmethod
+    def of(batch: ForwardBatch) -> StepKey:
+        a = batch.attn
+        flex = isinstance(a, FlexMeta)
+        return StepKey(a.tokens, a.blocks if flex else 0, a.q_block if flex else 0, bool(batch.jobs), batch.capture)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """Which graph a step replays (module doc): whole-step buckets (None: no flex kernel, or none asked for),
+    the pieces' token buckets, the whole steps' query block and the hidden states they return."""
+
+    full: Buckets | None
+    pieces: tuple[int, ...]
+    q_block: int = 0
+    capture_layers: tuple[int, ...] = ()
+
+    def route(self, k: StepKey) -> tuple[str, tuple[int, int] | int | None]:
+        """-> ("full", (N_b, Q_b)), ("pieces", N_b) or ("eager", None).
+
+        >>> plan = GraphPlan(graph_buckets(64, 4), piece_buckets(512), q_block=64, capture_layers=(2, 4))
+        >>> plan.route(StepKey(40, 3, 64, False, ())), plan.route(StepKey(40, 3, 64, True, ()))
+        (('full', (64, 4)), ('pieces', 64))
+        >>> plan.route(StepKey(300, 9, 64, False, (2,))), plan.route(StepKey(600, 9, 64, False, ()))
+        (('pieces', 512), ('eager', None))
+        >>> plan.route(StepKey(8, 1, 64, False, (3,)))  # a hidden state the whole steps do not return
+        ('pieces', 8)
+        """
+        if self.full is not None and not k.jobs and k.q_block == self.q_block \
+                and set(k.capture) <= set(self.capture_layers):
+            key = self.full.fit(k.tokens, k.blocks)
+            if key is not None:
+                return "full", key
+        nb = next((t for t in self.pieces if t >= k.tokens), None)
+        return ("pieces", nb) if nb is not None else ("eager", None)
+
+
+def coverage(routes: list[str]) -> float | None:
+    """The share of steps that replay a graph (whole or in pieces); None for no steps.
+
+    >>> coverage(["full", "pieces", "eager", "pieces"])
+    0.75
+    """
+    return sum(r != "eager" for r in routes) / len(routes) if routes else None
+
+
 @dataclass
 class _TokenBuffers:
     """One token bucket's static inputs: embeds [N_b, d], positions [3, N_b], slots [N_b], q_out [N_b]."""
@@ -109,24 +183,26 @@ class _Recorded:
 
 
 class StepGraphs:
-    """The step recorded per bucket over static buffers (module doc).
+    """The step's graphs (module doc): whole steps per bucket pair over static buffers, and the pieces.
 
-    runner: the engine's ModelRunner (flex kernel); buckets: what to record; q_block: the step's query
-    block BM (the scheduler's AttnMeta q_block); capture_layers: the hidden states every recording
-    returns (a superset of what any step asks); capture: record CUDA graphs (else the same buffers and
+    runner: the engine's ModelRunner; plan: what is recorded (`GraphPlan`; whole steps need the flex
+    kernel, q_block = the step's query block BM); capture: record CUDA graphs (else the same buffers and
     padding, run eagerly: the CPU stand-in the tests drive).
     """
 
-    def __init__(self, runner: ModelRunner, buckets: Buckets, q_block: int, capture_layers: tuple[int, ...],
-                 capture: bool):
-        self.runner, self.buckets, self.q_block = runner, buckets, q_block
-        self.capture_layers = tuple(sorted(set(capture_layers)))
+    def __init__(self, runner: ModelRunner, plan: GraphPlan, capture: bool):
+        self.runner, self.plan = runner, plan
+        self.buckets, self.q_block = plan.full, plan.q_block
+        self.capture_layers = plan.capture_layers
         self.captured = False
         self.enabled = True  # False after a failed capture: every step eager
         self.reason = "not captured (CPU stand-in: the static buffers, run eagerly)"
-        self.stats = {"replayed": 0, "eager": 0}
+        self.stats = {"replayed": 0, "pieces": 0, "eager": 0}
+        self.last = "eager"  # the last step's route
+        self.pieces = StepPieces(runner, plan.pieces, capture=False)
         pool, w = runner.pool, runner.w
         dev = pool.device
+        buckets = plan.full or Buckets((), ())
         self.tokens = {n: _TokenBuffers(torch.zeros(n, w.hidden, dtype=w.dtype, device=dev),
                                         torch.zeros(3, n, dtype=torch.long, device=dev),
                                         torch.zeros(n, dtype=torch.long, device=dev),
@@ -134,7 +210,7 @@ class StepGraphs:
         self.blocks: dict[int, _BlockBuffers] = {}
         self.recorded: dict[tuple[int, int], _Recorded] = {}
         for q in buckets.blocks:
-            slots = q * q_block
+            slots = q * self.q_block
             blk = _BlockBuffers(torch.zeros(q, dtype=torch.int32, device=dev),
                                 torch.zeros(q, pool.pages, dtype=torch.int32, device=dev),
                                 torch.zeros(slots, dtype=torch.long, device=dev),
@@ -162,21 +238,19 @@ class StepGraphs:
 
     # ------------------------------------------------------------------ a step
 
-    def covers(self, batch: ForwardBatch) -> tuple[int, int] | None:
-        """The bucket pair that holds this step, or None (it runs eagerly): module doc's rule."""
-        a = batch.attn
-        if not self.enabled or batch.jobs or not isinstance(a, FlexMeta) or a.q_block != self.q_block \
-                or not set(batch.capture) <= set(self.capture_layers):
-            return None
-        return self.buckets.fit(a.tokens, a.blocks)
+    def route(self, batch: ForwardBatch) -> tuple[str, tuple[int, int] | int | None]:
+        """Where this step runs: `GraphPlan.route` of its metadata (every step eager after a failed capture)."""
+        return self.plan.route(StepKey.of(batch)) if self.enabled else ("eager", None)
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """ModelRunner.forward's outputs for the step: replayed from its bucket's graph when covered."""
-        key = self.covers(batch)
-        if key is None:
-            self.stats["eager"] += 1
+        """ModelRunner.forward's outputs for the step: replayed whole or in pieces where it routes there."""
+        how, key = self.route(batch)
+        self.last = how
+        self.stats["replayed" if how == "full" else how] += 1
+        if how == "eager":
             return self.runner.forward(batch)
-        self.stats["replayed"] += 1
+        if how == "pieces":
+            return self.pieces.forward(batch, key)
         self._load(batch, *key)
         rec = self.recorded[key]
         if rec.graph is not None:
@@ -243,44 +317,58 @@ class StepGraphs:
                     rec.hidden, rec.states = self.runner.forward(rec.batch)
                 rec.graph = graph
             torch.cuda.synchronize()
+            self.pieces._capture_all()
         except Exception as e:  # noqa: BLE001 - any capture failure: eager, said in describe() and the log
             for rec in self.recorded.values():  # drop what was captured: its pool memory goes back
                 rec.graph, rec.hidden, rec.states = None, None, {}
+            self.pieces.drop()
             self.enabled = False
             self.reason = f"capture failed, running eagerly: {type(e).__name__}: {e}"
             log.warning("CUDA graphs: %s", self.reason)
             return
         self.captured = True
-        self.reason = f"captured {len(self.recorded)} bucket pairs at start-up"
-        log.info("CUDA graphs: %s (tokens %s, blocks %s)", self.reason, self.buckets.tokens, self.buckets.blocks)
+        self.reason = (f"captured {len(self.recorded)} whole-step bucket pairs and {len(self.plan.pieces)} x "
+                       f"{len(self.runner.w.layers) + 1} pieces at start-up")
+        log.info("CUDA graphs: %s (whole steps: tokens %s, blocks %s; pieces: tokens %s)", self.reason,
+                 self.buckets.tokens if self.buckets else (), self.buckets.blocks if self.buckets else (),
+                 self.plan.pieces)
 
     def reset_stats(self) -> None:
-        self.stats.update(replayed=0, eager=0)
+        self.stats.update(replayed=0, pieces=0, eager=0)
 
     def describe(self) -> dict:
-        return {"captured": self.captured, "enabled": self.enabled, "reason": self.reason, "token_buckets": list(self.buckets.tokens),
-                "block_buckets": list(self.buckets.blocks), **self.stats}
+        """What /v1/model and the rows say: the buckets, the steps per route since the last reset and their
+        graph coverage (replayed whole or in pieces, over all steps)."""
+        b = self.buckets or Buckets((), ())
+        return {"captured": self.captured, "enabled": self.enabled, "reason": self.reason,
+                "token_buckets": list(b.tokens), "block_buckets": list(b.blocks), "piece_buckets": list(self.plan.pieces),
+                **self.stats, "coverage": coverage(["full"] * self.stats["replayed"] + ["pieces"] * self.stats["pieces"]
+                                                   + ["eager"] * self.stats["eager"])}
 
 
 def step_graphs(cfg, runner: ModelRunner, device: torch.device, *, tokens: int, q_block: int, attn_q_block: int,
                 capture_layers: tuple[int, ...]) -> StepGraphs | None:
-    """An engine's graphs for infer.cuda_graphs (pipeline/config.py): captured now (auto, on CUDA with the flex
-    kernel), the static stand-in (static), or None (every step eager; the monolithic decoder takes no steps). tokens: the step budget; q_block: the
-    scheduler's block of branch rows; attn_q_block: its attention metadata's BM. A step has at most one
-    query block per video plus one per q_block of branch rows (infer/engine/scheduler.py)."""
-    mode, kernel = cfg.cuda_graphs, runner.kernel.name
-    if mode == "off" or cfg.decoder != "parallel" or (mode == "auto" and (device.type != "cuda" or kernel != "flex")):
+    """An engine's graphs for infer.cuda_graphs (pipeline/config.py): captured now (auto, on CUDA), the static
+    stand-in (static), or None (every step eager; the monolithic decoder takes no steps). Whole steps with the
+    flex kernel only; pieces with any. tokens: the step budget; q_block: the scheduler's block of branch rows;
+    attn_q_block: its attention metadata's BM. A step has at most one query block per video plus one per
+    q_block of branch rows, and at most the budget plus a row per branch and per video (a step's first
+    prefill chunk may fill the budget whole: infer/engine/scheduler.py)."""
+    mode = cfg.cuda_graphs
+    if mode == "off" or cfg.decoder != "parallel" or (mode == "auto" and device.type != "cuda"):
         return None
-    if kernel != "flex":
-        raise ValueError(f"infer.cuda_graphs={mode} needs infer.kernel=flex (got {kernel})")
-    blocks = cfg.max_batch_videos + -(-cfg.max_batch_rows // q_block)
-    return StepGraphs(runner, graph_buckets(min(cfg.graph_tokens, tokens), blocks), attn_q_block, capture_layers,
-                      capture=mode == "auto")
+    full = None
+    if runner.kernel.name == "flex":
+        blocks = cfg.max_batch_videos + -(-cfg.max_batch_rows // q_block)
+        full = graph_buckets(min(cfg.graph_tokens, tokens), blocks)
+    plan = GraphPlan(full, piece_buckets(tokens + cfg.max_batch_rows + cfg.max_batch_videos), attn_q_block,
+                     tuple(sorted(set(capture_layers))))
+    return StepGraphs(runner, plan, capture=mode == "auto")
 
 
 def describe_graphs(graphs: StepGraphs | None, cfg) -> dict:
     """What /v1/model and the offline rows say about the step's graphs."""
     if graphs is not None:
         return graphs.describe()
-    why = "" if cfg.cuda_graphs == "off" else " (captured on CUDA with the flex kernel and the parallel decoder only)"
+    why = "" if cfg.cuda_graphs == "off" else " (captured on CUDA with the parallel decoder only)"
     return {"captured": False, "reason": f"infer.cuda_graphs={cfg.cuda_graphs}{why}"}

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.engine.staging import Staging
+
 log = logging.getLogger("padcap.infer")
 
 SCRATCH_SEQ = -2  # owner id of the scratch page (page 0)
@@ -52,6 +54,11 @@ def pages_for(tokens: int, page_size: int) -> int:
 def page_bytes(layers: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:
     """Bytes one page takes over all layers, keys and values."""
     return 2 * layers * page_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+def taken_pages(table: torch.Tensor) -> torch.Tensor:
+    """The pages a `PagePool.pending` table hands out (owner >= 0), on the table's device."""
+    return table[0][table[1] >= 0]
 
 
 def max_pages(kv_heads: int, head_dim: int, page_size: int, max_layer_elements: int) -> int:
@@ -89,6 +96,7 @@ class PagePool:
         self.layer = list(self.kv.unbind(0))  # per layer [P*S, 2, Hkv, D] views, taken once
         self.layer_pages = [t.view(pages, -1) for t in self.layer]  # per layer [P, S*2*Hkv*D]: a row per page
         self.owner = torch.full((pages,), FREE_SEQ, dtype=torch.long, device=device)
+        self.staging = Staging(device)  # a step's host metadata to the device (infer/engine/staging.py)
         self.start = torch.zeros(pages, dtype=torch.long, device=device)
         self.owner[0] = SCRATCH_SEQ
         self._free = list(range(pages - 1, 0, -1))  # pop() gives the lowest page first
@@ -178,17 +186,27 @@ class PagePool:
         return table[i // self.page_size] * self.page_size + i % self.page_size
 
     def sync(self) -> None:
-        """Apply the step's page ownership changes on the device: one scatter each, once per step."""
+        """Apply the step's page ownership changes on the device (`pending`, then `apply`; one copy)."""
+        table = self.pending()
+        if table is not None:
+            self.apply(*self.staging.to_device([table, taken_pages(table)]))
+
+    def pending(self) -> torch.Tensor | None:
+        """The page ownership changes since the last one as a host table [3, M] long (page, owner, start; a page
+        freed and retaken: its last change), or None; they are then the caller's to `apply`."""
         if not self._pending:
-            return
-        last = {page: (own, start) for page, own, start in self._pending}  # a page freed and retaken: the last wins
+            return None
+        last = {page: (own, start) for page, own, start in self._pending}
         self._pending.clear()
-        idx, own, start = torch.tensor([list(last), *zip(*last.values())], dtype=torch.long).to(self.device)  # one copy
+        return torch.tensor([list(last), *zip(*last.values())], dtype=torch.long)
+
+    def apply(self, table: torch.Tensor, taken: torch.Tensor) -> None:
+        """A `pending` table and its `taken_pages`, on the device: one scatter each, once per step, and the taken
+        pages zeroed: a new page's unwritten slots are read (masked) by the kernels, 0 * NaN would be NaN, and
+        torch.empty can hold anything (one fill, all layers at once; nothing read back to the host)."""
+        idx, own, start = table
         self.owner.index_copy_(0, idx, own)
         self.start.index_copy_(0, idx, start)
-        # A new page's unwritten slots are read (masked) by the kernels: 0 * NaN would be NaN, and torch.empty
-        # can hold anything. Zero what was just handed out (one fill per step, all layers at once).
-        taken = idx[own >= 0]
         if taken.numel():
             self.kv.view(self.layers, self.pages, -1).index_fill_(1, taken, 0)
 

@@ -4,7 +4,8 @@
     prog = ReleaseProgram(model, video, opts, control)   # the published release model
     prog.embeds [P, d], prog.positions [3, P], prog.limits [P], prog.cuts   # the prefix to prefill
     prog.prefilled(h_states)                              # the prefix's captured states, once
-    want_g = prog.decide(restricted, ground)              # at every decision row ((<G>, <S>) logits)
+    read = prog.readout(ground)                           # what a decision reads on the host (None: nothing)
+    want_g = prog.decide(restricted, ground, read)        # at every decision row ((<G>, <S>) logits)
     x, pos = prog.plan_input()                            # the serial <G> to feed next
     prog.finish() -> Anchors                              # intervals, anchors [K, d], position A
     Program.tokens_to_encode(sample), Program.encode(model, samples)   # the encoder stage's (infer/engine/encoding.py)
@@ -130,7 +131,11 @@ class PadProgram:
         self.key_visible = lay.mask[0, 0, lay.instruction_end, :self.length].to(dev) == 0
         self.agg_row = self.model.aggregation_row(self.h_agg, lay, self._pos[0], self.key_visible)
 
-    def decide(self, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
+    def readout(self, ground: torch.Tensor) -> None:
+        """Nothing of a decision row but its logits is read on the host (the queries stay on the device)."""
+        return None
+
+    def decide(self, restricted: torch.Tensor, ground: torch.Tensor, read: None = None) -> bool:
         """At a decision row (its (<G>, <S>) logits [2] fp32 on the host, its grounding-layer state):
         feed another <G>?"""
         if planning_capped(self.k, self.opts.max_events, self.control):
@@ -214,13 +219,18 @@ class ReleaseProgram:
         s = self.model.settings
         return aggregate(self.attn_row, self.h_agg, self.lay, step, s.aggregation, self.model.audio_mean_weight)
 
-    def decide(self, restricted: torch.Tensor, ground: torch.Tensor) -> bool:
+    def readout(self, ground: torch.Tensor) -> torch.Tensor:
+        """The decision row's similarities [T] to the segments (the engine reads them with the step's one copy)."""
+        return self.model.similarity(ground, self.segments)
+
+    def decide(self, restricted: torch.Tensor, ground: torch.Tensor, read: torch.Tensor | None = None) -> bool:
         """One planning decision row (module doc, step 4). restricted [2]: the row's (<G>, <S>) logits in
-        fp32 (model.plan_logits of its final-norm state), ground: its hidden_states[-2]. Keeps the row's
-        similarities and, unless planning is capped, its {<G>, <S>} logits; on <G>, the interval
-        grounded at this row is the next event's (True), else planning stops (False)."""
+        fp32 (model.plan_logits of its final-norm state), ground: its hidden_states[-2]; read: its
+        `readout` on the host (None: computed now). Keeps the row's similarities and, unless planning is
+        capped, its {<G>, <S>} logits; on <G>, the interval grounded at this row is the next event's
+        (True), else planning stops (False)."""
         s = self.model.settings
-        sim = self.model.similarity(ground, self.segments)
+        sim = self.readout(ground) if read is None else read
         self.sims.append(sim)
         step = find_and_merge(sim, s.grounding_threshold, s.grounding_merge_gap)
         if planning_capped(self.k, self.opts.max_events, self.control):

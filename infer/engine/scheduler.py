@@ -40,7 +40,7 @@ import torch
 
 from infer.engine.attn_meta import AttnMeta, Workspace
 from infer.engine.packing import QueryBlock
-from infer.engine.paged import FREE_SEQ, SCRATCH_SEQ, PagePool, Seq, pages_for
+from infer.engine.paged import FREE_SEQ, SCRATCH_SEQ, PagePool, Seq, pages_for, taken_pages
 from infer.engine.step import ForwardBatch, LayerJob, ModelRunner
 
 
@@ -175,10 +175,6 @@ class Scheduler:
             branch_rows.append((v, n, k))
             n += k
         n_branch = n
-        if tok_ids:  # the branch tokens of every video: one embedding gather
-            pieces = iter(self.runner.embed(torch.tensor(tok_ids, device=self.device)).split(
-                [k for (_, _, k), e in zip(branch_rows, embeds) if e is None]))
-            embeds = [next(pieces) if e is None else e for e in embeds]
         # 2. one planning row per planning video
         for v in videos:
             if v.phase is not Phase.PLAN or not v.feed_g:
@@ -238,13 +234,20 @@ class Scheduler:
             embeds = [torch.zeros(1, w.hidden, dtype=w.dtype, device=self.device)]
             positions, slots = [torch.zeros(3, 1, dtype=torch.long)], [torch.zeros(1, dtype=torch.long)]
             blocks, seq_a, lim_a = [QueryBlock([0], [0])], [SCRATCH_SEQ], [1]
-        self.pool.sync()
+        table = self.pool.pending()  # the page table's changes ride in the step's copy
+        pos, slot, ids, *table = self.pool.staging.to_device([
+            torch.cat(positions, dim=1), torch.cat(slots), torch.tensor(tok_ids, dtype=torch.long),
+            *(() if table is None else (table, taken_pages(table)))])  # one copy on CUDA
+        if table:
+            self.pool.apply(*table)
         capture = tuple(sorted({i for v, *_ in plan_rows + chunks for i in v.prog.capture}))
         free = len(seq_a) - n_branch
         attn = self._meta(blocks, seq_a, lim_a, seq_b + [FREE_SEQ] * free, lim_b + [0] * free, self.prefill_block,
                           self.mask_workspace)
-        batch = ForwardBatch(embeds=torch.cat(embeds), positions=torch.cat(positions, dim=1).to(self.device),
-                             slots=torch.cat(slots).to(self.device), attn=attn, capture=capture,
+        if tok_ids:  # the branch tokens of every video: one embedding gather
+            pieces = iter(self.runner.embed(ids).split([k for (_, _, k), e in zip(branch_rows, embeds) if e is None]))
+            embeds = [next(pieces) if e is None else e for e in embeds]
+        batch = ForwardBatch(embeds=torch.cat(embeds), positions=pos, slots=slot, attn=attn, capture=capture,
                              jobs=tuple(job for _, job in jobs))
         return StepPlan(batch, n_branch, branch_rows, plan_rows, chunks, jobs, tokens=n, layer_tokens=charged)
 

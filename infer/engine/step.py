@@ -133,27 +133,41 @@ class ModelRunner:
         cos, sin = self.rope(batch.positions, batch.embeds.dtype)
         x = batch.embeds
         states: dict[int, torch.Tensor] = {}
-        at: dict[int, list[tuple[LayerJob, int, int]]] = {}
-        for job in batch.jobs:
-            for li, a, b in job.parts:
-                at.setdefault(li, []).append((job, a, b))
+        at = self.parts_by_layer(batch)
         for li, lw in enumerate(w.layers):
             if li in batch.capture:
                 states[li] = x
-            x = self._layer(lw, li, x, cos, sin, batch.slots, batch.attn)
-            for job, a, b in at.get(li, ()):
-                self._job_part(lw, li, job, a, b)
+            q = self.qkv(lw, li, x, cos, sin, batch.slots)
+            x = self.out_and_mlp(lw, x, self.attend(li, q, batch.attn, at.get(li, ())))
         hidden = w.norm(x)
         if len(w.layers) in batch.capture:
             states[len(w.layers)] = hidden
         return hidden, states
+
+    @staticmethod
+    def parts_by_layer(batch: ForwardBatch) -> dict[int, list[tuple[LayerJob, int, int]]]:
+        """The layered blocks' parts of the step by layer: {layer: [(job, a, b)]}, in order."""
+        at: dict[int, list[tuple[LayerJob, int, int]]] = {}
+        for job in batch.jobs:
+            for li, a, b in job.parts:
+                at.setdefault(li, []).append((job, a, b))
+        return at
+
+    def attend(self, li: int, q: torch.Tensor, attn: AttnMeta, parts=()) -> torch.Tensor:
+        """Layer li's attention: q [N, Hq, D] -> [N, Hq * D]; then the layered blocks' parts at li (they read
+        only the pool's layer li, which this step's tokens have written: the main batch's MLP may follow them).
+        The step's eager part between the pieces of a piecewise replay (infer/engine/pieces.py)."""
+        o = self.kernel(q, self.pool, li, attn, self.scale)
+        for job, a, b in parts:
+            self._job_part(self.w.layers[li], li, job, a, b)
+        return o
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + x.roll(self.w.head_dim // 2, dims=-1) * sin
 
     def _job_part(self, lw, li: int, job: LayerJob, a: int, b: int) -> None:
         """Tokens [a, b) of a layered block at layer li (LayerJob doc); the same arithmetic per token
-        as `_layer`."""
+        as `qkv`, `attend` and `out_and_mlp`."""
         w, n = self.w, job.tokens
         if (li, a) != (job.layer, job.at):
             raise RuntimeError(f"a layered block's part at ({li}, {a}), its next is ({job.layer}, {job.at})")
@@ -166,7 +180,7 @@ class ModelRunner:
             self.pool.layer[li].index_copy_(0, job.slots, torch.stack([k, v], dim=1))
             job.out = torch.empty_like(job.x)
         q = self._rotate(F.linear(job.normed[a:b], *lw.q).view(b - a, w.heads, w.head_dim), job.cos[a:b], job.sin[a:b])
-        job.out[a:b] = self._out_and_mlp(lw, job.x[a:b], self.kernel(q, self.pool, li, job.meta(a, b), self.scale))
+        job.out[a:b] = self.out_and_mlp(lw, job.x[a:b], self.kernel(q, self.pool, li, job.meta(a, b), self.scale))
         job.at = b
         if b < n:
             return
@@ -177,9 +191,10 @@ class ModelRunner:
             if job.layer in job.capture:
                 job.states[job.layer] = job.hidden
 
-    def _layer(self, lw, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-               attn: AttnMeta) -> torch.Tensor:
-        """One decoder layer over tokens x [N, d] (module doc)."""
+    def qkv(self, lw, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            slots: torch.Tensor) -> torch.Tensor:
+        """A layer's work before attention over tokens x [N, d]: the norm, q, k, v, the rotation; the keys and
+        values written to the pool at `slots` [N]. -> the rotated queries [N, Hq, D]."""
         w = self.w
         n = x.shape[0]
         hq, hkv = w.heads, w.kv_heads
@@ -189,10 +204,10 @@ class ModelRunner:
         v = F.linear(h, *lw.v).view(n, hkv, w.head_dim)
         qk = self._rotate(torch.cat([q, k], dim=1), cos, sin)  # one rotation for q and k
         self.pool.layer[li].index_copy_(0, slots, torch.stack([qk[:, hq:], v], dim=1))
-        return self._out_and_mlp(lw, x, self.kernel(qk[:, :hq], self.pool, li, attn, self.scale))
+        return qk[:, :hq]
 
     @staticmethod
-    def _out_and_mlp(lw, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    def out_and_mlp(lw, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """The rest of a layer after attention: x [n, d] + o_proj(a [n, Hq * D]), then the MLP's residual."""
         x = torch.addmm(x, a, lw.o_t) if lw.o_t is not None else x + F.linear(a, *lw.o)
         h = lw.post_norm(x)
