@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from infer.engine.packing import QueryBlock, kernel_calls
+from infer.engine.packing import CALL_COST, GATHER_ROWS, Call, QueryBlock, kernel_calls, round_up
 from infer.engine.paged import FREE_SEQ, SCRATCH_SEQ
 
 
@@ -41,15 +41,39 @@ class KernelTraits(Protocol):
 class GatherCall:
     """One call of a gathering kernel, valid for one step: `bins` blocks of `q_block` padded queries, each
     over `width` gathered pages. k, v [bins, Hkv, width*S, D]: views into the step's gathered pages
-    (GatherMeta.kv_out, refilled at every layer); visible [bins, 1, q_block*g, width*S]: the additive mask
+    (GatherMeta.kv_out, refilled at every layer); at >= 0: instead one block whose pages are the run
+    at, at+1, ..., read in place as a view of each layer of the pool (`in_place`; k, v None); visible
+    [bins, 1, q_block*g, width*S]: the additive mask
     (0 visible, -inf hidden) in the pool's dtype, rows (query, head in its KV group) as q is laid out."""
 
     bins: int
     q_block: int
     width: int
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     visible: torch.Tensor
+    at: int = -1
+
+    def keys(self, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [bins, Hkv, width*S, D] of this call at one pool layer [P*S, 2, Hkv, D]."""
+        if self.at < 0:
+            return self.k, self.v
+        S = self.visible.shape[-1] // self.width  # the page size
+        run = layer[self.at * S:(self.at + self.width) * S]  # the pages themselves: no copy
+        return run.permute(1, 2, 0, 3)[:, None].unbind(0)
+
+
+def in_place(block: QueryBlock, page_size: int) -> bool:
+    """Whether a gathering kernel reads this block's pages in place (one call of its own) rather than packed
+    with others: its pages are one run of consecutive ids (a prefix's extent, infer/engine/paged.py) and
+    gathering them would cost more than a call (infer/engine/packing.py's cost units).
+
+    >>> in_place(QueryBlock([0], range(40, 48)), 16), in_place(QueryBlock([0], [40, 41, 43]), 16)
+    (True, False)
+    """
+    p = list(block.pages)
+    return (len(block.tokens) > 0 and len(p) * page_size * GATHER_ROWS >= CALL_COST
+            and p == list(range(p[0], p[0] + len(p))))
 
 
 @dataclass
@@ -171,12 +195,15 @@ def _gather_meta(blocks, rules, pool, kernel: KernelTraits, group: int, workspac
     kv = pool.layer[0]
     _, _, hkv, d = kv.shape
     hq = hkv * group
-    calls = kernel_calls(blocks, group, S, kernel.max_calls, mult)
+    runs = [b for b in blocks if in_place(b, S)]
+    rest = [b for b in blocks if not in_place(b, S)]
+    calls = [(c, -1) for c in (kernel_calls(rest, group, S, kernel.max_calls, mult) if rest or not runs else [])]
+    calls += [(Call(round_up(len(b.tokens), mult), [b]), b.pages[0]) for b in runs]
     q_tok, q_head, pages, masks, shapes = [], [], [], [], []
     out_rows = torch.zeros(n * hq, dtype=torch.long)
     heads = torch.arange(hq).view(1, hkv, 1, group)
     row, dev = 0, pool.device
-    for c in calls:
+    for c, first in calls:
         bm = c.rows(mult)
         gather, page_t, npages = _slots(c.bins, n, bm)
         vis = _visibility(page_t.to(dev), npages.to(dev), [r.to(dev) for r in _per_slot(rules, gather)], pool)
@@ -189,23 +216,27 @@ def _gather_meta(blocks, rules, pool, kernel: KernelTraits, group: int, workspac
         out_rows[(tok * hq + head)[real]] = at[real]
         q_tok.append(torch.where(real, tok, 0).flatten())
         q_head.append(head.flatten())
-        pages.append(page_t.flatten())
+        if first < 0:
+            pages.append(page_t.flatten())
         masks.append(vis[:, :, None].expand(bins, bm, group, width * S))
-        shapes.append((bins, bm, width))
+        shapes.append((bins, bm, width, first))
         row += tok.numel()
-    pages_flat = torch.cat(pages).to(dev)
+    pages_flat = (torch.cat(pages) if pages else torch.zeros(0, dtype=torch.long)).to(dev)
     src = pool.layer_pages[0]
     kv_out = kernel.workspace.take(pages_flat.numel(), src.shape[1], src)
     mask_all = (workspace or Workspace()).take(1, sum(m.numel() for m in masks), kv)[0]
     zero = torch.zeros((), dtype=pool.dtype, device=dev)
     built, p_at, m_at = [], 0, 0
-    for (bins, bm, width), m in zip(shapes, masks):
+    for (bins, bm, width, at), m in zip(shapes, masks):
         vis = mask_all[m_at:m_at + m.numel()].view(m.shape)
         torch.where(m, zero, zero - float("inf"), out=vis)
-        g = kv_out[p_at:p_at + bins * width].view(bins, width * S, 2, hkv, d).permute(2, 0, 3, 1, 4)
-        k, v = g.unbind(0)
-        built.append(GatherCall(bins, bm, width, k, v, vis.view(bins, 1, bm * group, width * S)))
-        p_at, m_at = p_at + bins * width, m_at + m.numel()
+        k = v = None
+        if at < 0:
+            g = kv_out[p_at:p_at + bins * width].view(bins, width * S, 2, hkv, d).permute(2, 0, 3, 1, 4)
+            k, v = g.unbind(0)
+            p_at += bins * width
+        built.append(GatherCall(bins, bm, width, k, v, vis.view(bins, 1, bm * group, width * S), at))
+        m_at += m.numel()
     return GatherMeta(tokens=n, q_block=max(c.q_block for c in built), page_size=S, calls=tuple(built),
                     pages_flat=pages_flat, kv_out=kv_out, q_tok=torch.cat(q_tok).to(dev),
                     q_head=torch.cat(q_head).to(dev), q_split=tuple(c.bins * hkv * c.q_block * group for c in built),
@@ -233,9 +264,26 @@ def _flex_meta(blocks, rules, q_block: int, pool, kernel: KernelTraits) -> FlexM
                     q_gather_clamped=q_gather, q_out=q_out, seq_a=sa, lim_a=la, seq_b=sb, lim_b=lb)
 
 
-def flex_block_mask(meta: FlexMeta, pool, indices: torch.Tensor | None = None):
+def check_flex_block(page_size: int, kv_block: int, block_n: int = 0) -> None:
+    """Refuse FlexAttention blocks that span a page: flex groups keys into blocks of the BlockMask's KV block
+    and the kernel's BLOCK_N (kernel_options), and a block over a page boundary makes the reduction order,
+    so the result, depend on where the pages physically sit (pytorch/pytorch#182593). Both must divide the
+    page size.
+
+    >>> check_flex_block(128, 128, 64)
+    >>> check_flex_block(16, 32)
+    Traceback (most recent call last):
+    ValueError: a FlexAttention KV block of 32 keys (BLOCK_N 0) spans pages of 16: results would depend on page placement
+    """
+    if kv_block > page_size or page_size % kv_block or (block_n and page_size % block_n):
+        raise ValueError(f"a FlexAttention KV block of {kv_block} keys (BLOCK_N {block_n}) spans pages of {page_size}: "
+                         "results would depend on page placement")
+
+
+def flex_block_mask(meta: FlexMeta, pool, indices: torch.Tensor | None = None, block_n: int = 0):
     """The step's BlockMask over the whole pool: the blocks' pages as kv blocks (the index as wide as
-    the pool's pages, as compiled FlexAttention requires), the rule as mask_mod. The kernel builds it at
+    the pool's pages: compiled FlexAttention's lowering asserts that the keys passed are no more than the
+    index's width x the KV block), the rule as mask_mod; block_n: the kernel's BLOCK_N (`check_flex_block`). The kernel builds it at
     the step's first layer (a step replayed from a CUDA graph never builds one: infer/engine/graphs.py).
 
     indices: a [blocks, pool pages] int32 buffer the caller fills (a graph's static one, whose later
@@ -244,6 +292,7 @@ def flex_block_mask(meta: FlexMeta, pool, indices: torch.Tensor | None = None):
     from torch.nn.attention.flex_attention import BlockMask
 
     S = meta.page_size
+    check_flex_block(S, S, block_n)
     if indices is None:
         indices = torch.zeros(meta.blocks, pool.pages, dtype=torch.int32, device=meta.pages.device)
         indices[:, : meta.pages.shape[1]] = meta.pages

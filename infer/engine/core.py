@@ -236,7 +236,7 @@ class CaptionEngine:
                         raise RuntimeError(f"{waiting.request.sample.video_id}: {waiting.reserved} pages do not fit "
                                            f"an empty pool of {self.pool.free_pages} free pages")
                     break  # its worst case does not fit now: it waits for pages to be freed
-                waiting.prefix = self.pool.open()
+                waiting.prefix = self.pool.open(extent=waiting.extent)
                 waiting.times["admit"] = time.perf_counter()
                 videos.append(waiting)
                 waiting = None
@@ -277,7 +277,7 @@ class CaptionEngine:
                     f"events x {cap} tokens), the pool has {self.pool.usable}: raise infer.kv_memory_gb or lower "
                     f"infer.max_events / max_branch_tokens"))
                 return None
-            v = VideoState(req, prog, worst, cap)
+            v = VideoState(req, prog, worst, cap, pages_for(prog.length + opts.max_events, self.pool.page_size))
             if opts.temperature > 0:
                 v.sampler = video_chooser(self.model.ids, opts, req.sample.video_id, self.device)
             return v
@@ -348,6 +348,7 @@ class CaptionEngine:
             v.times["planned"] = now
             k = a.anchors.shape[0]
             keep = k * pages_for(v.cap, self.pool.page_size)  # the branches' worst case; the prefix is complete
+            self.pool.trim(v.prefix)
             self.pool.unreserve(v.reserved - keep)
             v.reserved = keep
             v.phase = Phase.READY

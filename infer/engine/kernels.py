@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from infer.engine.attn_meta import AttnMeta, GatherCall, Workspace, flex_block_mask
+from infer.engine.attn_meta import AttnMeta, Workspace, flex_block_mask
 from infer.engine.packing import MAX_CALLS
 
 log = logging.getLogger("padcap.infer")
@@ -153,12 +153,16 @@ class GatheringKernel(Kernel):
         hkv, d = pool.layer[layer].shape[2:]
         rows = q[meta.q_tok, meta.q_head]  # [R, D]: every call's queries, folded per KV head
         parts = rows.split(meta.q_split) if len(meta.calls) > 1 else (rows,)
-        outs = [self.call(qc.view(c.bins, hkv, -1, d), c, scale).view(-1, d) for c, qc in zip(meta.calls, parts)]
+        kv = pool.layer[layer]
+        outs = [self.call(qc.view(c.bins, hkv, -1, d), *c.keys(kv), c.visible, scale).view(-1, d)
+                for c, qc in zip(meta.calls, parts)]
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         return o.index_select(0, meta.out_rows).view(meta.tokens, -1)
 
-    def call(self, q: torch.Tensor, c: GatherCall, scale: float) -> torch.Tensor:
-        """q [bins, Hkv, BM*g, D] over c.k, c.v with c.visible -> [bins, Hkv, BM*g, D] in q's dtype."""
+    def call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+             scale: float) -> torch.Tensor:
+        """q [bins, Hkv, BM*g, D] over k, v [bins, Hkv, keys, D] with the additive mask `visible` ->
+        [bins, Hkv, BM*g, D] in q's dtype (GatherCall)."""
         raise NotImplementedError
 
 
@@ -167,9 +171,9 @@ class ReferenceKernel(GatheringKernel):
 
     name = "reference"
 
-    def call(self, q, c, scale):
-        s = torch.matmul(q.float(), c.k.float().transpose(-1, -2)) * scale + c.visible
-        return torch.matmul(torch.softmax(s, dim=-1), c.v.float()).to(q.dtype)
+    def call(self, q, k, v, visible, scale):
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale + visible
+        return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
 
 
 class SdpaKernel(GatheringKernel):
@@ -177,8 +181,8 @@ class SdpaKernel(GatheringKernel):
 
     name = "sdpa"
 
-    def call(self, q, c, scale):
-        return F.scaled_dot_product_attention(q, c.k, c.v, attn_mask=c.visible, scale=scale)
+    def call(self, q, k, v, visible, scale):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
 
 
 @functools.cache
@@ -209,20 +213,22 @@ class FlexKernel(Kernel):
     # the pool is zeroed at start so masked keys are finite
     reads_whole_pool = True
 
-    def __init__(self, reason: str, contract: Contract, compiled: bool):
+    def __init__(self, reason: str, contract: Contract, compiled: bool, options: dict | None = None):
         super().__init__(reason, contract)
         self.compiled = compiled
+        self.options = options or {}  # flex_attention's kernel_options (BLOCK_M, BLOCK_N, ...); {} = torch's own
 
     def attend(self, q, pool, layer, meta, scale):
         from torch.nn.attention.flex_attention import flex_attention
 
         fn = _compiled_flex() if self.compiled else flex_attention
         if meta.block_mask is None:  # once per step, at its first layer
-            meta.block_mask = flex_block_mask(meta, pool)
+            meta.block_mask = flex_block_mask(meta, pool, block_n=self.options.get("BLOCK_N", 0))
         kv = pool.layer[layer]
         qf = q[meta.q_gather_clamped].transpose(0, 1)[None]  # [1, Hq, Qb*BM, D]
         kf, vf = kv[:, 0].transpose(0, 1)[None], kv[:, 1].transpose(0, 1)[None]  # [1, Hkv, P*S, D] views
-        o = fn(qf, kf, vf, block_mask=meta.block_mask, scale=scale, enable_gqa=q.shape[1] != kv.shape[2])
+        o = fn(qf, kf, vf, block_mask=meta.block_mask, scale=scale, enable_gqa=q.shape[1] != kv.shape[2],
+               kernel_options=self.options or None)
         return o[0].transpose(0, 1)[meta.q_out].flatten(1)
 
 

@@ -3,6 +3,7 @@
     pool = PagePool.for_budget(weights, page_size=16, memory_bytes=2 << 30)
     seq = pool.open()                       # a new sequence (a video's prefix, or one branch)
     pool.reserve(n_pages); pool.grow(seq, 300)   # pages for 300 keys, from the reservation
+    seq = pool.open(extent=20)              # a prefix: 20 consecutive pages set aside from the reservation
     slots = pool.slots(seq, 290, 300)       # flat slot index of keys 290..299 (where the step writes)
     pool.close(seq)                         # its pages go back to the free list (no copy)
 
@@ -23,6 +24,12 @@ Sharing. A video's branches do not copy its prefix: each branch row sees two seq
 video's prefix (prompt + serial <G>s) and its own branch (anchor + tokens): the cascade
 layout without copies.
 
+Extents. A video's prefix length is known at admission, so its pages are set aside then as one run of
+consecutive page ids when the free list has one (`open(extent=n)`, best fit): a kernel can then read the
+prefix as a view of the pool, with no gather copy (infer/engine/kernels.py). When the pool is too
+fragmented the prefix takes scattered pages as any sequence does, which is exact all the same (the
+block table says where each key is). Pages set aside but never written (`trim`) go back to the free list.
+
 Budget. The pool is sized from a memory budget (`infer.kv_memory_gb`, or a fraction of the
 free device memory on CUDA), never from max_seq_len x slots. Admission reserves a video's
 worst case (`reserve`) so no sequence can run out of pages mid-decode; pages are taken from
@@ -36,6 +43,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from infer.engine.staging import Staging
@@ -73,6 +81,26 @@ class Seq:
     id: int
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    spare: list[int] = field(default_factory=list)  # pages set aside for it (an extent), last first
+
+
+def free_run(free: list[int], n: int) -> list[int]:
+    """The n consecutive page ids to take from the free ids `free` (best fit: the shortest run that holds n,
+    its highest ids, away from the low pages scattered takes use first); [] if no run holds n.
+
+    >>> free_run([9, 1, 2, 3, 6, 7], 2), free_run([9, 1, 2, 3, 6, 7], 3), free_run([1, 3], 2)
+    ([6, 7], [1, 2, 3], [])
+    """
+    if n < 1 or len(free) < n:
+        return []
+    ids = np.sort(np.asarray(free, dtype=np.int64))
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts, ends = np.r_[0, breaks], np.r_[breaks, len(ids)]
+    fits = np.flatnonzero(ends - starts >= n)
+    if not len(fits):
+        return []
+    best = fits[np.lexsort((-ends[fits], ends[fits] - starts[fits]))[0]]
+    return ids[ends[best] - n:ends[best]].tolist()
 
 
 class OutOfPages(RuntimeError):
@@ -101,6 +129,8 @@ class PagePool:
         self.owner[0] = SCRATCH_SEQ
         self._free = list(range(pages - 1, 0, -1))  # pop() gives the lowest page first
         self._reserved = 0
+        self._spare = 0  # pages set aside in extents, not yet written
+        self.extents = {"contiguous": 0, "scattered": 0}  # prefixes opened with an extent, by outcome
         self._ids = itertools.count()  # sequence ids, never reused
         self._pending: list[tuple[int, int, int]] = []  # (page, owner, start) not yet on the device
         self.peak_pages = 0
@@ -133,7 +163,7 @@ class PagePool:
 
     @property
     def allocated(self) -> int:
-        return self.usable - len(self._free)
+        return self.usable - len(self._free) - self._spare
 
     @property
     def bytes_per_page(self) -> int:
@@ -154,26 +184,51 @@ class PagePool:
 
     # ------------------------------------------------------------------ sequences
 
-    def open(self) -> Seq:
-        return Seq(next(self._ids))
+    def open(self, extent: int = 0) -> Seq:
+        """A new sequence; extent > 0: set aside that many consecutive pages of the reservation for its keys
+        (module doc), or none if no free run holds them (its pages are then taken one by one)."""
+        seq = Seq(next(self._ids))
+        if extent > 0:
+            run = free_run(self._free, extent) if extent <= self._reserved else []
+            self.extents["contiguous" if run else "scattered"] += 1
+            if run:
+                taken = set(run)
+                self._free = [p for p in self._free if p not in taken]
+                seq.spare = run[::-1]
+                self._reserved -= extent
+                self._spare += extent
+        return seq
+
+    def trim(self, seq: Seq) -> None:
+        """Pages set aside for seq that it did not write go back to the free list, still promised to its
+        video (the caller unreserves them)."""
+        self._free.extend(seq.spare)
+        self._reserved += len(seq.spare)
+        self._spare -= len(seq.spare)
+        seq.spare = []
 
     def grow(self, seq: Seq, length: int) -> None:
         """Make room for keys [0, length) of seq, taking new pages from the reservation."""
         need = pages_for(length, self.page_size) - len(seq.pages)
         if need > 0:
-            if need > len(self._free) or need > self._reserved:
-                raise OutOfPages(f"sequence {seq.id} needs {need} pages: {len(self._free)} free, "
+            own = min(need, len(seq.spare))
+            rest = need - own
+            if rest > len(self._free) or rest > self._reserved:
+                raise OutOfPages(f"sequence {seq.id} needs {rest} pages: {len(self._free)} free, "
                                  f"{self._reserved} reserved")
-            for _ in range(need):
-                page = self._free.pop()
+            for i in range(need):
+                page = seq.spare.pop() if i < own else self._free.pop()
                 self._pending.append((page, seq.id, len(seq.pages) * self.page_size))
                 seq.pages.append(page)
-            self._reserved -= need
+            self._reserved -= rest
+            self._spare -= own
             self.peak_pages = max(self.peak_pages, self.allocated)
         seq.length = max(seq.length, length)
 
     def close(self, seq: Seq) -> None:
-        """Free the pages of seq (a block-table edit; the data stays until a new owner writes)."""
+        """Free the pages of seq (a block-table edit; the data stays until a new owner writes); its unwritten
+        extent pages go back as `trim` says."""
+        self.trim(seq)
         self._free.extend(reversed(seq.pages))
         self._pending.extend((p, FREE_SEQ, 0) for p in seq.pages)
         seq.pages = []

@@ -62,9 +62,10 @@ class Branch:
 class VideoState:
     """A video in flight: its program (infer/engine/programs.py), its sequences, and where it is."""
 
-    def __init__(self, request, prog, reserved: int, cap: int):
+    def __init__(self, request, prog, reserved: int, cap: int, extent: int = 0):
         self.request, self.prog = request, prog
         self.prefix: Seq | None = None  # opened at admission
+        self.extent = extent  # the prefix's pages (its tokens and serial <G>s), set aside as one run at admission
         self.cursor = 0  # prefix tokens prefilled
         self.reserved = reserved  # pages promised to this video, not yet taken
         self.cap = cap  # tokens per branch
