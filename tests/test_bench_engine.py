@@ -53,6 +53,13 @@ def test_throughput_benchmark_smoke(capsys):
     assert r["full"] + r["pieces"] + r["eager"] == static["steps"] and out["arrivals"]["in_flight_16"]["graph_routes"] is None
     assert out["graph_coverage"] == round((r["full"] + r["pieces"]) / static["steps"], 4)
     assert out["targets"]["met"]["graph_coverage"] == (out["graph_coverage"] >= 0.9)
+    # padding by arithmetic at the CUDA sizes and the CPU's: flex computes at least what is needed, and
+    # smaller pages and query blocks never compute more
+    pad = out["padding"]
+    assert set(pad) == set(bench.PADDING_SIZES) and out["padded_over_needed"] == pad["cuda_defaults"]["overall"]
+    assert all(p["overall"] >= 1.0 and p["decode_and_planning_steps"] >= 1.0 and p["steps"] > 0 for p in pad.values())
+    assert pad["pages_16_q_block_16"]["overall"] <= pad["cuda_defaults"]["overall"]
+    assert out["targets"]["met"]["padded_over_needed"] == (out["padded_over_needed"] <= 1.5)
 
 
 def test_packing_benchmark_smoke(capsys):

@@ -243,6 +243,25 @@ def _gather_meta(blocks, rules, pool, kernel: KernelTraits, group: int, workspac
                     out_rows=out_rows.to(dev))
 
 
+def flex_work(blocks: Sequence[QueryBlock], lim_a: Sequence[int], lim_b: Sequence[int], q_block: int,
+              page_size: int) -> tuple[int, int]:
+    """(computed, needed) query-key pairs of one step under FlexAttention, per query head, by arithmetic.
+
+    computed: what the BlockMask makes flex compute, every block padded to `q_block` query rows and
+    each listed page read whole (blocks x q_block rows x listed pages x page_size keys); needed: what
+    the step's tokens see, sum over tokens of lim_a + lim_b (a token's two sequences never overlap:
+    a branch row's second sequence is its own branch). Their ratio is the padding the step pays.
+
+    A video with 3 branch rows at step 2 over a 40-token prefix (pages of 16: 3 prefix pages and
+    one page per branch), in a 16-row block:
+
+    >>> flex_work([QueryBlock(range(3), [0, 1, 2, 7, 8, 9])], [40] * 3, [2] * 3, q_block=16, page_size=16)
+    (1536, 126)
+    """
+    computed = sum(q_block * len(b.pages) * page_size for b in blocks if len(b.tokens))
+    return computed, int(sum(lim_a) + sum(lim_b))
+
+
 def _flex_meta(blocks, rules, q_block: int, pool, kernel: KernelTraits) -> FlexMeta:
     """FlexAttention's meta: one block per scheduler block (no packing: flex reads only the listed pages
     of each block, so several videos in one block would compute as much and in fewer parallel tiles),
