@@ -23,6 +23,7 @@ production code only calls the hook.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import time
@@ -96,6 +97,12 @@ class InFlight:
                     return cls.featurize(self, video, chunk)
 
             body = {"featurize": featurize}
+        elif inspect.iscoroutinefunction(cls.__call__):  # infer/offline/job.py CaptionVideos: several calls at once
+            async def acall(self, batch):
+                with marked([str(v) for v in batch["video_id"]]):
+                    return await cls.__call__(self, batch)
+
+            body = {"__call__": acall}
         else:
             def call(self, batch):
                 with marked([str(v) for v in batch["video_id"]]):

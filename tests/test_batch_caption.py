@@ -187,6 +187,33 @@ def test_archive_with_bad_files_resume_and_equivalence(ray_local, archive, tmp_p
         [(round(e["start"], 4), round(e["end"], 4), e["caption"]) for e in status[vid]["events"]]
 
 
+def test_a_cuda_error_restarts_the_caption_actor_and_a_video_that_faults_twice_is_an_error_row(ray_local, archive,
+                                                                                                tmp_path):
+    """The engine raises a CUDA error whenever one video is fed to it (a real Ray caption actor with the real
+    engine; tests/support/caption_faults.py). The actor is not reused: it exits, Ray restarts it and retries its
+    calls; the videos that were in the engine are retried alone; the faulty one faults again, alone, in another
+    process, and then gets an explained error row instead of a third try. The other videos are captioned."""
+    from tests.support.caption_faults import CudaFaultOn
+
+    cfg, info, vids = archive
+    good = sorted(info.videos)
+    bad = good[1]
+    out, markers = tmp_path / "captions", tmp_path / "markers"
+    listed = [{"video_id": v, "uri": str(vids / f"{v}.mp4")} for v in good]
+    summary = run_caption(cfg, listed, RANDOM_MODEL, str(out), wrap_stage=CudaFaultOn(bad, str(markers)))
+    rows = {r["video_id"]: r for r in read_results(str(out))}
+    assert set(rows) == set(good)
+    assert all(rows[v]["status"] == "ok" and rows[v]["events"] for v in good if v != bad)
+    assert rows[bad]["status"] == "error" and rows[bad]["error_kind"] == "engine"
+    assert rows[bad]["error"].startswith("the engine's device failed 2 times with this video in it, the last time "
+                                         "with it alone (the caption actor was restarted each time): RuntimeError: "
+                                         "CUDA error: an illegal memory access was encountered")
+    faults = sorted(markers.iterdir())
+    assert len(faults) == 2 and len({f.name.split("-")[1] for f in faults}) == 2  # twice, in two processes
+    assert summary["failed"] == 1 and "1 of 4 videos failed" in summary["failure"]
+    assert not list((out / "faults").glob("*"))  # the run's strike records are removed at its end
+
+
 def _rows(*kinds: str) -> list[dict]:
     return [{"status": "ok" if k == "ok" else "error", "error_kind": "" if k == "ok" else k} for k in kinds]
 

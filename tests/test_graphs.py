@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -149,6 +150,27 @@ def test_graphs_say_what_runs(model):
     assert s["token_buckets"] == [8, 16, 32] and s["block_buckets"] == [1, 2, 4, 8] and not s["captured"]
     with pytest.raises(ValueError, match="graph_tokens"):
         CaptionEngine(model, dataclasses.replace(FLEX, graph_tokens=0))
+
+
+def test_a_start_up_failure_in_building_the_graphs_runs_eagerly(model, videos, controls, eager, monkeypatch, caplog):
+    """A check made while the static buffers are built fails (a torch whose BlockMask copies its block table,
+    forced by handing it a copy of the static table): the engine is still built and captions every video eagerly,
+    equal to the eager engine, and describe() and the log say why."""
+    from infer.engine import graphs as graphs_module
+
+    real = graphs_module.flex_block_mask
+    monkeypatch.setattr(graphs_module, "flex_block_mask",
+                        lambda meta, pool, indices: real(meta, pool, indices=indices.clone()))
+    with caplog.at_level(logging.WARNING, logger="padcap.infer"):
+        got, _, log, eng = decode_all(model, dataclasses.replace(FLEX, cuda_graphs="static"), videos, controls)
+    g = eng.describe()["graphs"]
+    assert not g["enabled"] and not g["captured"]
+    assert g["reason"].startswith("building the graphs' static buffers failed, running eagerly: RuntimeError:")
+    assert "copies its block table" in g["reason"] and g["reason"] in caplog.text
+    assert g["eager"] == len(log) > 0 and g["replayed"] == g["pieces"] == 0 and {r.graph for r in log} == {"eager"}
+    for a, b in zip(got, eager):
+        assert_same(a, b)
+    assert_pool_empty(eng)
 
 
 @pytest.mark.gpu

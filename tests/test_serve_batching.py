@@ -23,6 +23,7 @@ class Recorder(StandInEngine):
 
     def __init__(self, tag: str, gate: threading.Event | None = None, fail_on: object = None):
         self.tag, self.gate, self.fail_on = tag, gate, fail_on
+        self.fault = "bad batch"  # what the engine raises on `fail_on`
         self.calls: list[list] = []
 
     def decode(self, samples):
@@ -32,7 +33,7 @@ class Recorder(StandInEngine):
         else:
             self.calls.append(list(samples))
         if self.fail_on in samples:
-            raise RuntimeError("bad batch")
+            raise RuntimeError(self.fault)
         return [(self.tag, s) for s in samples]
 
 
@@ -126,3 +127,33 @@ def test_one_bad_video_does_not_fail_the_others_in_its_batch():
 def test_bad_batch_size():
     with pytest.raises(ValueError):
         EngineBatcher(0)
+
+
+def test_a_device_fault_is_not_retried_and_ends_the_batcher():
+    """A CUDA error poisons the process's context: no video is retried on it. Every request of the run and
+    every queued one gets the error, the batcher keeps it with the samples the run held, and refuses what comes
+    after; a plain error in another batcher is still retried alone (the test above)."""
+    gate = threading.Event()
+    eng = Recorder("e", gate, fail_on="bad")
+    eng.fault = "CUDA error: an illegal memory access was encountered"
+    batcher = EngineBatcher(max_batch=3)
+
+    async def scenario():
+        first = asyncio.ensure_future(batcher.submit("k", eng, "first"))
+        await until(lambda: eng.calls, "the engine to be busy with the first")
+        run = [asyncio.ensure_future(batcher.submit("k", eng, s)) for s in ("a", "bad", "b")]
+        queued = asyncio.ensure_future(batcher.submit("k", eng, "c"))
+        await until(lambda: pending(batcher) == 4, "the other four to be queued")
+        gate.set()
+        got = await first, await asyncio.gather(*run, queued, return_exceptions=True)
+        with pytest.raises(RuntimeError, match="CUDA error"):
+            await batcher.submit("k", eng, "later")
+        return got
+
+    first, rest = asyncio.run(scenario())
+    batcher.close()
+    assert first == ("e", "first")
+    assert all(isinstance(r, RuntimeError) and "illegal memory access" in str(r) for r in rest)
+    assert eng.calls == [["first"], ["a", "bad", "b"]]  # nothing retried on the poisoned device, "c" never ran
+    assert batcher.fault is not None and batcher.fault.samples == ("a", "bad", "b")
+    assert batcher.fault.describe() == "RuntimeError: CUDA error: an illegal memory access was encountered"

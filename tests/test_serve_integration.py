@@ -90,7 +90,10 @@ def test_model_routes_and_openapi(app_url):
     assert status == 200 and info["decoding"]["max_events"] == 8 and info["config_hash"]
     status, spec, _ = send(url, "GET", "/openapi.json")
     assert status == 200 and "/v1/captions" in spec["paths"]
-    assert send(url, "GET", "/healthz")[0] == 200
+    status, health, _ = send(url, "GET", "/healthz")
+    # the replica built its engine in its constructor: Serve sent it requests only once it was built, and
+    # the requests after it (other tests') never built another
+    assert status == 200 and health["engine"] == {"builds": 1, "built_at_start": True, "fault": None}
 
 
 def test_bad_requests_are_4xx_and_the_replica_keeps_serving(app_url, tree):

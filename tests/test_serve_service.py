@@ -266,8 +266,50 @@ def test_a_warm_service_is_ready_when_built(parts):
     svc = CaptionService(cfg, factory, card, warm=True)
     try:
         assert svc._engine is not None
+        assert svc.health()["engine"] == {"builds": 1, "built_at_start": True, "fault": None}
+        svc.check_health()  # Serve's health check passes
         assert svc.decoders.count() == svc.decoders.size == len(svc.decoders.pids())
         assert all(w.ready for w in svc.decoders._idle)
+    finally:
+        svc.close()
+
+
+def test_a_cuda_error_fails_the_health_check_and_is_not_retried(parts, tree):
+    """The engine raises a CUDA error in a step (a device-side assert; the real engine, its step made to raise):
+    the request fails, no video is run again in this process (its CUDA context would be poisoned), later
+    requests are refused, /healthz says engine_failed and Serve's health check fails, so Serve replaces
+    the replica. Without the fault the same service answers and passes (a lazily built engine: built_at_start
+    False)."""
+    factory, card, cfg = parts
+    steps = []
+
+    def faulty_factory(infer_cfg):
+        eng = factory(infer_cfg)
+        forward = eng.runner.forward
+
+        def step(batch):
+            steps.append(batch.attn.tokens)
+            if len(steps) == 2:  # mid-video: the prefill ran, then the device fails
+                raise RuntimeError("CUDA error: device-side assert triggered")
+            return forward(batch)
+
+        eng.runner.forward = step
+        return eng
+
+    svc = CaptionService(cfg, faulty_factory, card)
+    try:
+        assert svc.health()["engine"] == {"builds": 0, "built_at_start": False, "fault": None}
+        with pytest.raises(RuntimeError, match="device-side assert"):
+            run(svc.caption_uri(str(tree.good)))
+        assert len(steps) == 2  # not retried alone on the poisoned context
+        with pytest.raises(RuntimeError, match="device-side assert"):
+            run(svc.caption_uri(str(tree.good)))
+        assert len(steps) == 2
+        health = svc.health()
+        assert health["status"] == "engine_failed" and health["engine"]["builds"] == 1
+        assert health["engine"]["fault"] == "RuntimeError: CUDA error: device-side assert triggered"
+        with pytest.raises(RuntimeError, match="cannot be reused: RuntimeError: CUDA error: device-side assert"):
+            svc.check_health()
     finally:
         svc.close()
 

@@ -400,7 +400,8 @@ class CaptionEngine:
             videos = {id(v) for v, *_ in plan.branch + plan.plan + plan.prefill + plan.jobs}
             st["step_log"].append(StepRecord(plan.tokens, plan.n_branch, len(plan.plan),
                                              sum(h - lo for _, _, lo, h in plan.prefill), len(videos), ms,
-                                             plan.layer_tokens, cpu_ms, self.graphs.last if self.graphs else ""))
+                                             plan.layer_tokens, cpu_ms, self.graphs.last if self.graphs else "",
+                                             len(plan.branch)))
 
     def _release(self, v: VideoState) -> None:
         """All of v's pages and promises back to the pool."""
@@ -454,6 +455,7 @@ class StepRecord(NamedTuple):
     layer_tokens: int = 0  # what the layered blocks' parts cost, in tokens (token-layers / layers)
     cpu_ms: float = 0.0  # the process's CPU time in the step (on a shared CPU box: the step's own work)
     graph: str = ""  # how it ran with CUDA graphs (infer/engine/graphs.py GraphPlan.route: full, pieces, eager)
+    decoding: int = 0  # videos with branch rows in the step (decoding their captions)
 
 
 def _zero_stats() -> dict[str, Any]:

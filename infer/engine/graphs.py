@@ -29,8 +29,9 @@ query slots past Q x BM see the scratch page's first key. Each token's arithmeti
 so a replayed step equals the eager one (tests/test_graphs.py, on the CPU through the same
 buffers and padding with the eager forward standing in for the replay: `capture=False`).
 
-Capture runs at start-up for every bucket, largest first, sharing one memory pool; a failure is
-logged with its reason and the engine runs eagerly (`describe()` says so). The outputs are copied
+Capture runs at start-up for every bucket, largest first, sharing one memory pool. Any failure at
+start-up, in building the static buffers (their checks included: a BlockMask that copies its block
+table) or in the capture, is logged with its reason and the engine runs eagerly (`describe()` says so). The outputs are copied
 out of the graphs' buffers (a video keeps its prefill states across steps). Pure torch; no ray.
 """
 
@@ -195,10 +196,30 @@ class StepGraphs:
         self.buckets, self.q_block = plan.full, plan.q_block
         self.capture_layers = plan.capture_layers
         self.captured = False
-        self.enabled = True  # False after a failed capture: every step eager
+        self.enabled = True  # False after a failed start-up (buffers or capture): every step eager
         self.reason = "not captured (CPU stand-in: the static buffers, run eagerly)"
         self.stats = {"replayed": 0, "pieces": 0, "eager": 0}
         self.last = "eager"  # the last step's route
+        self.tokens: dict[int, _TokenBuffers] = {}
+        self.blocks: dict[int, _BlockBuffers] = {}
+        self.recorded: dict[tuple[int, int], _Recorded] = {}
+        self.pieces: StepPieces | None = None
+        stage = "building the graphs' static buffers"
+        try:  # every start-up error, the buffers' checks included: eager, said in describe() and the log
+            self._build()
+            if capture:
+                stage = "capture"
+                self._capture_all()
+        except Exception as e:  # noqa: BLE001 - any start-up failure: eager, with its reason
+            self._fall_back(stage, e)
+            return
+        if capture:
+            self._captured()
+
+    def _build(self) -> None:
+        """The static buffers (module doc): the pieces', each token and block bucket's, and each pair's batch.
+        Raises when this torch's BlockMask would not read the static block table (a graph could not reach it)."""
+        runner, plan = self.runner, self.plan
         self.pieces = StepPieces(runner, plan.pieces, capture=False)
         pool, w = runner.pool, runner.w
         dev = pool.device
@@ -207,8 +228,6 @@ class StepGraphs:
                                         torch.zeros(3, n, dtype=torch.long, device=dev),
                                         torch.zeros(n, dtype=torch.long, device=dev),
                                         torch.zeros(n, dtype=torch.long, device=dev)) for n in buckets.tokens}
-        self.blocks: dict[int, _BlockBuffers] = {}
-        self.recorded: dict[tuple[int, int], _Recorded] = {}
         for q in buckets.blocks:
             slots = q * self.q_block
             blk = _BlockBuffers(torch.zeros(q, dtype=torch.int32, device=dev),
@@ -227,8 +246,6 @@ class StepGraphs:
             tb = self.tokens[n]
             self.recorded[n, q] = _Recorded(ForwardBatch(embeds=tb.embeds, positions=tb.positions, slots=tb.slots,
                                                          attn=meta, capture=self.capture_layers))
-        if capture:
-            self._capture_all()
 
     def _meta(self, n: int, blk: _BlockBuffers, tb: _TokenBuffers) -> FlexMeta:
         sa, la, sb, lb = blk.rules
@@ -239,7 +256,7 @@ class StepGraphs:
     # ------------------------------------------------------------------ a step
 
     def route(self, batch: ForwardBatch) -> tuple[str, tuple[int, int] | int | None]:
-        """Where this step runs: `GraphPlan.route` of its metadata (every step eager after a failed capture)."""
+        """Where this step runs: `GraphPlan.route` of its metadata (every step eager after a failed start-up)."""
         return self.plan.route(StepKey.of(batch)) if self.enabled else ("eager", None)
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -300,32 +317,38 @@ class StepGraphs:
 
     @torch.no_grad()  # as the engine decodes: dynamo guards on grad mode, so warm-up compiles what decoding runs
     def _capture_all(self) -> None:
-        """Every bucket pair, largest first, into one memory pool; on a failure: eager, with the reason."""
-        try:
-            mempool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream()
-            for key in sorted(self.recorded, reverse=True):
-                rec = self.recorded[key]
-                self._idle(*key)
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm-up: compiles flex for this shape, settles the allocator
-                    for _ in range(2):
-                        self.runner.forward(rec.batch)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    rec.hidden, rec.states = self.runner.forward(rec.batch)
-                rec.graph = graph
-            torch.cuda.synchronize()
-            self.pieces._capture_all()
-        except Exception as e:  # noqa: BLE001 - any capture failure: eager, said in describe() and the log
-            for rec in self.recorded.values():  # drop what was captured: its pool memory goes back
-                rec.graph, rec.hidden, rec.states = None, None, {}
+        """Every bucket pair, largest first, into one memory pool, then the pieces. Raises on a failure (the
+        constructor runs eagerly and says why)."""
+        mempool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        for key in sorted(self.recorded, reverse=True):
+            rec = self.recorded[key]
+            self._idle(*key)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: compiles flex for this shape, settles the allocator
+                for _ in range(2):
+                    self.runner.forward(rec.batch)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                rec.hidden, rec.states = self.runner.forward(rec.batch)
+            rec.graph = graph
+        torch.cuda.synchronize()
+        self.pieces._capture_all()
+
+    def _fall_back(self, stage: str, error: Exception) -> None:
+        """After a start-up failure in `stage`: what was recorded is dropped (its pool memory goes back) and
+        every step runs eagerly, the reason in describe() and the log."""
+        for rec in self.recorded.values():
+            rec.graph, rec.hidden, rec.states = None, None, {}
+        if self.pieces is not None:
             self.pieces.drop()
-            self.enabled = False
-            self.reason = f"capture failed, running eagerly: {type(e).__name__}: {e}"
-            log.warning("CUDA graphs: %s", self.reason)
-            return
+        self.enabled = False
+        self.reason = f"{stage} failed, running eagerly: {type(error).__name__}: {error}"
+        log.warning("CUDA graphs: %s", self.reason)
+
+    def _captured(self) -> None:
+        """Every graph recorded: said in describe() and the log."""
         self.captured = True
         self.reason = (f"captured {len(self.recorded)} whole-step bucket pairs and {len(self.plan.pieces)} x "
                        f"{len(self.runner.w.layers) + 1} pieces at start-up")

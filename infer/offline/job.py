@@ -6,10 +6,11 @@
 
 Ray Data lists the videos, decodes and encodes them in a CPU actor pool
 (`preprocess.featurize.Featurizer`), captions them in an engine actor pool
-(`infer.engine.core.CaptionEngine`, several videos per call, GPUs per actor from
-`cluster.caption_gpus_per_actor`; with the release encoders in online mode the CPU
-actors run only the release's media preparation and the engine actor encodes with its own
-model, see `engine_input`), and writes one row per video (id, uri,
+(`infer.engine.core.CaptionEngine`, `infer.videos_per_call` videos per call and several calls
+per actor at once, all fed into the actor's one engine as it has room, so it does not drain
+between batches: `CaptionVideos`; GPUs per actor from `cluster.caption_gpus_per_actor`; with
+the release encoders in online mode the CPU actors run only the release's media preparation and
+the engine actor encodes with its own model, see `engine_input`), and writes one row per video (id, uri,
 duration, events, timings, model id, config hash) as JSONL and Parquet, plus an
 error row with its reason (`error`) and kind (`error_kind`) for every video that failed.
 
@@ -17,7 +18,10 @@ Exit status (`main`, and `pipeline/run.py`'s caption stage through `judge`): 0 w
 failure is such a per-video row and they are at most `infer.max_failed_fraction` of the
 videos (default 5%: one corrupt upload does not fail an archive run); 1 when more failed,
 or when the engine raised on every video it was given (a broken model, not bad files); a
-crashed actor pool raises out of `run_caption` as before.
+crashed actor pool raises out of `run_caption` as before. After a CUDA error the caption actor is
+not reused: it exits, Ray restarts it and retries its calls; the videos that were in the engine are
+retried alone, and a video in the engine at two device faults is an error row ("engine", saying so)
+(`CaptionVideos`, infer/offline/strikes.py; the records live under `<out>/faults/<run>/` until the run ends).
 
 Work is committed in chunks (`parts/<chunk>.parquet`, written last): every `chunk_videos` rows as
 they come out of one Ray Data pipeline for the whole job (each actor loads its encoders or model
@@ -35,6 +39,7 @@ in-flight markers). Default: as is.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import os
@@ -48,10 +53,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from infer.results import RESULT_COLUMNS, CaptionResult, caption_config_hash, caption_each, video_ids
+from infer.offline.strikes import DeviceStrikes, refusal
+from infer.results import RESULT_COLUMNS, CaptionResult, caption_config_hash, video_ids
 from pipeline import storage
 from pipeline.cluster import init_ray, placement
-from pipeline.config import Config, ConfigError, load_config
+from pipeline.config import Config, ConfigError, InferConfig, load_config
 from pipeline.schema import FIELDS, KEY, decode, encode
 from preprocess import manifest as mf
 from preprocess.job import StageWrapper, stage_as_is
@@ -148,12 +154,32 @@ def engine_input(fields: dict[str, Any], video_id: str):
     return decode({c: fields[c] for c in SAMPLE_COLUMNS})
 
 
-class CaptionVideos:
-    """Engine actor: decoded samples -> caption rows; the model is loaded once per actor."""
+def caption_calls(infer: InferConfig) -> int:
+    """Ray Data calls (batches) one caption actor runs at once: enough videos to fill its engine's slots and
+    its encoder stage's look-ahead (2 x infer.max_batch_videos), plus one batch more, so the next videos are
+    in the actor while the last ones of a batch decode."""
+    return -(-2 * max(1, infer.max_batch_videos) // max(1, infer.videos_per_call)) + 1
 
-    def __init__(self, cfg_json: str, model_dir: str):
+
+class CaptionVideos:
+    """Engine actor: decoded samples -> caption rows. The model is loaded and its engine built once per actor,
+    in the constructor (on CUDA its graphs are captured there: infer/engine/graphs.py), before any batch.
+
+    Ray Data runs several calls of an actor at once (`caption_calls`); every call's videos go into the
+    actor's one engine through infer/serving/engine_loop.py's EngineBatcher, the loop the Serve replicas
+    use: the engine takes new videos at each step boundary while it has room, so the videos of the next
+    batch join while the last ones of the previous batch decode (no drain per batch). A video the engine
+    raises on is retried alone (only it gets the error row). After a device fault (a CUDA error,
+    infer/engine/faults.py) nothing more runs in this process: the videos in the engine get a strike
+    (infer/offline/strikes.py) and the process exits, so Ray restarts the actor and retries its calls; a
+    video with a strike is captioned alone, and one with two gets an error row."""
+
+    def __init__(self, cfg_json: str, model_dir: str, faults_dir: str = ""):
+        """faults_dir: the run's strike records (infer/offline/strikes.py); "" = none kept (a device fault still
+        ends the process)."""
         from infer.loading import load_model
         from infer.oracles.ablation import caption_engine
+        from infer.serving.engine_loop import EngineBatcher
 
         cfg = Config.from_json(cfg_json)
         model, card, cfg = load_model(cfg, model_dir)
@@ -163,29 +189,81 @@ class CaptionVideos:
         self.model_id = card.model_id
         self.config_hash = caption_config_hash(cfg)
         self.pid = os.getpid()
+        # in the engine at once: its slots and its encoder stage's look-ahead (infer/engine/encoding.py)
+        self.batcher = EngineBatcher(2 * max(1, cfg.infer.max_batch_videos))
+        self.strikes = DeviceStrikes(faults_dir) if faults_dir else None
+        self._submitted: dict[int, str] = {}  # id(sample) -> video id, for the videos a device fault held
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+    async def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list[Any]]:
         """One CaptionResult row per video of `batch`: the engine's captions, or the reason it gave none."""
         fields = {"model_id": self.model_id, "config_hash": self.config_hash}
-        items = []
-        for i in range(len(batch["video_id"])):
-            video_id, uri = str(batch["video_id"][i]), str(batch["uri"][i])
-            if str(batch["status"][i]) != "ok":  # the featurize actor's verdict
-                items.append(CaptionResult.failed(video_id, uri, "input", str(batch["error"][i]), **fields))
-                continue
-            try:
-                sample = engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch}, video_id)
-            except Exception as e:
-                items.append(CaptionResult.failed(video_id, uri, "input", f"{type(e).__name__}: {e}", **fields))
-            else:
-                items.append((video_id, uri, sample))
-        results = caption_each(self.engine, items, **fields)
+        items = batch_items(batch, fields)
+        todo = [item[0] for item in items if not isinstance(item, CaptionResult)]
+        records = self.strikes.of(todo) if self.strikes is not None and todo else {}
+
+        async def one(item: tuple[str, str, Any] | CaptionResult) -> CaptionResult:
+            if isinstance(item, CaptionResult):  # failed before the engine
+                return item
+            return await self._caption(*item, records.get(item[0], {}), fields)
+
+        results = await asyncio.gather(*(one(item) for item in items))
         for i, result in enumerate(results):
             if result.ok:  # captioned by the engine
                 result.timings.update(featurize_s=float(batch["seconds"][i]), kernel=self.kernel, caption_pid=self.pid,
                                       featurize_pid=int(batch.get("featurize_pid", [0] * len(results))[i]))
         rows = [r.to_row() for r in results]
         return {c: [r[c] for r in rows] for c in RESULT_COLUMNS}
+
+    async def _caption(self, video_id: str, uri: str, sample: Any, record: dict[str, Any],
+                       fields: dict[str, Any]) -> CaptionResult:
+        """One video through the actor's engine (the class doc): its result, or its error row."""
+        refused = refusal(record)
+        if refused is not None:
+            return CaptionResult.failed(video_id, uri, "engine", refused, **fields)
+        key = ENGINE_KEY if not record else ("alone", video_id)  # a video with a strike shares no run
+        self._submitted[id(sample)] = video_id
+        try:
+            decoded = await self.batcher.submit(key, self.engine, sample)
+        except Exception as e:  # noqa: BLE001 - the video's error row, or a restart after a device fault
+            if self.batcher.fault is not None:
+                self._restart()
+            return CaptionResult.failed(video_id, uri, "engine", f"{type(e).__name__}: {e}", **fields)
+        finally:
+            self._submitted.pop(id(sample), None)
+        return CaptionResult.from_decoded(decoded, video_id, uri, **fields)
+
+    def _restart(self) -> None:
+        """After a device fault: a strike for each video the failing run held, then the process exits (no
+        clean-up: its CUDA context is poisoned) and Ray restarts the actor and retries its calls."""
+        fault = self.batcher.fault
+        held = [self._submitted[id(s)] for s in fault.samples if id(s) in self._submitted]
+        print(f"[caption] device fault with {len(held)} video(s) in the engine ({fault.describe()}): "
+              f"the actor exits and Ray restarts it", file=sys.stderr, flush=True)
+        if self.strikes is not None:
+            self.strikes.strike(held, fault.describe())
+        os._exit(DEVICE_FAULT_EXIT)
+
+
+ENGINE_KEY = "engine"  # the batcher key of the videos that share the engine's runs
+DEVICE_FAULT_EXIT = 3  # the caption actor's exit status after a device fault
+
+
+def batch_items(batch: dict[str, np.ndarray], fields: dict[str, Any]) -> list[tuple[str, str, Any] | CaptionResult]:
+    """A featurized batch -> per video (video_id, uri, engine input), or its error row when it has no input
+    (the featurize actor's error, or a row that does not decode)."""
+    items: list[tuple[str, str, Any] | CaptionResult] = []
+    for i in range(len(batch["video_id"])):
+        video_id, uri = str(batch["video_id"][i]), str(batch["uri"][i])
+        if str(batch["status"][i]) != "ok":  # the featurize actor's verdict
+            items.append(CaptionResult.failed(video_id, uri, "input", str(batch["error"][i]), **fields))
+            continue
+        try:
+            sample = engine_input({c: batch[c][i] for c in (*SAMPLE_COLUMNS, RELEASE_INPUTS) if c in batch}, video_id)
+        except Exception as e:
+            items.append(CaptionResult.failed(video_id, uri, "input", f"{type(e).__name__}: {e}", **fields))
+        else:
+            items.append((video_id, uri, sample))
+    return items
 
 
 # ----------------------------------------------------------------------------- results
@@ -289,6 +367,17 @@ def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed
     return verdict
 
 
+def report_device_faults(strikes: DeviceStrikes) -> int:
+    """Say which videos were in the engine when its device failed this run (their actor was restarted), and
+    remove the run's records (infer/offline/strikes.py); -> how many videos."""
+    records = strikes.all()
+    if records:
+        print(f"[caption] the engine's device failed with {len(records)} video(s) in it; their actor was restarted "
+              f"and they were retried alone: {', '.join(r['video_id'] for r in records[:10])}", flush=True)
+    strikes.remove()
+    return len(records)
+
+
 def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
                 chunk_videos: int = 64, max_chunks: int | None = None,
                 wrap_stage: StageWrapper = stage_as_is) -> dict[str, Any]:
@@ -308,6 +397,8 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
     env = {"env_vars": storage.forwarded_env()}
     chunk_videos = max(1, int(chunk_videos))
     once = OncePerVideo()  # video id -> the row committed (or about to be) for it this run
+    run_id = uuid.uuid4().hex[:6]
+    strikes = DeviceStrikes(storage.join(out, "faults", run_id))  # device faults of this run (CaptionVideos)
     if todo:  # one pipeline for the whole job: each actor loads its encoders / model once, not once per chunk
         block = max(1, min(chunk_videos, cfg.infer.videos_per_call))  # results stream back a block at a time
         ds = ray.data.from_items(todo, override_num_blocks=-(-len(todo) // block))
@@ -315,12 +406,13 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
         ds = ds.map_batches(wrap_stage("caption-featurize", FeaturizeForCaption), fn_constructor_kwargs={"cfg_json": cfg_json},
                             batch_size=1, runtime_env=env, **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)))
-        ds = ds.map_batches(wrap_stage("caption", CaptionVideos), fn_constructor_kwargs={"cfg_json": cfg_json,
-                                                                                         "model_dir": model_dir},
+        ds = ds.map_batches(wrap_stage("caption", CaptionVideos),
+                            fn_constructor_kwargs={"cfg_json": cfg_json, "model_dir": model_dir, "faults_dir": strikes.root},
                             batch_size=max(1, cfg.infer.videos_per_call), runtime_env=env,
                             **placement(cfg.cluster, cfg.cluster.caption_cpus_per_actor, cfg.cluster.caption_gpus_per_actor),
-                            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors)))
-        total, t0, run_id = -(-len(todo) // chunk_videos), time.perf_counter(), uuid.uuid4().hex[:6]
+                            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.caption_actors),
+                                                               max_concurrent_calls_per_actor=caption_calls(resolved.infer)))
+        total, t0 = -(-len(todo) // chunk_videos), time.perf_counter()
         pending: list[dict[str, Any]] = []
         parts = 0
 
@@ -355,6 +447,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
             commit()
         if once.dropped:
             print(f"[caption] {once.dropped} duplicate row(s) of retried work dropped", flush=True)
+        report_device_faults(strikes)
         if not stopped:  # what came back is committed; a re-run redoes any video without a row
             once.check([v["video_id"] for v in todo])
     this_run = [{"status": r["status"], "error_kind": r.get("error_kind")} for r in once.kept.values()]

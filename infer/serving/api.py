@@ -9,7 +9,7 @@ Routes (OpenAPI schema at /openapi.json, docs at /docs):
                         `options` (a JSON object as text)
                         -> {"video_id", "duration", "events": [{"start","end","caption"}],
                             "timings": {...}, "model"}
-    GET  /healthz       liveness + request counters
+    GET  /healthz       liveness (503 after a device fault), engine builds, request counters
     GET  /v1/model      model id, config hash, decoding settings, limits
 
 Errors are JSON `{"error": {"code", "message", "request_id"}}`: 4xx for anything
@@ -97,7 +97,8 @@ def build_app(get_service: Callable[[], CaptionService]) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz(request: Request) -> JSONResponse:
-        return JSONResponse(get_service().health(), headers={"X-Request-ID": request_id(request)})
+        body = get_service().health()  # 503 once the engine hit a device fault (the replica is being replaced)
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503, headers={"X-Request-ID": request_id(request)})
 
     @app.get("/v1/model")
     async def model(request: Request) -> JSONResponse:

@@ -16,20 +16,27 @@ on to the oldest other key.
 A request whose client goes away (its task cancelled) leaves the batch at the next step.
 When a run raises (a server bug on some input), each request that was in it and has no
 result yet is retried alone, so the exception reaches only the request whose video caused
-it. Every engine is driven the one way: `run(feed, emit)` and `result(sample, decoded)`, the interface of
-infer.engine.core.CaptionEngine (test stand-ins implement it too: bench/serve_engine.py).
-Used by infer/serving/service.py; asyncio + one thread, no ray.
+it. A device fault (a CUDA error, infer/engine/faults.py) is not retried: the process's CUDA
+context is poisoned, so every request in the run and every queued one gets the error, the
+batcher keeps it (`fault`: the error and the requests the run held) and refuses every later
+request with it; its owner replaces the process (a Serve replica fails its health check, the
+offline caption actor exits). Every engine is driven the one way: `run(feed, emit)` and
+`result(sample, decoded)`, the interface of infer.engine.core.CaptionEngine (test stand-ins implement
+it too: bench/serve_engine.py). Used by infer/serving/service.py (one request at a time per client)
+and infer/offline/job.py (the videos of several Ray Data batches at once, fed into one engine);
+asyncio + one thread, no ray.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from infer.engine.faults import is_device_fault
 from infer.engine.requests import Request, VideoOptions
 
 
@@ -62,13 +69,27 @@ class _Item:
         self.loop.call_soon_threadsafe(put)
 
 
+@dataclass(frozen=True)
+class EngineFault:
+    """A device fault that ended an engine run: the error, and the samples the run held without a result."""
+
+    error: BaseException
+    samples: tuple[Any, ...]
+
+    def describe(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}"
+
+
 class EngineBatcher:
     """Queue of (engine, sample) requests, fed continuously into one engine thread."""
 
-    def __init__(self, max_batch: int = 1):
+    def __init__(self, max_batch: int = 1, fatal: Callable[[BaseException], bool] = is_device_fault):
+        """max_batch: the most requests in the engine at once; fatal: which errors end the batcher (module doc)."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
+        self.fatal = fatal
+        self.fault: EngineFault | None = None  # set once a run raised a fatal error: no run after it
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="padcap-engine")
         self._lock = threading.Lock()
         self._pending: list[_Item] = []
@@ -82,6 +103,8 @@ class EngineBatcher:
         loop = asyncio.get_running_loop()
         item = _Item(key, engine, sample, options or VideoOptions(), loop.create_future(), loop)
         with self._lock:
+            if self.fault is not None:  # the engine's device is poisoned: nothing more runs on it
+                raise self.fault.error
             self._pending.append(item)
             start = not self._running
             self._running = True
@@ -114,6 +137,9 @@ class EngineBatcher:
                         return
                 continue
             taken = self._run(first)
+            if self.fault is not None:
+                self._fail_all(taken)
+                return
             left = [p for p in taken if not p.settled and not p.gone()]
             if len(taken) > 1:  # the run raised: each unfinished request alone, so only the culprit fails
                 for p in left:
@@ -144,11 +170,24 @@ class EngineBatcher:
         try:
             first.engine.run(feed, emit)
         except Exception as e:  # noqa: BLE001 - handed to the waiting request
-            if len(taken) == 1 and not first.settled:
+            if self.fatal(e):  # no retry on this device: _drain fails every request (module doc)
+                self.fault = EngineFault(e, tuple(p.sample for p in taken if not p.settled))
+            elif len(taken) == 1 and not first.settled:
                 first.settle(error=e)
         self.in_flight = 0  # the run is over: whatever it did not emit is out of the engine too
         self.batch_sizes.append(len(taken))
         return taken
+
+    def _fail_all(self, taken: list[_Item]) -> None:
+        """After a fault: the run's requests without a result and every queued one get its error; the
+        batcher stops (a later `submit` raises it too)."""
+        assert self.fault is not None
+        with self._lock:
+            waiting, self._pending = self._pending, []
+            self._running = False
+        for p in [*taken, *waiting]:
+            if not p.settled:
+                p.settle(error=self.fault.error)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

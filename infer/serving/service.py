@@ -163,6 +163,7 @@ class CaptionService:
             self._featurize = self._featurize_in_worker
         self._batcher = EngineBatcher(cfg.serve.batch_videos or max(1, cfg.infer.max_batch_videos))
         self._engine: Engine | None = None
+        self.engine_builds = 0  # engines this replica built (1 once warm; /healthz says it)
         self.counters = collections.Counter()
         self.in_flight = 0  # requests inside _caption now (decoding or in the engine)
         self.config_hash = section_hash({"model": dataclasses.asdict(cfg.model), "features": dataclasses.asdict(cfg.features)})
@@ -170,6 +171,7 @@ class CaptionService:
             if self.decoders is not None:
                 self.decoders.warm(wait=True)
             self.engine()
+        self.engine_built_at_start = self._engine is not None  # a Serve replica's: ready only once built
 
     # ------------------------------------------------------------------ options
 
@@ -197,6 +199,7 @@ class CaptionService:
         options share it and its decode steps; each request's options travel with it."""
         if self._engine is None:
             self._engine = self._engine_factory(self.cfg.infer)
+            self.engine_builds += 1
         return self._engine
 
     # ------------------------------------------------------------------ requests
@@ -343,7 +346,21 @@ class CaptionService:
                 "decode_workers": self.decoders.count() if self.decoders is not None else 0}
 
     def health(self) -> dict[str, Any]:
-        return {"status": "ok", "model": self.card.model_id, "requests": dict(self.counters), "resources": self.resources()}
+        """/healthz: "ok", or "engine_failed" after a device fault (the replica is about to be replaced); the
+        engines this replica built (1 once a Serve replica is up: built at start, before its first request)."""
+        fault = self._batcher.fault
+        return {"status": "ok" if fault is None else "engine_failed", "model": self.card.model_id,
+                "engine": {"builds": self.engine_builds, "built_at_start": self.engine_built_at_start,
+                           "fault": fault.describe() if fault is not None else None},
+                "requests": dict(self.counters), "resources": self.resources()}
+
+    def check_health(self) -> None:
+        """Ray Serve's health check (the deployment inherits it): raises once the engine hit a device fault
+        (a CUDA error poisons the process: infer/engine/faults.py), so Serve replaces this replica instead
+        of sending it more requests."""
+        fault = self._batcher.fault
+        if fault is not None:
+            raise RuntimeError(f"the engine hit a device fault and cannot be reused: {fault.describe()}")
 
     def close(self) -> None:
         if self.decoders is not None:
