@@ -277,7 +277,7 @@ def write_mp4(path: str | Path, frames: np.ndarray, audio: np.ndarray, fps: int,
     """Encode uint8 [N, H, W, 3] frames (H.264, yuv420p) and float32 [S] mono audio (AAC) into `path`.
 
     Frames go to libx264 already in yuv420p (`rgb_to_yuv420p`), which runs single-threaded with
-    fixed options, so the same input always gives the same bitstream. Packets are muxed in time order (one video frame, then the audio up
+    fixed options (a rare run still gives another bitstream: docs/benchmarks.md, Determinism). Packets are muxed in time order (one video frame, then the audio up
     to the end of that frame).
     """
     n, h, w, _ = frames.shape
