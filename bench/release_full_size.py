@@ -29,6 +29,7 @@ checkpoint's (30 events, 1 + 320 tokens a branch).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import json
 import os
@@ -307,7 +308,7 @@ def measure(ckpt: Path, video: Path, threads: int, caps: tuple[int, int] = (0, 0
                      audio_chunks=0 if inputs.mel is None else int(inputs.mel.shape[0]))
     _say("media prepared", media_s=media_s, dims=str(dims))
     t0 = time.perf_counter()
-    row = actor({c: np.array(v, dtype=object) for c, v in rows.items()})
+    row = asyncio.run(actor({c: np.array(v, dtype=object) for c, v in rows.items()}))  # the actor's call is async
     caption_s = time.perf_counter() - t0
     peak = status_bytes("VmHWM") - before
     _say("captioned", caption_s=caption_s, vision_s=vision_s, audio_s=audio_s)

@@ -199,7 +199,7 @@ def test_a_caption_actor_loads_the_whole_model_once_and_no_other_towers(videos, 
                                                           "chunk": np.array(["c0"])})
     actor = CaptionVideos(cfg.to_json(indent=None), str(CHECKPOINT))
     batch = {c: np.array(v, dtype=object) for c, v in rows.items()}
-    first, again = actor(batch), actor(batch)
+    first, again = asyncio.run(actor(batch)), asyncio.run(actor(batch))  # Ray Data awaits the async call
     assert first["status"] == again["status"] == ["ok"] and first["events"] == again["events"]
     assert first["segments_total"] == [20]
     assert loads == [str(CHECKPOINT)]  # once per actor, whatever the batches
