@@ -67,7 +67,6 @@ Run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -78,7 +77,9 @@ import numpy as np
 import torch
 
 from bench.decode import A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token, measure_bandwidth, weight_bytes
-from infer.engine.attn_meta import AttnMeta, flex_work
+from bench.output import emit
+from bench.padding import padding_runs
+from infer.engine.attn_meta import AttnMeta
 from infer.engine.core import CaptionEngine
 from infer.engine.graphs import coverage
 from infer.engine.packing import QueryBlock
@@ -210,46 +211,6 @@ def engine_mode(model, cfg: InferConfig, videos, in_flight: int, decode_phase: b
                               "other": round(wall - st["step_ms"] - st["prepare_ms"], 1)},
             "step_ms_p99": round(float(np.percentile([r.ms for r in log], 99)), 3),
             "kernel": eng.kernel.name, "graph_routes": graph_routes(log), **watch.summary(eng.step_tokens), "_tokens": tokens, "_peaks": peaks, "_log": log, "_pool": eng.pool}
-
-
-# the engine's sizes for padded_over_needed: its CUDA defaults (infer/engine/core.py step_defaults), and the
-# CPU's pages and query blocks at the same budget (what smaller flex tiles would bring)
-PADDING_SIZES = {"cuda_defaults": {"step_tokens": 2048, "page_size": 128, "q_block": 32},
-                 "pages_16_q_block_16": {"step_tokens": 2048, "page_size": 16, "q_block": 16}}
-
-
-def padding_runs(model, cfg: InferConfig, videos) -> dict:
-    """padded_over_needed at 16 in flight for each of PADDING_SIZES."""
-    return {name: padding_run(model, cfg, videos, sizes) for name, sizes in PADDING_SIZES.items()}
-
-
-def padding_run(model, cfg: InferConfig, videos, sizes: dict[str, int], in_flight: int = 16) -> dict:
-    """padded_over_needed (module doc) of the arrival run at `in_flight` with the engine at `sizes`
-    (step_tokens, page_size, q_block): every step's attention metadata as the scheduler builds it,
-    weighed as FlexAttention would compute it (infer/engine/attn_meta.py flex_work), the step's main
-    blocks once per layer and a layered part's blocks once. Overall, and over the steps without prefill
-    (decode and planning rows only)."""
-    eng = CaptionEngine(model, replace(cfg, max_batch_videos=in_flight, cuda_graphs="off",
-                                       max_batch_rows=max(cfg.max_events, in_flight * cfg.max_events), **sizes))
-    sched, layers, work = eng.scheduler, eng.weights.num_layers, []
-    build = sched._meta
-
-    def recording(blocks, seq_a, lim_a, seq_b, lim_b, q_block, workspace=None):
-        c, n = flex_work(blocks, lim_a, lim_b, q_block, eng.pool.page_size)
-        part = workspace is sched.part_workspace
-        work.append((c * (1 if part else layers), n * (1 if part else layers), part))
-        return build(blocks, seq_a, lim_a, seq_b, lim_b, q_block, workspace)
-
-    sched._meta = recording
-    eng.run(iter([Request(s, c) for s, c in videos]), lambda req, res: None)
-    log = eng.stats["step_log"]
-    mains = [w for w in work if not w[2]]
-    if len(mains) != len(log):
-        raise RuntimeError(f"{len(mains)} step metas for {len(log)} steps")
-    plain = [not (r.prefill_tokens or r.layer_tokens) for r in log]  # decode / planning rows only
-    ratio = lambda ws: round(sum(c for c, _, _ in ws) / max(1, sum(n for _, n, _ in ws)), 3)  # noqa: E731
-    return {**sizes, "q_rows_per_block": sched.prefill_block, "steps": len(log), "overall": ratio(work),
-            "decode_and_planning_steps": ratio([w for w, p in zip(mains, plain) if p])}
 
 
 class PrefillWatch:
@@ -415,11 +376,7 @@ def main(argv=None) -> dict:
             out["graph_coverage"] = (m["graph_routes"] or {}).get("coverage")
             out["padding"] = padding_runs(model, cfg, videos)
             out["padded_over_needed"] = out["padding"]["cuda_defaults"]["overall"]
-            text = json.dumps(out, indent=2)
-            print(text)
-            if args.out:
-                Path(args.out).write_text(text + "\n")
-            return out
+            return emit(out, Path(args.out) if args.out else None)
         modes = {"one_at_a_time": engine_mode(model, cfg, videos, 1, decode_phase=True)}
         for n in in_flight:
             modes[f"in_flight_{n}"] = engine_mode(model, cfg, videos, n, decode_phase=True)
@@ -537,11 +494,7 @@ def main(argv=None) -> dict:
         if {"1", "16"} <= set(ops):
             met["ops_per_layer_step"] = ops["16"] <= 45 and ops["16"] <= 1.1 * ops["1"]
         out["targets"] = {**t, "met": met}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return out
+    return emit(out, Path(args.out) if args.out else None)
 
 
 if __name__ == "__main__":

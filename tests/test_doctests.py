@@ -1,6 +1,6 @@
 """The `>>>` examples in the product's docstrings run and give what they show.
 
-Every module of pipeline/, infer/, preprocess/ and train/ whose source holds a `>>> ` line is imported
+Every module of pipeline/, infer/, preprocess/, train/ and bench/ whose source holds a `>>> ` line is imported
 and run through `doctest.testmod`; the modules with examples must stay light (no Ray), which the last
 test checks in a fresh interpreter.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pipeline", "infer", "preprocess", "train")
+PACKAGES = ("pipeline", "infer", "preprocess", "train", "bench")
 EXAMPLE = re.compile(r"^\s*>>> ", re.M)
 
 
