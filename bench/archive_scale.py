@@ -189,7 +189,7 @@ def preprocess_stage(sim, corpus: ArchiveCorpus, source: str, work: Path, chunk:
 
 def caption_stage(sim, corpus: ArchiveCorpus, source: str, work: Path, chunk: int, hold_s: float,
                   videos_per_call: int) -> dict[str, Any]:
-    from infer.offline.job import _read_parts, read_results
+    from infer.offline.results import read_parts, read_results
 
     out = work / "captions"
     parts = out / "parts"
@@ -200,13 +200,13 @@ def caption_stage(sim, corpus: ArchiveCorpus, source: str, work: Path, chunk: in
             "summary": str(work / "caption.summary.json")}
     n_parts = lambda: len(list(parts.glob("*.parquet"))) if parts.exists() else 0  # noqa: E731
     first = run_driver(sim, spec, work, "caption-1", kill_node=True, kill_at=-(-corpus.n // 2 // chunk), committed=n_parts)
-    before = _read_parts(str(out))
+    before = read_parts(str(out))
     ok_before = {r["video_id"] for r in before if r["status"] == "ok"}
     err_before = {r["video_id"] for r in before if r["status"] != "ok"}
     second = run_driver(sim, {**spec, "markers": str(work / "markers-2"), "hold": ""}, work, "caption-2", kill_node=False)
     redo = am.rerun_redone(ok_before, err_before, am.started(spec["markers"], "caption-featurize"),
                            am.started(str(work / "markers-2"), "caption-featurize"))
-    committed = _read_parts(str(out))
+    committed = read_parts(str(out))
     ok_writes = am.exactly_once(corpus.videos, [r["video_id"] for r in committed if r["status"] == "ok"])
     rows = read_results(str(out))
     once = am.exactly_once(corpus.videos, [r["video_id"] for r in rows])

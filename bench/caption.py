@@ -71,7 +71,8 @@ def main() -> int:
 
     import ray
 
-    from infer.offline.job import read_results, run_caption
+    from infer.offline.job import run_caption
+    from infer.offline.results import read_results
     from pipeline.config import load_config
     from preprocess.synthetic import generate_corpus
 

@@ -12,7 +12,8 @@ import pytest
 
 from bench.mp4 import solid_frames, write_mp4
 from infer.loading import RANDOM_MODEL
-from infer.offline.job import OncePerVideo, list_videos, read_results, run_caption
+from infer.offline.job import list_videos, run_caption
+from infer.offline.results import OncePerVideo, read_results
 from pipeline.config import load_config
 from preprocess.synthetic import generate_corpus
 
@@ -219,7 +220,7 @@ def _rows(*kinds: str) -> list[dict]:
 
 
 def test_judge_fails_a_job_only_past_the_threshold_or_when_the_engine_is_broken(tmp_path):
-    from infer.offline.job import judge
+    from infer.offline.results import judge
 
     out = str(tmp_path)
     one_bad = _rows(*["ok"] * 39, "input")  # one corrupt upload in 40

@@ -199,7 +199,7 @@ def test_preprocess_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpu
 
 
 def caption_rows(out):
-    from infer.offline.job import read_results
+    from infer.offline.results import read_results
 
     rows = read_results(out)
     ids = [r["video_id"] for r in rows]

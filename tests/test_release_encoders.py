@@ -210,7 +210,8 @@ def test_a_caption_actor_loads_the_whole_model_once_and_no_other_towers(videos, 
 @pytest.mark.integration
 def test_offline_captioning_with_the_release_checkpoint_runs_its_encoders_online(ray_local, videos, tmp_path):
     from infer.loading import load_model
-    from infer.offline.job import read_results, run_caption
+    from infer.offline.job import run_caption
+    from infer.offline.results import read_results
     from preprocess.featurize import Featurizer as DirectFeaturizer
 
     archive = tmp_path / "archive"

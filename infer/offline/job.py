@@ -27,7 +27,7 @@ Work is committed in chunks (`parts/<chunk>.parquet`, written last): every `chun
 they come out of one Ray Data pipeline for the whole job (each actor loads its encoders or model
 once per job, not once per chunk; a row's timings name the processes that featurized and captioned
 it, `featurize_pid` / `caption_pid`). A re-run skips videos already captioned with the same model
-and config, and a run killed midway and restarted ends with every video exactly once. `captions.jsonl` and
+and config, and a run killed midway and restarted ends with every video exactly once (infer/offline/results.py). `captions.jsonl` and
 `captions.parquet` are the consolidation of all parts, for the videos listed this run.
 
 `wrap_stage(stage, cls) -> cls`: the one hook into the job, called on the driver with
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import os
 import sys
@@ -49,10 +48,9 @@ import uuid
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import ray
 
+from infer.offline.results import OncePerVideo, consolidate, judge, parts_dir, read_parts, write_parquet
 from infer.offline.strikes import DeviceStrikes, refusal
 from infer.results import RESULT_COLUMNS, CaptionResult, caption_config_hash, video_ids
 from pipeline import storage
@@ -266,118 +264,6 @@ def batch_items(batch: dict[str, np.ndarray], fields: dict[str, Any]) -> list[tu
     return items
 
 
-# ----------------------------------------------------------------------------- results
-
-
-def _parts_dir(out: str) -> str:
-    return storage.join(out, "parts")
-
-
-def _read_parts(out: str) -> list[dict[str, Any]]:
-    return [row for p in storage.list_files(_parts_dir(out), (".parquet",)) for row in mf.read_table(p)]
-
-
-def _write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
-    table = pa.Table.from_pylist([{c: r.get(c) for c in RESULT_COLUMNS} for r in rows], schema=pa.schema(RESULT_COLUMNS))
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    storage.write_bytes(path, buf.getvalue())
-
-
-def consolidate(out: str, keep: set[str] | None = None) -> list[dict[str, Any]]:
-    """Latest row per video across committed parts -> captions.parquet + captions.jsonl.
-    `keep`: the ids listed this run; rows of videos no longer listed (deleted from the archive,
-    removed from the test split) are left out."""
-    latest: dict[str, dict[str, Any]] = {}
-    for row in _read_parts(out):
-        if keep is None or row["video_id"] in keep:
-            latest[row["video_id"]] = row
-    rows = sorted(latest.values(), key=lambda r: r["video_id"])
-    _write_parquet(storage.join(out, "captions.parquet"), rows)
-    lines = [json.dumps(_parsed(r), ensure_ascii=False) for r in rows]
-    storage.write_bytes(storage.join(out, "captions.jsonl"), ("\n".join(lines) + "\n").encode("utf-8"))
-    return rows
-
-
-def _parsed(row: dict[str, Any]) -> dict[str, Any]:
-    """A stored row with its JSON columns (events, timings, capped) parsed."""
-    return {**row, "events": json.loads(row["events"] or "[]"), "timings": json.loads(row["timings"] or "{}"),
-            "capped": json.loads(row.get("capped") or "[]")}
-
-
-def read_results(out: str) -> list[dict[str, Any]]:
-    """The consolidated rows, events and timings parsed."""
-    return [_parsed(r) for r in mf.read_table(storage.join(out, "captions.parquet"))]
-
-
-class OncePerVideo:
-    """Rows as Ray Data hands them back -> one per video: its first ok row, else its first.
-
-    A task retried after its actor or node was lost (fault tolerance: Ray re-runs it) can hand
-    back a video twice. `take(row)` says what to do with each row: "new" (keep it), "replaces"
-    (keep it instead of the video's earlier error row) or "dropped"."""
-
-    def __init__(self):
-        self.kept: dict[str, dict[str, Any]] = {}
-        self.dropped = 0
-
-    def take(self, row: dict[str, Any]) -> str:
-        seen = self.kept.get(row["video_id"])
-        if seen is not None and (seen["status"] == "ok" or row["status"] != "ok"):
-            self.dropped += 1
-            return "dropped"
-        self.kept[row["video_id"]] = row
-        if seen is None:
-            return "new"
-        self.dropped += 1
-        return "replaces"
-
-    def check(self, listed: list[str]) -> None:
-        """A listed video with no row at all is an error (a re-run redoes it)."""
-        missing = [v for v in listed if v not in self.kept]
-        if missing:
-            raise RuntimeError(f"captioning returned no row for {len(missing)} of {len(listed)} videos: {missing[:5]}")
-
-
-def judge(rows: list[dict[str, Any]], this_run: list[dict[str, Any]], max_failed_fraction: float,
-          out: str) -> dict[str, Any]:
-    """Whether a captioning job succeeded, from its consolidated `rows` (one per video) and the
-    rows `this_run` wrote -> {"failed", "failed_fraction", "errors_in" (where the reasons are,
-    when any failed), "failure" (why the job failed; absent when it did not)}.
-
-    Every failed video is a row with its reason; they fail the job only past
-    `max_failed_fraction` of the videos, or when the engine raised on every video this run gave
-    it (then the engine is what is broken, whatever the share)."""
-    if not 0.0 <= max_failed_fraction <= 1.0:
-        raise ValueError(f"infer.max_failed_fraction must be in [0, 1], got {max_failed_fraction}")
-    failed = [r for r in rows if r["status"] != "ok"]
-    fraction = len(failed) / len(rows) if rows else 0.0
-    verdict: dict[str, Any] = {"failed": len(failed), "failed_fraction": round(fraction, 4)}
-    if failed:
-        verdict["errors_in"] = f"{storage.join(out, 'captions.jsonl')} (status=error rows: error, error_kind)"
-    given = [r for r in this_run if r["status"] == "ok" or r.get("error_kind") in ("refused", "engine")]
-    raised = sum(r.get("error_kind") == "engine" for r in given)
-    if given and raised == len(given):
-        verdict["failure"] = (f"the engine raised on all {raised} videos it was given this run (a broken model or "
-                              f"engine, not bad files); the errors are in {verdict['errors_in']}")
-    elif fraction > max_failed_fraction:
-        verdict["failure"] = (f"{len(failed)} of {len(rows)} videos failed ({100 * fraction:.1f}%), more than "
-                              f"infer.max_failed_fraction={max_failed_fraction:g}; the reasons are in "
-                              f"{verdict['errors_in']}")
-    return verdict
-
-
-def report_device_faults(strikes: DeviceStrikes) -> int:
-    """Say which videos were in the engine when its device failed this run (their actor was restarted), and
-    remove the run's records (infer/offline/strikes.py); -> how many videos."""
-    records = strikes.all()
-    if records:
-        print(f"[caption] the engine's device failed with {len(records)} video(s) in it; their actor was restarted "
-              f"and they were retried alone: {', '.join(r['video_id'] for r in records[:10])}", flush=True)
-    strikes.remove()
-    return len(records)
-
-
 def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str, out: str,
                 chunk_videos: int = 64, max_chunks: int | None = None,
                 wrap_stage: StageWrapper = stage_as_is) -> dict[str, Any]:
@@ -390,7 +276,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
 
     model_id, resolved = resolve_model(cfg, model_dir)  # the features the model was trained on; no weights here
     config_hash = caption_config_hash(resolved)
-    done = {r["video_id"] for r in _read_parts(out)
+    done = {r["video_id"] for r in read_parts(out)
             if r["status"] == "ok" and r["model_id"] == model_id and r["config_hash"] == config_hash}
     todo = [v for v in items if v["video_id"] not in done]
     print(f"[caption] {len(items)} videos, {len(done)} already captioned with {model_id}, {len(todo)} to do", flush=True)
@@ -422,7 +308,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
             chunk = f"{time.strftime('%Y%m%dT%H%M%S')}-{run_id}-{parts:05d}"
             for r in pending:
                 r["chunk"] = chunk
-            _write_parquet(storage.join(_parts_dir(out), f"{chunk}.parquet"), pending)  # the commit
+            write_parquet(storage.join(parts_dir(out), f"{chunk}.parquet"), pending)  # the commit
             ok = sum(r["status"] == "ok" for r in pending)
             print(f"[caption] chunk {parts}/{total}: {ok} done, {len(pending) - ok} failed, "
                   f"{60.0 * len(once.kept) / (time.perf_counter() - t0):.1f} videos/min", flush=True)
@@ -447,7 +333,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
             commit()
         if once.dropped:
             print(f"[caption] {once.dropped} duplicate row(s) of retried work dropped", flush=True)
-        report_device_faults(strikes)
+        strikes.report()
         if not stopped:  # what came back is committed; a re-run redoes any video without a row
             once.check([v["video_id"] for v in todo])
     this_run = [{"status": r["status"], "error_kind": r.get("error_kind")} for r in once.kept.values()]

@@ -11,7 +11,7 @@ the run's folder (local or s3://, `pipeline.storage`): how many times the device
 video was in the engine, and the last error. A video with a strike is captioned alone on the retry (so
 a fault then is its own), and a video with MAX_STRIKES gets an error row instead of another try, so a
 video that crashes the device cannot restart the actor forever. The driver reads the records at the
-end of the run, reports them and removes the folder. Pure python + pipeline.storage; no ray.
+end of the run, reports them and removes the folder (`report`). Pure python + pipeline.storage; no ray.
 """
 
 from __future__ import annotations
@@ -55,6 +55,16 @@ class DeviceStrikes:
 
     def remove(self) -> None:
         storage.remove(self.root, recursive=True)
+
+    def report(self) -> int:
+        """At the run's end: say which videos were in the engine when its device failed (their actor was
+        restarted), and remove the run's records; -> how many videos."""
+        records = self.all()
+        if records:
+            print(f"[caption] the engine's device failed with {len(records)} video(s) in it; their actor was "
+                  f"restarted and they were retried alone: {', '.join(r['video_id'] for r in records[:10])}", flush=True)
+        self.remove()
+        return len(records)
 
 
 def refusal(record: dict[str, Any]) -> str | None:
