@@ -59,6 +59,12 @@ def test_throughput_benchmark_smoke(capsys):
     assert list(pad) == [cuda, smaller] and out["padded_over_needed"] == pad["cuda_defaults"]["overall"]
     assert all(p["overall"] >= 1.0 and p["decode_and_planning_steps"] >= 1.0 and p["steps"] > 0 for p in pad.values())
     assert pad[smaller]["overall"] <= pad["cuda_defaults"]["overall"]
+    # the two designs weighed by the same arithmetic (bench/padding.py split_work): small blocks for the
+    # decode and planning rows never compute more, folding a KV group's heads into them never more again
+    for p in pad.values():
+        small, folded = p["projected"]["small_blocks"], p["projected"]["small_blocks_gqa_folded"]
+        for key in ("overall", "decode_and_planning_steps"):
+            assert 1.0 <= folded[key] <= small[key] <= p[key]
     assert out["targets"]["met"]["padded_over_needed"] == (out["padded_over_needed"] <= 1.5)
 
 
