@@ -2,6 +2,7 @@
 
     init_ray(cfg)                                   # RAY_ADDRESS / cluster.address, else a private local instance
     placement(cfg.cluster, num_cpus=1, num_gpus=1)  # -> {"num_cpus": 1, "num_gpus": 1} or a custom resource
+    featurize_gpus(cfg)                             # -> GPUs a featurize actor asks for (0 on the CPU)
     train_resources(cfg.cluster, cpus, gpus, use_gpu)  # -> (ScalingConfig use_gpu, resources_per_worker)
 
 The driver (`pipeline/run.py`), the trainer, offline captioning, the preprocess job and the
@@ -26,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pipeline.config import ClusterConfig, Config
+from pipeline.config import ClusterConfig, Config, ConfigError
 
 GPU = "GPU"
 # What one CPU unit asks of the CPU-node marker resource: small enough that a node
@@ -74,6 +75,32 @@ def placement(cc: ClusterConfig, num_cpus: float, num_gpus: float = 0.0) -> dict
     if resources:
         opts["resources"] = resources
     return opts
+
+
+def featurize_gpus(cfg: Config, encodes: bool = True) -> float:
+    """GPUs one featurize actor (preprocessing's, offline captioning's) asks for: with features.device=cuda,
+    `cluster.preprocess_gpus_per_actor`, so its encoders find a device there; none when they run on the
+    CPU, or elsewhere (`encodes` False: offline captioning with the release encoders online, whose
+    featurize actors only prepare the media while the caption actor encodes).
+
+    >>> cfg = Config()
+    >>> featurize_gpus(cfg), cfg.features.device
+    (0.0, 'auto')
+    >>> cfg.features.device = "cuda"
+    >>> featurize_gpus(cfg), featurize_gpus(cfg, encodes=False)
+    (1.0, 0.0)
+    >>> cfg.cluster.preprocess_gpus_per_actor = 0
+    >>> featurize_gpus(cfg)
+    Traceback (most recent call last):
+    pipeline.config_build.ConfigError: features.device=cuda needs cluster.preprocess_gpus_per_actor > 0 (got 0): a featurize actor without a GPU has no CUDA device
+    """
+    if cfg.features.device != "cuda" or not encodes:
+        return 0.0
+    gpus = cfg.cluster.preprocess_gpus_per_actor
+    if gpus <= 0:
+        raise ConfigError(f"features.device=cuda needs cluster.preprocess_gpus_per_actor > 0 (got {gpus:g}): "
+                          "a featurize actor without a GPU has no CUDA device")
+    return float(gpus)
 
 
 def train_resources(cc: ClusterConfig, cpus: float, gpus: float, use_gpu: bool) -> tuple[bool, dict[str, float], str | None]:

@@ -281,6 +281,9 @@ class ClusterConfig:
     num_cpus: int = 0  # local instance only; 0 = all
     preprocess_actors: int = 2  # featurize actors (decode + encode) of preprocessing and offline captioning
     preprocess_cpus_per_actor: float = 1.0  # CPUs each featurize actor holds
+    # GPUs each featurize actor holds when its encoders run on CUDA (features.device=cuda; not with the
+    # release encoders online, whose featurize actors only prepare the media); fractions share a GPU
+    preprocess_gpus_per_actor: float = 1.0
     caption_actors: int = 1  # engine actors of offline captioning
     caption_gpus_per_actor: float = 0.0  # GPUs each engine actor holds (0 = on the CPU)
     caption_cpus_per_actor: float = 1.0  # CPUs each engine actor holds

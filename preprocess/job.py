@@ -36,7 +36,7 @@ import numpy as np
 import ray
 
 from pipeline import storage
-from pipeline.cluster import init_ray, placement
+from pipeline.cluster import featurize_gpus, init_ray, placement
 from pipeline.config import Config, load_config, section_hash
 from pipeline.schema import KEY, Event, encode
 from preprocess import manifest as mf
@@ -173,7 +173,7 @@ def _featurized_chunks(cfg: Config, chunks: list[dict[str, Any]], out_dir: str, 
         fn_constructor_kwargs={"cfg_json": cfg.to_json(indent=None), "out_dir": out_dir},
         batch_size=1,
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=min(actors, len(chunks))),
-        **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor, 1.0 if cfg.features.device == "cuda" else 0.0),
+        **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor, featurize_gpus(cfg)),
         runtime_env={"env_vars": storage.forwarded_env()},
     )
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):

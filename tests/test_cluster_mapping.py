@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pipeline.cluster import CPU_NODE_SHARE, placement, train_resources
+from pipeline.cluster import CPU_NODE_SHARE, featurize_gpus, placement, train_resources
 from pipeline.config import ClusterConfig, load_config
 
 
@@ -34,6 +34,26 @@ def test_a_custom_gpu_resource_and_an_accelerator_type():
     assert placement(h100, 4, 1) == {"num_cpus": 4, "num_gpus": 1, "accelerator_type": "H100"}
     assert placement(h100, 4) == {"num_cpus": 4}  # CPU work is not tied to the GPU type
     assert train_resources(h100, 8, 1, use_gpu=True) == (True, {"CPU": 8, "GPU": 1}, "H100")
+
+
+def test_featurize_actors_ask_for_gpus_where_they_encode_on_cuda(tmp_path, capsys):
+    """Preprocessing's and offline captioning's featurize actors take cluster.preprocess_gpus_per_actor GPUs
+    with features.device=cuda, none on the CPU or when they only prepare media (the release encoders
+    online); cuda with 0 GPUs per actor is refused by the job before Ray starts, in one line."""
+    from infer.offline.job import featurizers_encode, main
+
+    cuda = load_config(None, ["features.device=cuda", "cluster.preprocess_gpus_per_actor=0.25"])
+    assert placement(cuda.cluster, 1, featurize_gpus(cuda, featurizers_encode(cuda))) == {"num_cpus": 1, "num_gpus": 0.25}
+    assert featurize_gpus(load_config(None, ["features.device=cpu"])) == 0.0
+    online = load_config(None, ["features.device=cuda", "features.visual_encoder=release", "features.audio_encoder=release",
+                                "features.release_features=online"])
+    assert not featurizers_encode(online) and featurize_gpus(online, featurizers_encode(online)) == 0.0
+    assert featurizers_encode(load_config(None, ["features.visual_encoder=release", "features.audio_encoder=release"]))
+    code = main(["--videos", str(tmp_path), "--random-model", "--out", str(tmp_path / "out"),
+                 "--set", "features.device=cuda", "--set", "cluster.preprocess_gpus_per_actor=0"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "cluster.preprocess_gpus_per_actor > 0" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_serve_replicas_and_the_presets_follow_the_rule():

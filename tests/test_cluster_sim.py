@@ -222,6 +222,45 @@ def test_caption_actors_on_the_gpu_node_featurizers_on_cpu_nodes(sim, baseline_c
     assert sim.kinds_of(sc.actor_nodes("FeaturizeForCaption")) == {"cpu"}
 
 
+def encode_on_cpu(marks: Path):
+    """A `wrap_stage` hook: offline captioning's featurize actors record the node they run on, and encode on
+    its CPU (the simulated GPU node has no CUDA device: features.device=cuda is only where they are placed)."""
+    def hook(stage: str, cls: type) -> type:
+        if stage != "caption-featurize":
+            return cls
+
+        def __init__(self, cfg_json: str):
+            import os
+
+            import ray
+
+            from pipeline.config import Config
+
+            cfg = Config.from_json(cfg_json)
+            cfg.features.device = "cpu"
+            cls.__init__(self, cfg.to_json(indent=None))
+            (marks / f"{os.getpid()}.json").write_text(json.dumps({"node_id": ray.get_runtime_context().get_node_id()}))
+
+        return type(cls.__name__, (cls,), {"__init__": __init__})
+    return hook
+
+
+def test_featurize_actors_take_a_gpu_when_their_encoders_run_on_cuda(sim, corpus, baseline_captions, tmp_path):
+    """features.device=cuda: offline captioning's featurize actors ask for `cluster.preprocess_gpus_per_actor`
+    of the GPU resource, so they run on the GPU node, beside the caption actor (half a GPU and half a CPU
+    each, so two fit there with it); the captions equal the CPU placement's."""
+    from infer.offline.job import run_caption
+
+    marks = tmp_path / "featurize-nodes"
+    marks.mkdir()
+    cfg = sim_cfg("features.device=cuda", "cluster.preprocess_gpus_per_actor=0.5", "cluster.preprocess_cpus_per_actor=0.5")
+    summary = run_caption(cfg, corpus.video_dir, RANDOM_MODEL, str(tmp_path / "captions"), wrap_stage=encode_on_cpu(marks))
+    assert summary["captioned"] == 6 and summary["failed"] == 0
+    nodes = [json.loads(m.read_text())["node_id"] for m in marks.iterdir()]
+    assert nodes and sim.kinds_of(nodes) == {"gpu"}
+    assert caption_rows(str(tmp_path / "captions")) == caption_rows(baseline_captions)
+
+
 def test_offline_captioning_survives_losing_a_cpu_node_with_a_video_in_flight(sim, corpus, baseline_captions,
                                                                               tmp_path):
     from infer.offline.job import run_caption

@@ -4,8 +4,9 @@
     python -m infer.offline.job --videos 's3://bucket/videos/*.mp4' --model DIR --out s3://bucket/captions
     python -m infer.offline.job --videos runs/default/preprocess/manifest.parquet --model DIR --out DIR
 
-Ray Data lists the videos, decodes and encodes them in a CPU actor pool
-(`preprocess.featurize.Featurizer`), captions them in an engine actor pool
+Ray Data lists the videos, decodes and encodes them in an actor pool
+(`preprocess.featurize.Featurizer`; on CPUs, or with `features.device=cuda` on
+`cluster.preprocess_gpus_per_actor` GPUs each: pipeline/cluster.py `featurize_gpus`), captions them in an engine actor pool
 (`infer.engine.core.CaptionEngine`, `infer.videos_per_call` videos per call and several calls
 per actor at once, all fed into the actor's one engine as it has room, so it does not drain
 between batches: `CaptionVideos`; GPUs per actor from `cluster.caption_gpus_per_actor`; with
@@ -54,7 +55,7 @@ from infer.offline.results import OncePerVideo, consolidate, judge, parts_dir, r
 from infer.offline.strikes import DeviceStrikes, refusal
 from infer.results import RESULT_COLUMNS, CaptionResult, caption_config_hash, video_ids
 from pipeline import storage
-from pipeline.cluster import init_ray, placement
+from pipeline.cluster import featurize_gpus, init_ray, placement
 from pipeline.config import Config, ConfigError, InferConfig, load_config
 from pipeline.schema import FIELDS, KEY, decode, encode
 from preprocess import manifest as mf
@@ -106,7 +107,7 @@ def list_videos(spec: str, extensions: list[str]) -> list[dict[str, str]]:
 
 
 class FeaturizeForCaption:
-    """CPU actor: uri -> encoded sample fields (or an error), encoders built once."""
+    """Featurize actor: uri -> encoded sample fields (or an error), encoders built once (module doc: where)."""
 
     def __init__(self, cfg_json: str):
         from preprocess.featurize import Featurizer
@@ -150,6 +151,12 @@ def engine_input(fields: dict[str, Any], video_id: str):
 
         return inputs_video(ReleaseInputs.from_bytes(fields[RELEASE_INPUTS]), video_id)
     return decode({c: fields[c] for c in SAMPLE_COLUMNS})
+
+
+def featurizers_encode(cfg: Config) -> bool:
+    """Whether the featurize actors run the encoders: not with the release encoders online, where they only
+    prepare the media and the caption actor encodes (`FeaturizeForCaption`, `engine_input`)."""
+    return not (cfg.features.visual_encoder == "release" and cfg.features.release_features == "online")
 
 
 def caption_calls(infer: InferConfig) -> int:
@@ -276,6 +283,7 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
 
     model_id, resolved = resolve_model(cfg, model_dir)  # the features the model was trained on; no weights here
     config_hash = caption_config_hash(resolved)
+    feature_gpus = featurize_gpus(resolved, featurizers_encode(resolved))
     done = {r["video_id"] for r in read_parts(out)
             if r["status"] == "ok" and r["model_id"] == model_id and r["config_hash"] == config_hash}
     todo = [v for v in items if v["video_id"] not in done]
@@ -290,7 +298,8 @@ def run_caption(cfg: Config, videos: str | list[dict[str, str]], model_dir: str,
         ds = ray.data.from_items(todo, override_num_blocks=-(-len(todo) // block))
         cfg_json = resolved.to_json(indent=None)
         ds = ds.map_batches(wrap_stage("caption-featurize", FeaturizeForCaption), fn_constructor_kwargs={"cfg_json": cfg_json},
-                            batch_size=1, runtime_env=env, **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor),
+                            batch_size=1, runtime_env=env,
+                            **placement(cfg.cluster, cfg.cluster.preprocess_cpus_per_actor, feature_gpus),
                             compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.cluster.preprocess_actors)))
         ds = ds.map_batches(wrap_stage("caption", CaptionVideos),
                             fn_constructor_kwargs={"cfg_json": cfg_json, "model_dir": model_dir, "faults_dir": strikes.root},
@@ -366,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     from infer.loading import RANDOM_MODEL, resolve_model
 
-    try:  # the model and the videos are checked before Ray starts
-        resolve_model(cfg, RANDOM_MODEL if args.random_model else args.model)
+    try:  # the model, the placement and the videos are checked before Ray starts
+        _, resolved = resolve_model(cfg, RANDOM_MODEL if args.random_model else args.model)
+        featurize_gpus(resolved, featurizers_encode(resolved))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
