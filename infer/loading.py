@@ -95,9 +95,11 @@ def _trained_features(model_dir: Path, cfg: Config) -> Config:
         trained = Config.from_json(path.read_text())
     except (ValueError, ConfigError) as e:
         raise ValueError(f"{path}: not a readable run config ({e})") from e
-    if trained.features != cfg.features:
+    # what the features are comes from training; where the encoders run (features.device) is this run's
+    features = dataclasses.replace(trained.features, device=cfg.features.device)
+    if features != cfg.features:
         log.warning("using the features section the model was trained with (%s), not the serving config's", path)
-    return dataclasses.replace(cfg, features=trained.features)
+    return dataclasses.replace(cfg, features=features)
 
 
 def weights_fingerprint(model_dir: Path, length: int = 8) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import storage
-from pipeline.cluster import init_ray
+from pipeline.cluster import featurize_gpus, init_ray
 from pipeline.config import Config, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,6 +244,8 @@ def run(cfg: Config, stages: list[str] | None = None, force: bool = False, conso
         if unknown:
             raise SystemExit(f"unknown stage(s) {unknown}; stages are {list(STAGE_ORDER)}")
     # settings only the last stages read fail here, not after hours of preprocess and train
+    if "preprocess" in wanted or "caption" in wanted:
+        featurize_gpus(cfg)  # where the featurize actors go (cluster.preprocess_gpus_per_actor)
     if "caption" in wanted or "evaluate" in wanted:
         reference_annotations(cfg, paths)  # they caption and score the `test` split
     if "evaluate" in wanted:

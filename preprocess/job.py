@@ -37,7 +37,7 @@ import ray
 
 from pipeline import storage
 from pipeline.cluster import featurize_gpus, init_ray, placement
-from pipeline.config import Config, load_config, section_hash
+from pipeline.config import Config, ConfigError, load_config, section_hash
 from pipeline.schema import KEY, Event, encode
 from preprocess import manifest as mf
 from preprocess.annotations import VideoAnnotation, read_annotations
@@ -251,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     video_root = args.videos or cfg.data.video_root
     if not video_root:
         raise SystemExit("no video root: pass --videos or set data.video_root")
+    try:  # where the featurize actors go is checked before Ray starts
+        featurize_gpus(cfg)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     init_ray(cfg)
     summary = run_preprocess(cfg, {s: (p, fmt) for s, p in pairs.items()}, video_root, args.out, args.chunk_videos)
     print(json.dumps(summary, indent=2))

@@ -25,6 +25,7 @@ import pytest
 import ray
 import yaml
 
+from pipeline.cluster import featurize_gpus
 from pipeline.config import Config, ServeConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -200,6 +201,21 @@ def test_launcher_node_types():
     assert sum(t["max_workers"] for t in workers.values()) <= cfg["max_workers"]
 
 
+def test_the_one_gpu_presets_caption_on_their_one_gpu():
+    """Offline captioning runs its featurize pool and its caption pool at once, each of at least one actor:
+    on the one-GPU-box presets both fit the box's GPU (a model trained with the preset keeps its features;
+    a release checkpoint encodes in the caption actor), and preprocessing's whole pool fits it too."""
+    from infer.loading import release_config
+    from infer.offline.job import featurizers_encode
+
+    for name, release in (("gpu-1.yaml", False), ("release-3b.yaml", True)):
+        cfg = load_config(CLUSTER / "configs" / name)
+        captioning = release_config(cfg, Path(cfg.features.release_path)) if release else cfg
+        pools = featurize_gpus(captioning, featurizers_encode(captioning)) + cfg.cluster.caption_gpus_per_actor
+        assert pools <= 1.0, f"{name}: captioning needs {pools:g} GPUs at once on a one-GPU box"
+        assert featurize_gpus(cfg) <= 1.0 and cfg.cluster.caption_gpus_per_actor <= 1.0
+
+
 def test_launcher_fits_the_multi_node_preset():
     cfg = load_config(MULTI_NODE)
     launcher = _yaml(LAUNCHER)
@@ -216,7 +232,7 @@ def _check_capacity(cfg: Config, node_types: list[tuple[dict[str, float], int]])
     demands = {
         "train worker": {"CPU": t.cpus_per_worker, "GPU": t.gpus_per_worker if t.use_gpu else 0},
         "caption actor": {"CPU": c.caption_cpus_per_actor, "GPU": c.caption_gpus_per_actor},
-        "preprocess actor": {"CPU": c.preprocess_cpus_per_actor, "GPU": 1.0 if cfg.features.device == "cuda" else 0},
+        "preprocess actor": {"CPU": c.preprocess_cpus_per_actor, "GPU": featurize_gpus(cfg)},
         "serve replica": {"CPU": s.num_cpus_per_replica, "GPU": s.num_gpus_per_replica},
     }
     for name, demand in demands.items():

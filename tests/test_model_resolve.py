@@ -51,6 +51,15 @@ def test_resolve_model_gives_load_models_id_and_features_without_loading(kind, s
     assert resolved.features.release_features == ("online" if kind == "release" else cfg.features.release_features)
 
 
+def test_a_trained_models_features_but_this_runs_device(saved):
+    """What the features are comes from the saved run config; where the encoders run is this run's
+    features.device (an override is not replaced by the training run's)."""
+    cfg = _cfg()
+    for device in ("cuda", "auto"):
+        _, resolved = resolve_model(dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, device=device)), saved)
+        assert resolved.features.device == device and resolved.features.n_mels == 16
+
+
 def _plain_fingerprint(model_dir, length=8) -> str:
     """Every file's name and bytes, hashed (what the id has always been)."""
     import hashlib
