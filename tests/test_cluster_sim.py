@@ -223,26 +223,33 @@ def test_caption_actors_on_the_gpu_node_featurizers_on_cpu_nodes(sim, baseline_c
 
 
 def encode_on_cpu(marks: Path):
-    """A `wrap_stage` hook: offline captioning's featurize actors record the node they run on, and encode on
-    its CPU (the simulated GPU node has no CUDA device: features.device=cuda is only where they are placed)."""
-    def hook(stage: str, cls: type) -> type:
-        if stage != "caption-featurize":
-            return cls
+    """A `wrap_stage` hook: offline captioning's featurize actors record the node they run on, and they and
+    the caption actor build their encoders on the CPU (the simulated GPU node has no CUDA device:
+    features.device=cuda only decides where they are placed)."""
+    def on_cpu(cfg_json: str) -> str:
+        from pipeline.config import Config
 
-        def __init__(self, cfg_json: str):
+        cfg = Config.from_json(cfg_json)
+        cfg.features.device = "cpu"
+        return cfg.to_json(indent=None)
+
+    def hook(stage: str, cls: type) -> type:
+        if stage == "caption":
+            def caption_init(self, cfg_json: str, *args, **kwargs):
+                cls.__init__(self, on_cpu(cfg_json), *args, **kwargs)
+
+            return type(cls.__name__, (cls,), {"__init__": caption_init})
+
+        def featurize_init(self, cfg_json: str):
             import os
 
             import ray
 
-            from pipeline.config import Config
-
-            cfg = Config.from_json(cfg_json)
-            cfg.features.device = "cpu"
-            cls.__init__(self, cfg.to_json(indent=None))
+            cls.__init__(self, on_cpu(cfg_json))
             (marks / f"{os.getpid()}.json").write_text(json.dumps({"node_id": ray.get_runtime_context().get_node_id()}))
 
         # another name: test_caption_actors_on_the_gpu_node_featurizers_on_cpu_nodes finds its actors by name
-        return type("GpuPlacedFeaturizer", (cls,), {"__init__": __init__})
+        return type("GpuPlacedFeaturizer", (cls,), {"__init__": featurize_init})
     return hook
 
 
