@@ -436,14 +436,13 @@ def main(argv=None) -> dict:
                                                                                    or r.layer_tokens)),
                          "max_step_ms": round(max(r.ms for r in log), 3),
                          "max_prefill_tokens_in_a_step": max(r.prefill_tokens + r.layer_tokens for r in log)}
-    speed = {str(n): round(modes[f"in_flight_{n}"]["tokens_per_s"] / base["tokens_per_s"], 3) for n in in_flight}
-    e2e = {k.removeprefix("in_flight_"): round(arrivals["one_at_a_time"]["wall_ms"] / m["wall_ms"], 3)
-           for k, m in arrivals.items() if k != "one_at_a_time" and not k.endswith("_static")}
-    # the same ratios in CPU time: on a box other work shares, wall time moves with the load between modes
-    speed_cpu = {str(n): round(modes[f"in_flight_{n}"]["tokens_per_cpu_s"] / base["tokens_per_cpu_s"], 3)
-                 for n in in_flight}
-    e2e_cpu = {k.removeprefix("in_flight_"): round(arrivals["one_at_a_time"]["cpu_ms"] / m["cpu_ms"], 3)
+    # wall time, and the same ratios in CPU time: on a box other work shares, wall time moves with the load
+    def ratios(rate: str, total: str) -> tuple[dict, dict]:
+        speed = {str(n): round(modes[f"in_flight_{n}"][rate] / base[rate], 3) for n in in_flight}
+        e2e = {k.removeprefix("in_flight_"): round(arrivals["one_at_a_time"][total] / m[total], 3)
                for k, m in arrivals.items() if k != "one_at_a_time" and not k.endswith("_static")}
+        return speed, e2e
+    (speed, e2e), (speed_cpu, e2e_cpu) = ratios("tokens_per_s", "wall_ms"), ratios("tokens_per_cpu_s", "cpu_ms")
     c = model.hf_config
     probe = CaptionEngine(model, cfg)
     out = {"preset": args.preset, "device": str(device),
