@@ -57,7 +57,8 @@ from pipeline.config import SyntheticConfig
 from preprocess.synthetic_hard import min_frames, script_hard_video, validate_hard
 from preprocess.synthetic_media import EventSpec, VideoScript, render_audio, render_frames, write_mp4
 
-GENERATOR_VERSION = 3  # of the files a config gives (2: "the <colour> <shape>" captions; 3: frames handed to the encoder as yuv420p)
+GENERATOR_VERSION = 4  # of the files a config gives (2: "the <colour> <shape>" captions; 3: frames handed to the encoder as yuv420p;
+# 4: libx264 without its assembly, the same bytes on every x86 CPU)
 
 # --------------------------------------------------------------------------- grammar (pipeline/caption_grammar.py)
 

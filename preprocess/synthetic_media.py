@@ -1,8 +1,8 @@
 """Rendering and muxing for the synthetic corpus: frames, waveform, and the .mp4 file.
 
 Pure numpy rendering (deterministic for a given `numpy.random.Generator`) plus a
-PyAV writer that encodes H.264 (libx264, one thread, fixed options) and AAC into
-an mp4. Used by `preprocess/synthetic.py`; not run on its own.
+PyAV writer that encodes H.264 (libx264, one thread, fixed options, its portable C
+code only) and AAC into an mp4. Used by `preprocess/synthetic.py`; not run on its own.
 
     frames = render_frames(script, rng)              # uint8 [N, H, W, 3]
     audio = render_audio(script, rng)                # float32 [S] in [-1, 1]
@@ -273,12 +273,19 @@ def rgb_to_yuv420p(rgb: np.ndarray) -> np.ndarray:
     return np.concatenate([y.ravel(), u.ravel(), v.ravel()]).reshape(h * 3 // 2, w).astype(np.uint8)
 
 
+# libx264's C code only: its SIMD paths are chosen by the CPU (AVX2 and AVX-512 gave other bytes
+# for 95 of the default's 144 videos), and with them one encode in ~250 came out as another
+# bitstream from the same frames in one process (docs/benchmarks.md, Determinism); the C code gave
+# the same bytes in every run, under valgrind's emulated CPU too, at ~2x the encoding time
+X264_PARAMS = "asm=0"
+
+
 def write_mp4(path: str | Path, frames: np.ndarray, audio: np.ndarray, fps: int, sample_rate: int, crf: int = 12) -> None:
     """Encode uint8 [N, H, W, 3] frames (H.264, yuv420p) and float32 [S] mono audio (AAC) into `path`.
 
     Frames go to libx264 already in yuv420p (`rgb_to_yuv420p`), which runs single-threaded with
-    fixed options (a rare run still gives another bitstream: docs/benchmarks.md, Determinism). Packets are muxed in time order (one video frame, then the audio up
-    to the end of that frame).
+    fixed options and without its assembly (`X264_PARAMS`). Packets are muxed in time order (one
+    video frame, then the audio up to the end of that frame).
     """
     n, h, w, _ = frames.shape
     if h % 2 or w % 2:
@@ -287,7 +294,8 @@ def write_mp4(path: str | Path, frames: np.ndarray, audio: np.ndarray, fps: int,
         vs = out.add_stream("libx264", rate=Fraction(fps))
         vs.width, vs.height, vs.pix_fmt = w, h, "yuv420p"
         vs.codec_context.thread_count = 1
-        vs.options = {"crf": str(crf), "preset": "veryfast", "threads": "1", "g": str(2 * fps), "bf": "0"}
+        vs.options = {"crf": str(crf), "preset": "veryfast", "threads": "1", "g": str(2 * fps), "bf": "0",
+                      "x264-params": X264_PARAMS}
         aus = out.add_stream("aac", rate=sample_rate)
         aus.layout = "mono"
         aus.codec_context.thread_count = 1
