@@ -152,6 +152,73 @@ def anchor_feature_rows(model, samples: list, parse, batch: int = 8) -> tuple[to
     return torch.cat(feats) if feats else torch.zeros(0, 0), attrs
 
 
+def anchor_parts(model, samples: list, batch: int = 8) -> dict[str, torch.Tensor]:
+    """Eval-mode forwards over `samples` -> {"anchor", "visual", "audio": [E, d]}: every event's
+    aggregated feature and its two halves (the pooled visual and the pooled audio states, which sum
+    to it), in the order of the samples' events."""
+    parts: dict[str, list[torch.Tensor]] = {"anchor": [], "visual": [], "audio": []}
+    run = model.anchor_features
+
+    def record(hidden_in, layout, *args, **kwargs):
+        f, w = run(hidden_in, layout, *args, **kwargs)
+        parts["anchor"].append(f.detach().float().cpu())
+        for name, index in (("visual", layout.visual_index), ("audio", layout.audio_index)):
+            rows = hidden_in[index.reshape(-1).to(hidden_in.device)]
+            half = w[name].to(hidden_in.dtype) @ rows if name in w else torch.zeros_like(f)
+            parts[name].append(half.detach().float().cpu())
+        return f, w
+
+    model.anchor_features = record
+    try:
+        with torch.no_grad():
+            for b in Batcher(model, batch)(samples):
+                model.forward_train(b)
+    finally:
+        del model.anchor_features
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def between_class_share(x: torch.Tensor, labels: list) -> float:
+    """x [N, d], N labels -> the fraction of x's total variance that lies between the label classes'
+    means (trace of the between-class scatter over the total scatter): 1 when x is a function of
+    the label, ~(classes - 1) / (N - 1) when x is unrelated to it.
+
+    >>> x = torch.tensor([[0.0, 1.0], [0.0, -1.0], [2.0, 1.0], [2.0, -1.0]])
+    >>> round(between_class_share(x, ["a", "a", "b", "b"]), 3)  # the label explains the first axis
+    0.5
+    """
+    values = sorted(set(labels))
+    y = torch.tensor([values.index(v) for v in labels])
+    mu = x.mean(0)
+    total = ((x - mu) ** 2).sum()
+    between = sum(((x[y == k].mean(0) - mu) ** 2).sum() * (y == k).sum() for k in range(len(values)))
+    return float(between / total)
+
+
+def attribute_shares(model, samples: list, parse, attributes=("colour", "shape", "motion", "sound"),
+                     layer: int | None = None) -> dict[str, dict[str, float]]:
+    """{part: {attribute: between-class share}} of the anchors' aggregated features and of their visual
+    and audio halves, over the events of `samples`; `layer` as in `linear_probe`. How much of what
+    the branches read from an anchor says its colour, against its sound, etc."""
+    own = model.aggregation_layer
+    if layer is not None:
+        model.aggregation_layer = layer
+    try:
+        parts = anchor_parts(model, samples)
+    finally:
+        model.aggregation_layer = own
+    attrs = [parse(e.caption) for s in samples for e in s.events]
+    out = {}
+    for part, x in parts.items():
+        out[part] = {}
+        for a in attributes:
+            keep = [i for i, r in enumerate(attrs) if r.get(a) is not None]
+            if len({attrs[i][a] for i in keep}) > 1:
+                out[part][a] = round(between_class_share(x[keep], [attrs[i][a] for i in keep]), 4)
+        out[part]["norm"] = round(float(x.norm(dim=1).mean()), 3)
+    return out
+
+
 def linear_probe_accuracy(x_fit: torch.Tensor, y_fit: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor,
                           classes: int, l2: float = 1e-3, iters: int = 200) -> float:
     """Softmax regression on standardised features (LBFGS, L2) fitted on (x_fit [N, d], y_fit [N]),

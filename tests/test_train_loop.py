@@ -202,3 +202,25 @@ def test_linear_probe_reads_a_planted_attribute_and_not_noise():
     assert linear_probe_accuracy(x[:160], y[:160], x[160:], y[160:], 4) >= 0.95
     noise = torch.randn(240, 16, generator=g)  # features that carry nothing: held-out accuracy near 1/4
     assert linear_probe_accuracy(noise[:160], y[:160], noise[160:], y[160:], 4) <= 0.45
+
+
+def test_anchor_halves_sum_to_the_anchor_and_shares_are_fractions():
+    """bench/attr_probe.py's anchor_parts: the pooled visual and audio halves add up to the aggregated
+    feature the model uses, at its own layer and at another; attribute_shares reads every attribute."""
+    from bench.attr_probe import anchor_feature_rows, anchor_parts, attribute_shares
+    from preprocess.synthetic import parse_caption
+
+    model = PadCaptioner(config().model, visual_dim=DV, audio_dim=DA).eval()
+    samples = corpus(4)
+    with torch.no_grad():
+        parts = anchor_parts(model, samples)
+        feats, _ = anchor_feature_rows(model, samples, parse_caption)
+    assert parts["anchor"].shape[0] == sum(len(s.events) for s in samples)
+    assert torch.equal(parts["anchor"], feats)
+    torch.testing.assert_close(parts["visual"] + parts["audio"], parts["anchor"], rtol=1e-5, atol=1e-6)
+    shares = attribute_shares(model, samples, parse_caption, layer=0)
+    assert model.aggregation_layer != 0  # restored after the layer-0 read-out
+    assert set(shares) == {"anchor", "visual", "audio"}
+    for part in shares.values():
+        assert {"colour", "shape", "sound"} <= set(part)
+        assert all(0.0 <= v <= 1.0 for k, v in part.items() if k != "norm")
