@@ -10,7 +10,7 @@ that decoder layer; the model's own is `aggregation_layer`). A model directory i
 (`<run>/train/model`) also gets its run's `colour_transition_step` (bench/default_study.py) and its
 held-out free-running colour.
 
-Written: `<out>/anchor_shares.json` ({model: {"layer_<i>": {part: {attribute: share, "norm": mean
+Written: `<out>/<name>.json` (default `anchor_shares`; {model: {"layer_<i>": {part: {attribute: share, "norm": mean
 L2 norm}}, ...}}).
 """
 
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default=str(ROOT / "runs" / "default"), help="make run's directory (its shards)")
     ap.add_argument("--set", action="append", default=[], help="config override of the untrained model")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--name", default="anchor_shares", help="stem of the output file")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = default_config(0, overrides=args.set)
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         result["models"][name] = row
         visual = {k: row[f"layer_{k}"]["visual"]["colour"] for k in args.layers}
         print(f"{name}: {facts} visual-half colour share by layer {visual}", flush=True)
-    out = Path(args.out) / "anchor_shares.json"
+    out = Path(args.out) / f"{args.name}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
