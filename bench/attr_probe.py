@@ -27,6 +27,7 @@ Pure torch, one process; only bench/default_seeds.py uses it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -131,25 +132,22 @@ def anchor_attention(model, batch) -> dict[str, Any]:
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def aggregated_at(model, layer: int | None):
+    """Within the block the model pools its anchors from layer `layer`'s input states (None: its own)."""
+    own = model.aggregation_layer
+    if layer is not None:
+        model.aggregation_layer = layer
+    try:
+        yield
+    finally:
+        model.aggregation_layer = own
+
+
 def anchor_feature_rows(model, samples: list, parse, batch: int = 8) -> tuple[torch.Tensor, list[dict]]:
     """Eval-mode forwards over `samples` -> (aggregated anchor features [E, d] of every event,
     true intervals; the attributes parsed from each event's caption, E dicts)."""
-    feats: list[torch.Tensor] = []
-    run = model.anchor_features
-
-    def record(*args, **kwargs):
-        f, w = run(*args, **kwargs)
-        feats.append(f.detach().float().cpu())
-        return f, w
-
-    model.anchor_features = record
-    try:
-        for b in Batcher(model, batch)(samples):
-            model.forward_train(b)
-    finally:
-        del model.anchor_features
-    attrs = [parse(e.caption) for s in samples for e in s.events]
-    return torch.cat(feats) if feats else torch.zeros(0, 0), attrs
+    return anchor_parts(model, samples, batch)["anchor"], [parse(e.caption) for s in samples for e in s.events]
 
 
 def anchor_parts(model, samples: list, batch: int = 8) -> dict[str, torch.Tensor]:
@@ -175,7 +173,7 @@ def anchor_parts(model, samples: list, batch: int = 8) -> dict[str, torch.Tensor
                 model.forward_train(b)
     finally:
         del model.anchor_features
-    return {k: torch.cat(v) for k, v in parts.items()}
+    return {k: torch.cat(v) if v else torch.zeros(0, 0) for k, v in parts.items()}
 
 
 def between_class_share(x: torch.Tensor, labels: list) -> float:
@@ -200,13 +198,8 @@ def attribute_shares(model, samples: list, parse, attributes=("colour", "shape",
     """{part: {attribute: between-class share}} of the anchors' aggregated features and of their visual
     and audio halves, over the events of `samples`; `layer` as in `linear_probe`. How much of what
     the branches read from an anchor says its colour, against its sound, etc."""
-    own = model.aggregation_layer
-    if layer is not None:
-        model.aggregation_layer = layer
-    try:
+    with aggregated_at(model, layer):
         parts = anchor_parts(model, samples)
-    finally:
-        model.aggregation_layer = own
     attrs = [parse(e.caption) for s in samples for e in s.events]
     out = {}
     for part, x in parts.items():
@@ -245,14 +238,9 @@ def linear_probe(model, fit: list, test: list, parse, attributes=("colour", "sha
     """{probe_lin_<attr>: held-out accuracy} of a linear read-out of the anchors' aggregated features.
     layer: aggregate another layer's input states instead (0 = the input embeddings; keys get an
     `_l<layer>` suffix), the model's own aggregation layer being restored afterwards."""
-    own = model.aggregation_layer
-    if layer is not None:
-        model.aggregation_layer = layer
-    try:
+    with aggregated_at(model, layer):
         xf, af = anchor_feature_rows(model, fit, parse)
         xt, at = anchor_feature_rows(model, test, parse)
-    finally:
-        model.aggregation_layer = own
     suffix = "" if layer is None else f"_l{layer}"
     out = {}
     for a in attributes:
