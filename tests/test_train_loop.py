@@ -206,7 +206,8 @@ def test_linear_probe_reads_a_planted_attribute_and_not_noise():
 
 def test_anchor_halves_sum_to_the_anchor_and_shares_are_fractions():
     """bench/attr_probe.py's anchor_parts: the pooled visual and audio halves add up to the aggregated
-    feature the model uses, at its own layer and at another; attribute_shares reads every attribute."""
+    feature the model uses, at its own layer and at another; anchor_feature_rows pairs each anchor row
+    with its event's parsed caption; attribute_shares reads every attribute."""
     from bench.attr_probe import anchor_feature_rows, anchor_parts, attribute_shares
     from preprocess.synthetic import parse_caption
 
@@ -214,9 +215,9 @@ def test_anchor_halves_sum_to_the_anchor_and_shares_are_fractions():
     samples = corpus(4)
     with torch.no_grad():
         parts = anchor_parts(model, samples)
-        feats, _ = anchor_feature_rows(model, samples, parse_caption)
-    assert parts["anchor"].shape[0] == sum(len(s.events) for s in samples)
-    assert torch.equal(parts["anchor"], feats)
+        feats, attrs = anchor_feature_rows(model, samples, parse_caption)
+    assert parts["anchor"].shape[0] == len(feats) == len(attrs) == sum(len(s.events) for s in samples)
+    assert all({"colour", "shape", "sound"} <= set(a) for a in attrs)  # one parsed caption per anchor row
     torch.testing.assert_close(parts["visual"] + parts["audio"], parts["anchor"], rtol=1e-5, atol=1e-6)
     shares = attribute_shares(model, samples, parse_caption, layer=0)
     assert model.aggregation_layer != 0  # restored after the layer-0 read-out
