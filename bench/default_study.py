@@ -10,8 +10,9 @@ held-out scoring and the evaluate stage's metrics, in `<work>/<run>/` with make 
 preprocess outputs linked in (they are made first when missing or stale). Per run only `train.seed`
 changes, plus for the perturbed runs (stand-ins for another machine's rounding, at seed 0):
 `threads` (2 torch threads per worker instead of 1) and `jitter` (`train.init_jitter=1e-7`: every
-initial weight moved by about one fp32 ulp). Runs get `OMP_WAIT_POLICY=PASSIVE` unless it is set
-(waiting threads sleep: `threads` trains in ~13 min instead of ~56, with the same losses). The periodic validation runs every `--val-every`
+initial weight moved by about one fp32 ulp). `threads` runs with `OMP_WAIT_POLICY=PASSIVE`, as the
+train stage sets it for workers with more threads than CPUs (waiting threads sleep: it trains in ~13 min
+instead of ~56, with the same losses). The periodic validation runs every `--val-every`
 steps on all held-out videos (`train.val_samples=0`); it only reads the model, so the training
 records are those of make run (a 200-step run with and without it: identical).
 
@@ -81,11 +82,8 @@ def train_and_score(name: str, seed: int, extra: list[str], args) -> Path:
     sets = [f"run_dir={run_dir}", f"train.seed={seed}", f"train.val_every={args.val_every}", "train.val_samples=0",
             *args.set, *extra]
     cmd = [sys.executable, "-m", "pipeline.run", "--stages", "train,caption,evaluate", *(x for s in sets for x in ("--set", s))]
-    # OpenMP threads that wait sleep instead of spinning: `threads` puts 4 on 2 cores, and spinning made
-    # its training 4x slower; how the work is split, so every sum, is the same (docs/benchmarks.md)
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     with open(run_dir / "study.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"{name} failed (exit {rc}); see {run_dir / 'study.log'}")
     return run_dir

@@ -68,7 +68,7 @@ from train.loop import LOSS_KEYS, resolve_backend, torch_threads, train_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME")
+FORWARDED_ENV = ("DS_ACCELERATOR", "TORCH_EXTENSIONS_DIR", "PADCAP_CACHE", "XDG_CACHE_HOME", "OMP_WAIT_POLICY")
 StepHook = Callable[["RayContext", int], None]  # (the rank's context, the step just taken): the module doc's hook
 
 
@@ -245,12 +245,21 @@ def _absolute(keys: dict[str, list[str]]) -> dict[str, list[str]]:
 
 
 def worker_env(cfg: Config) -> dict[str, str]:
+    """The environment variables of each training worker: the storage credentials and FORWARDED_ENV as the
+    driver has them, DeepSpeed's on that backend, OMP_NUM_THREADS = the worker's torch threads, and
+    OMP_WAIT_POLICY=PASSIVE when those threads outnumber its CPUs (a value set on the driver wins)."""
     env = {**storage.forwarded_env(), **{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
     if resolve_backend(cfg.train, cfg.train.use_gpu) == "deepspeed":
         if not cfg.train.use_gpu:
             env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
-    env.setdefault("OMP_NUM_THREADS", str(torch_threads(cfg.train)))
+    threads = torch_threads(cfg.train)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    if threads > cfg.train.cpus_per_worker:
+        # more threads than the CPUs Ray reserves for the worker: OpenMP threads that spin while they wait
+        # take cores from the other workers (2 workers x 2 threads on 2 cores trained 3.9x slower);
+        # sleeping instead splits the work the same way, so every sum is the same (docs/benchmarks.md)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # the loop prints once per line, not twice
     return env
 
