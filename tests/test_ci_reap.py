@@ -95,5 +95,5 @@ def test_a_daemon_that_outlives_the_command_is_waited_for_and_counted(tmp_path):
     assert status == 0
     assert done.read_text() == "done"  # the reaper returned only after the daemon ended
     assert cpu["rusage"] >= BURN_S  # re-parented to the subreaper and reaped by it
-    if "cgroup" in cpu:
-        assert cpu["cgroup"] >= cpu["rusage"] - 0.05
+    if "cgroup" in cpu:  # both printed to 0.1 s: one rounding step apart is equal (0.549 -> 0.5, 0.551 -> 0.6)
+        assert cpu["cgroup"] >= cpu["rusage"] - 0.15
