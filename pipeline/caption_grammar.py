@@ -99,3 +99,26 @@ def parse_caption(text: str) -> dict[str, str | None]:
 # How a value is spelled in the generated captions where that is not the value itself (regular
 # expressions): what train/evaluate.py's attribute_token_spans looks for in a reference.
 parse_caption.surface = {"stripes": r"striped square|stripes"}
+
+
+def attribute_token_ids(encode) -> list[int]:
+    """The token ids that spell attribute values in the generated captions: the ids of every caption
+    the grammar can spell, less those every caption has (the template: 'Visual: the', 'Audio:', ...).
+
+    encode: text -> token ids (a tokenizer's `encode` without special tokens). What the training
+    aid `model.attribute_token_weight` up-weights in the caption-branch loss (train/losses.py).
+
+    >>> ids = attribute_token_ids(lambda text: [sum(map(ord, w)) for w in text.split()])
+    >>> sum(map(ord, "red")) in ids, sum(map(ord, "Visual:")) in ids
+    (True, False)
+    """
+    seen: set[int] = set()
+    common: set[int] | None = None
+    for c in COLOURS:
+        for s in SHAPES:
+            for m in MOTIONS:
+                for snd in SOUNDS:
+                    ids = set(encode(dense_caption(c, s, m, snd)))
+                    seen |= ids
+                    common = ids if common is None else common & ids
+    return sorted(seen - (common or set()))

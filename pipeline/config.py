@@ -114,6 +114,9 @@ class ModelConfig:
     anchor_guide_target: float = 0.25  # the guide stops pulling once a row's head-averaged mass on its anchor reaches this
     grounding_loss_weight: float = 5.0  # weight of the grounding loss in the total
     branch_loss_weight: float = 1.0  # weight of the caption-branch cross-entropy in the total
+    # training aid, not the paper's loss (1 = off): caption-branch tokens that vary with the synthetic
+    # grammar's attributes count this many times in the branch loss (train/losses.py)
+    attribute_token_weight: float = 1.0
     grounding_threshold: float = 0.5  # relative to the max (0.7 ChronusAV, 0.5 LongVALE)
     grounding_merge_gap: int = 2  # bridge gaps of at most this many segments
     lora_r: int = 16  # LoRA rank

@@ -80,3 +80,37 @@ def test_overfit_one_sample_then_ground_it():
         ex = m.make_example(smp)
         out = m.forward_train(collate([ex]))
     assert m.ground(out["grounding_logits"][0], ex.segment_times) == [(2.0, 5.0), (7.0, 10.0)]
+
+
+def test_attribute_token_weight_counts_attribute_rows_w_times():
+    import pytest
+
+    from pipeline.config import Config
+    from train.losses import attribute_ids
+
+    cfg = Config()
+    m = PadCaptioner(tiny_cfg())
+    assert attribute_ids(m, cfg) is None  # weight 1: off, the paper's loss
+    cfg.model.attribute_token_weight = 3.0
+    ids = attribute_ids(m, cfg)
+    words = {m.tokenizer.decode([i]) for i in ids.tolist()}
+    assert {" red", " circle", " beep", " silence"} <= words and not {" the", "Visual", " Audio"} & words
+    smp = sample(captions=("Visual: the red circle moves up. Audio: a low beep.",
+                           "Visual: the blue square grows. Audio: silence."))
+    out = m.forward_train(collate([m.make_example(smp, generator=torch.Generator().manual_seed(0))]))
+    m.cfg.attribute_token_weight = 3.0
+    c = compute_losses(out, m.cfg, ids).components
+    ce = torch.nn.functional.cross_entropy(out["branch_logits"].float(), out["branch_labels"], reduction="none")
+    on = torch.isin(out["branch_labels"], ids)
+    assert 0 < int(on.sum()) < on.numel()
+    assert math.isclose(c["branch_lm"], float(ce.mean()), rel_tol=1e-5)  # logged unweighted
+    assert math.isclose(c["branch_lm_weighted"], float((ce.sum() + 2.0 * ce[on].sum()) / ce.numel()), rel_tol=1e-5)
+    assert math.isclose(c["total"], c["lm"] + c["branch_lm_weighted"] + 5.0 * c["grounding"], rel_tol=1e-5)
+    with pytest.raises(ValueError, match="no attribute ids"):
+        compute_losses(out, m.cfg)
+    cfg.data.dataset = "longvale"
+    with pytest.raises(ValueError, match="synthetic"):
+        attribute_ids(m, cfg)
+    cfg.data.dataset, cfg.model.attribute_token_weight = "synthetic", 0.0
+    with pytest.raises(ValueError, match="> 0"):
+        attribute_ids(m, cfg)

@@ -49,7 +49,7 @@ from train import checkpoint as ckpt
 from train.data import Augment, Batcher
 from train.deepspeed_config import deepspeed_config
 from train.evaluate import ATTRIBUTES, EvalCounts, heldout_counts, summary
-from train.losses import compute_losses
+from train.losses import attribute_ids, compute_losses
 from train.optim import build_optimizer, build_scheduler
 
 LOSS_KEYS = ("total", "lm", "branch_lm", "grounding")
@@ -137,12 +137,13 @@ def gather_ids(ids: list[str], ctx) -> list[list[str]]:
 class TrainStep(nn.Module):
     """forward(batch) -> (total loss, components): what DDP / DeepSpeed wrap."""
 
-    def __init__(self, model: PadCaptioner):
+    def __init__(self, model: PadCaptioner, cfg: Config):
         super().__init__()
         self.model = model
+        self.attribute_ids = attribute_ids(model, cfg)
 
     def forward(self, batch):
-        losses = compute_losses(self.model.forward_train(batch), self.model.cfg)
+        losses = compute_losses(self.model.forward_train(batch), self.model.cfg, self.attribute_ids)
         return losses.total, losses.components
 
 
@@ -155,7 +156,7 @@ class DDPBackend:
         self.cfg = cfg
         params = model.trainable_parameters()
         self.params = list(params.values())
-        self.module = TrainStep(model)
+        self.module = TrainStep(model, cfg)
         if _distributed(ctx):
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             self.module = nn.parallel.DistributedDataParallel(self.module, device_ids=ids, find_unused_parameters=True)
@@ -204,7 +205,7 @@ class DeepSpeedBackend:
         ds_cfg = deepspeed_config(cfg.train, ctx.world_size, on_gpu=ctx.device.type == "cuda")
         optimizer = build_optimizer(params, cfg.train)
         self.engine, *_ = deepspeed.initialize(
-            model=TrainStep(model), model_parameters=list(params.values()), optimizer=optimizer,
+            model=TrainStep(model, cfg), model_parameters=list(params.values()), optimizer=optimizer,
             lr_scheduler=lambda opt: build_scheduler(opt, cfg.train), config=ds_cfg, dist_init_required=False)
         self.in_train_state = {}  # the engine's own checkpoint (save) holds optimizer and scheduler
 

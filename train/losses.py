@@ -12,6 +12,10 @@ by thousands of caption tokens):
              when `model.eos_padding_loss` (the layout already set their labels)
   grounding  BCE-with-logits of event/segment similarities against the soft targets,
              weighted by `model.grounding_loss_weight` (default 5) in the total
+  attribute_token_weight  a training aid (1 = off, the paper's loss): with w != 1 each caption-branch
+             token that varies with the attributes (pipeline/caption_grammar.py attribute_token_ids)
+             counts w times in branch_lm's mean over rows (logged unweighted; the weighted one
+             as branch_lm_weighted)
   anchor_guide  with `model.anchor_guide_weight` > 0: the hinge of pipeline/anchor_attention.py
              on each branch row's attention mass on its own anchor (and `anchor_mass`, its mean)
 total = lm + branch_loss_weight * branch_lm + grounding_loss_weight * grounding
@@ -27,6 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from pipeline.anchor_attention import anchor_guide_loss
+from pipeline.caption_grammar import attribute_token_ids
 from pipeline.grounding import grounding_bce
 
 
@@ -42,18 +47,60 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels)
 
 
-def compute_losses(out: dict, model_cfg) -> LossOutput:
-    """out: the dict of `PadCaptioner.forward_train`; returns the total and logged components."""
+def _weighted_ce(logits: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor, weight: float) -> torch.Tensor:
+    """Mean over rows of the cross-entropy with the rows whose label is in `ids` counted `weight` times.
+
+    >>> logits, labels = torch.zeros(4, 3), torch.tensor([0, 1, 2, 2])
+    >>> round(float(_weighted_ce(logits, labels, torch.tensor([2]), 3.0) / _ce(logits, labels)), 4)
+    2.0
+    """
+    if labels.numel() == 0:
+        return logits.sum() * 0.0
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    w = torch.where(torch.isin(labels, ids.to(labels.device)), weight, 1.0)
+    return (ce * w).sum() / labels.numel()
+
+
+def attribute_ids(model, cfg) -> torch.Tensor | None:
+    """The ids `model.attribute_token_weight` up-weights, or None with the weight at 1 (off).
+
+    The attribute words come from the synthetic corpus's caption grammar, so another dataset with
+    the weight set is an error (never an override silently ignored), as is a weight <= 0.
+    """
+    weight = cfg.model.attribute_token_weight
+    if weight == 1.0:
+        return None
+    if weight <= 0:
+        raise ValueError(f"model.attribute_token_weight must be > 0 (got {weight})")
+    if cfg.data.dataset != "synthetic" or getattr(model, "tokenizer", None) is None:
+        raise ValueError("model.attribute_token_weight != 1 needs the synthetic dataset's caption grammar and a "
+                         f"PadCaptioner-family model (data.dataset={cfg.data.dataset})")
+    tok = model.tokenizer
+    return torch.tensor(attribute_token_ids(lambda text: tok.encode(text, add_special_tokens=False)))
+
+
+def compute_losses(out: dict, model_cfg, attribute_ids: torch.Tensor | None = None) -> LossOutput:
+    """out: the dict of `PadCaptioner.forward_train`; returns the total and logged components.
+    attribute_ids: from `attribute_ids(model, cfg)`, needed when `model_cfg.attribute_token_weight` != 1."""
     lm = _ce(out["text_logits"], out["text_labels"])
     branch = _ce(out["branch_logits"], out["branch_labels"])
+    weighted = None
+    if model_cfg.attribute_token_weight != 1.0:
+        if attribute_ids is None:
+            raise ValueError("model.attribute_token_weight != 1 but no attribute ids were given (train/losses.py attribute_ids)")
+        weighted = _weighted_ce(out["branch_logits"], out["branch_labels"], attribute_ids,
+                                model_cfg.attribute_token_weight)
     if out["grounding_logits"]:
         logits = torch.cat([g.flatten() for g in out["grounding_logits"]])
         targets = torch.cat([t.flatten() for t in out["grounding_targets"]])
         grounding = grounding_bce(logits, targets)
     else:
         grounding = out["text_logits"].sum() * 0.0
-    total = lm + model_cfg.branch_loss_weight * branch + model_cfg.grounding_loss_weight * grounding
+    total = lm + model_cfg.branch_loss_weight * (branch if weighted is None else weighted) \
+        + model_cfg.grounding_loss_weight * grounding
     comps = {"lm": lm, "branch_lm": branch, "grounding": grounding}
+    if weighted is not None:
+        comps["branch_lm_weighted"] = weighted
     if "anchor_mass" in out:
         guide = anchor_guide_loss(out["anchor_mass"], model_cfg.anchor_guide_target)
         total = total + model_cfg.anchor_guide_weight * guide
