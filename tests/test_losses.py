@@ -98,8 +98,7 @@ def test_attribute_token_weight_counts_attribute_rows_w_times():
     smp = sample(captions=("Visual: the red circle moves up. Audio: a low beep.",
                            "Visual: the blue square grows. Audio: silence."))
     out = m.forward_train(collate([m.make_example(smp, generator=torch.Generator().manual_seed(0))]))
-    m.cfg.attribute_token_weight = 3.0
-    c = compute_losses(out, m.cfg, ids).components
+    c = compute_losses(out, m.cfg, ids, 3.0).components
     ce = torch.nn.functional.cross_entropy(out["branch_logits"].float(), out["branch_labels"], reduction="none")
     on = torch.isin(out["branch_labels"], ids)
     assert 0 < int(on.sum()) < on.numel()
@@ -107,7 +106,7 @@ def test_attribute_token_weight_counts_attribute_rows_w_times():
     assert math.isclose(c["branch_lm_weighted"], float((ce.sum() + 2.0 * ce[on].sum()) / ce.numel()), rel_tol=1e-5)
     assert math.isclose(c["total"], c["lm"] + c["branch_lm_weighted"] + 5.0 * c["grounding"], rel_tol=1e-5)
     with pytest.raises(ValueError, match="no attribute ids"):
-        compute_losses(out, m.cfg)
+        compute_losses(out, m.cfg, attribute_weight=3.0)
     cfg.data.dataset = "longvale"
     with pytest.raises(ValueError, match="synthetic"):
         attribute_ids(m, cfg)

@@ -141,9 +141,10 @@ class TrainStep(nn.Module):
         super().__init__()
         self.model = model
         self.attribute_ids = attribute_ids(model, cfg)
+        self.attribute_weight = cfg.model.attribute_token_weight
 
     def forward(self, batch):
-        losses = compute_losses(self.model.forward_train(batch), self.model.cfg, self.attribute_ids)
+        losses = compute_losses(self.model.forward_train(batch), self.model.cfg, self.attribute_ids, self.attribute_weight)
         return losses.total, losses.components
 
 

@@ -74,22 +74,24 @@ def attribute_ids(model, cfg) -> torch.Tensor | None:
         raise ValueError(f"model.attribute_token_weight must be > 0 (got {weight})")
     if cfg.data.dataset != "synthetic" or getattr(model, "tokenizer", None) is None:
         raise ValueError("model.attribute_token_weight != 1 needs the synthetic dataset's caption grammar and a "
-                         f"PadCaptioner-family model (data.dataset={cfg.data.dataset})")
+                         f"model with a tokenizer (data.dataset={cfg.data.dataset})")
     tok = model.tokenizer
     return torch.tensor(attribute_token_ids(lambda text: tok.encode(text, add_special_tokens=False)))
 
 
-def compute_losses(out: dict, model_cfg, attribute_ids: torch.Tensor | None = None) -> LossOutput:
+def compute_losses(out: dict, model_cfg, attribute_ids: torch.Tensor | None = None,
+                   attribute_weight: float = 1.0) -> LossOutput:
     """out: the dict of `PadCaptioner.forward_train`; returns the total and logged components.
-    attribute_ids: from `attribute_ids(model, cfg)`, needed when `model_cfg.attribute_token_weight` != 1."""
+    attribute_ids, attribute_weight: `attribute_ids(model, cfg)` and `cfg.model.attribute_token_weight`
+    (the ids are needed when the weight is not 1). Passed apart from `model_cfg` because both families
+    train through here and the release family's `model_cfg` holds only the loss weights it uses."""
     lm = _ce(out["text_logits"], out["text_labels"])
     branch = _ce(out["branch_logits"], out["branch_labels"])
     weighted = None
-    if model_cfg.attribute_token_weight != 1.0:
+    if attribute_weight != 1.0:
         if attribute_ids is None:
             raise ValueError("model.attribute_token_weight != 1 but no attribute ids were given (train/losses.py attribute_ids)")
-        weighted = _weighted_ce(out["branch_logits"], out["branch_labels"], attribute_ids,
-                                model_cfg.attribute_token_weight)
+        weighted = _weighted_ce(out["branch_logits"], out["branch_labels"], attribute_ids, attribute_weight)
     if out["grounding_logits"]:
         logits = torch.cat([g.flatten() for g in out["grounding_logits"]])
         targets = torch.cat([t.flatten() for t in out["grounding_targets"]])
