@@ -77,6 +77,7 @@ import numpy as np
 import torch
 
 from bench.decode import A_TOKENS, DA, DV, PRESETS, V_TOKENS, build_model, kv_bytes_per_token, measure_bandwidth, weight_bytes
+from bench.engine_targets import verdict
 from bench.output import emit
 from bench.padding import padding_runs
 from infer.engine.attn_meta import AttnMeta
@@ -331,13 +332,6 @@ def single_chain_fast(model, eng: CaptionEngine, sample: Sample, control: Decode
     return tokens, ms, steps
 
 
-# engine v4's targets (the JSON's "targets", with "met" per figure)
-TARGETS = {"throughput_speedup_16_min": 1.85, "ops_per_layer_step_16_max": 45, "ops_16_over_1_max": 1.1,
-           "kv_allocated_over_live_max": 1.25, "admission_p99_over_median_max": 3.0,
-           "prefill_steps_mean_over_bound_max": 1.5, "videos_decoding_mean_min": 12, "graph_coverage_min": 0.9,
-           "padded_over_needed_max": 1.5}
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="cpu-small", choices=sorted(PRESETS))
@@ -482,25 +476,8 @@ def main(argv=None) -> dict:
             chain["single_chain_fast"]["tokens_per_s"] / chain["single_chain"]["tokens_per_s"], 3)
         out["one_at_a_time_over_single_chain_fast_tokens_per_s"] = round(
             base["tokens_per_s"] / chain["single_chain_fast"]["tokens_per_s"], 3)
-    if "16" in speed:
-        t = TARGETS
-        met = {"throughput_speedup_16": speed["16"] >= t["throughput_speedup_16_min"] and tokens_equal,
-               # None: not measured (--no-arrivals)
-               "kv_allocated_over_live": None if not arrivals
-               else out["kv_allocated_over_live"] <= t["kv_allocated_over_live_max"],
-               "admission_p99_over_median": None if not arrivals
-               else (out["admission_p99_over_median"] or 1e9) <= t["admission_p99_over_median_max"]}
-        if "prefill_steps_per_video" in out:
-            pre = out["prefill_steps_per_video"]
-            met["prefill_steps_per_video"] = (pre is not None and
-                                              pre["mean"] <= t["prefill_steps_mean_over_bound_max"] * pre["bound"])
-            met["videos_decoding_mean"] = (out["videos_decoding_mean"] or 0) >= t["videos_decoding_mean_min"]
-            met["graph_coverage"] = (out["graph_coverage"] or 0) >= t["graph_coverage_min"]
-        met["padded_over_needed"] = out["padded_over_needed"] <= t["padded_over_needed_max"]
-        if {"1", "16"} <= set(ops):
-            met["ops_per_layer_step"] = (ops["16"] <= t["ops_per_layer_step_16_max"]
-                                         and ops["16"] <= t["ops_16_over_1_max"] * ops["1"])
-        out["targets"] = {**t, "met": met}
+    if targets := verdict(out):
+        out["targets"] = targets
     return emit(out, Path(args.out) if args.out else None)
 
 
