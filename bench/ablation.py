@@ -15,7 +15,8 @@ default config, cluster/configs/default.yaml):
   causal_mask         model.mask=causal on the parallel layout (decoded in that layout)
   own_g               model.g_visibility=own: branch i sees only its own <G>
   agg_none / agg_mean / agg_scoring_head   model.aggregation (attention = full)
-Every variant trains on the same shards (bench/ablation_data.py), with the same steps,
+Every variant trains with the paper's three losses (the default's training aid,
+model.attribute_token_weight, set to 1: off) on the same shards (bench/ablation_data.py), with the same steps,
 optimiser settings and seeds (seed s sets train.seed and model.backbone_seed), one
 process per run without Ray (`--jobs` at a time, `nice`; the decode ms are wall clock with
 `--jobs` runs sharing the box, latencies only with `--jobs 1` on an idle one), and is evaluated on the same
@@ -120,6 +121,7 @@ def bench_config(budget: Budget, variant: str, seed: int) -> Config:
         "train.val_every=0", "train.val_samples=8", "train.checkpoint_every=0", "train.log_every=250",
         f"model.backbone_seed={seed}", f"infer.max_events={max(8, budget.max_events)}", "infer.max_branch_tokens=64",
         "infer.max_batch_videos=1", "infer.videos_per_call=1",
+        "model.attribute_token_weight=1",  # the paper's losses: the default's training aid off in every variant
         *budget.overrides,
         *VARIANTS[variant],
     ]

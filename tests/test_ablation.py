@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
-from bench.ablation import ROWS, VARIANTS, main
+from bench.ablation import DEFAULT, FULL, HARD, ROWS, VARIANTS, bench_config, main
 
 DECODERS = {"sequential": "text_chain", "textual_planning": "text_chain", "latent_sequential": "monolithic",
             "causal_mask": "layout_ordered", "own_g": "layout_ordered"}
+
+
+def test_every_variant_trains_with_the_papers_losses():
+    """The embedded default's training aid (model.attribute_token_weight) is off in every variant of every
+    budget, and only a --set asks for it."""
+    for budget in (FULL, DEFAULT, HARD):
+        for variant in VARIANTS:
+            assert bench_config(budget, variant, 0).model.attribute_token_weight == 1.0
+    aided = replace(FULL, overrides=("model.attribute_token_weight=3",))
+    assert bench_config(aided, "full", 0).model.attribute_token_weight == 3.0
 
 
 @pytest.mark.slow

@@ -113,3 +113,17 @@ def test_attribute_token_weight_counts_attribute_rows_w_times():
     cfg.data.dataset, cfg.model.attribute_token_weight = "synthetic", 0.0
     with pytest.raises(ValueError, match="> 0"):
         attribute_ids(m, cfg)
+
+
+def test_the_train_stage_refuses_the_attribute_weight_on_other_data_before_it_starts(tmp_path):
+    """The config error comes before the stage reads its shards or starts Ray (no manifest here)."""
+    import pytest
+
+    from pipeline.config import Config
+    from train.trainer import run_train
+
+    cfg = Config()
+    cfg.data.dataset, cfg.model.attribute_token_weight = "longvale", 3.0
+    with pytest.raises(ValueError, match="attribute_token_weight=1 for other data"):
+        run_train(cfg, str(tmp_path / "no-shards"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

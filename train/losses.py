@@ -61,21 +61,37 @@ def _weighted_ce(logits: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor, 
     return (ce * w).sum() / labels.numel()
 
 
+def check_attribute_weight(cfg) -> float:
+    """`cfg.model.attribute_token_weight`, checked against the config: > 0, and != 1 only on the
+    synthetic dataset, whose caption grammar says which words carry the attributes (another dataset
+    with the weight set is an error, never an override silently ignored). The train stage calls it
+    before it starts its workers.
+
+    >>> from pipeline.config import Config
+    >>> check_attribute_weight(Config())
+    1.0
+    """
+    weight = cfg.model.attribute_token_weight
+    if weight <= 0:
+        raise ValueError(f"model.attribute_token_weight must be > 0 (got {weight})")
+    if weight != 1.0 and cfg.data.dataset != "synthetic":
+        raise ValueError(f"model.attribute_token_weight={weight} needs the synthetic dataset's caption grammar "
+                         f"(data.dataset={cfg.data.dataset}); set model.attribute_token_weight=1 for other data")
+    return weight
+
+
 def attribute_ids(model, cfg) -> torch.Tensor | None:
     """The ids `model.attribute_token_weight` up-weights, or None with the weight at 1 (off).
 
-    The attribute words come from the synthetic corpus's caption grammar, so another dataset with
-    the weight set is an error (never an override silently ignored), as is a weight <= 0.
+    The weight is checked by `check_attribute_weight`; the ids are the model's own tokenizer's, so a
+    model without one (the release family) with the weight set is an error too.
     """
-    weight = cfg.model.attribute_token_weight
-    if weight == 1.0:
+    if check_attribute_weight(cfg) == 1.0:
         return None
-    if weight <= 0:
-        raise ValueError(f"model.attribute_token_weight must be > 0 (got {weight})")
-    if cfg.data.dataset != "synthetic" or getattr(model, "tokenizer", None) is None:
-        raise ValueError("model.attribute_token_weight != 1 needs the synthetic dataset's caption grammar and a "
-                         f"model with a tokenizer (data.dataset={cfg.data.dataset})")
-    tok = model.tokenizer
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise ValueError(f"model.attribute_token_weight != 1 needs a model with a tokenizer ({type(model).__name__} "
+                         "has none); set model.attribute_token_weight=1")
     return torch.tensor(attribute_token_ids(lambda text: tok.encode(text, add_special_tokens=False)))
 
 

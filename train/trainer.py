@@ -65,6 +65,7 @@ from train.deepspeed_config import check_zero_stage
 from train.evaluate import caption_parser
 from train.export import export_model
 from train.loop import LOSS_KEYS, resolve_backend, torch_threads, train_loop
+from train.losses import check_attribute_weight
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -332,6 +333,7 @@ def run_train(cfg: Config, shards_dir: str, out_dir: str, on_step: StepHook | No
     from train.heldout import evaluate_heldout
     from train.plots import learning_curve
 
+    check_attribute_weight(cfg)  # a config error before any worker starts
     t0 = time.perf_counter()
     storage.makedirs(out_dir)
     rows = mf.read_table(mf.manifest_path(shards_dir))
