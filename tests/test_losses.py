@@ -127,3 +127,18 @@ def test_the_train_stage_refuses_the_attribute_weight_on_other_data_before_it_st
     with pytest.raises(ValueError, match="attribute_token_weight=1 for other data"):
         run_train(cfg, str(tmp_path / "no-shards"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_train_loop_refuses_the_attribute_weight_on_captions_the_grammar_does_not_spell():
+    """Shards of other data under the synthetic config: the loop's held-out captions give it away before
+    the model is built (no context or data needed to get there)."""
+    import pytest
+
+    from pipeline.config import Config
+    from train.loop import train_loop
+
+    cfg = Config()
+    cfg.model.attribute_token_weight = 3.0
+    other = sample(captions=("Visual: the red circle moves up. Audio: a low beep.", "A man opens a door."))
+    with pytest.raises(ValueError, match="'A man opens a door.'; set model.attribute_token_weight=1"):
+        train_loop(cfg, None, None, [other], visual_dim=8, audio_dim=8)

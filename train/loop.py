@@ -49,7 +49,7 @@ from train import checkpoint as ckpt
 from train.data import Augment, Batcher
 from train.deepspeed_config import deepspeed_config
 from train.evaluate import ATTRIBUTES, EvalCounts, heldout_counts, summary
-from train.losses import attribute_ids, compute_losses
+from train.losses import attribute_ids, check_attribute_captions, compute_losses
 from train.optim import build_optimizer, build_scheduler
 
 LOSS_KEYS = ("total", "lm", "branch_lm", "grounding")
@@ -367,6 +367,7 @@ def train_loop(cfg: Config, ctx, data: EpochSource, val_samples: list, *, visual
     update (gradients in place); what it returns goes into that step's history record
     (bench/attr_probe.py measures how the caption branches learn with it)."""
     tc = cfg.train
+    check_attribute_captions(val_samples, cfg.model.attribute_token_weight)  # the aid's data, before any work
     torch.set_num_threads(torch_threads(tc))
     t_start = time.perf_counter()
     torch.manual_seed(tc.seed)  # identical LoRA init on every rank

@@ -31,7 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from pipeline.anchor_attention import anchor_guide_loss
-from pipeline.caption_grammar import attribute_token_ids
+from pipeline.caption_grammar import attribute_token_ids, parse_caption
 from pipeline.grounding import grounding_bce
 
 
@@ -78,6 +78,31 @@ def check_attribute_weight(cfg) -> float:
         raise ValueError(f"model.attribute_token_weight={weight} needs the synthetic dataset's caption grammar "
                          f"(data.dataset={cfg.data.dataset}); set model.attribute_token_weight=1 for other data")
     return weight
+
+
+def check_attribute_captions(samples, weight: float) -> None:
+    """With the weight set (!= 1), every event caption of `samples` must be one the synthetic grammar
+    spells (all four attributes read back): shards of other data under the synthetic config would
+    otherwise be weighted by words that mean nothing in them. The train loop checks the held-out
+    samples it is given.
+
+    >>> from pipeline.schema import Event, Sample
+    >>> def video(caption):
+    ...     return Sample("v", 4.0, None, None, None, True, events=[Event(0.0, 2.0, caption)])
+    >>> check_attribute_captions([video("Visual: the red circle moves up. Audio: silence.")], 3.0)
+    >>> check_attribute_captions([video("A man speaks.")], 3.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: model.attribute_token_weight=3.0 weights the synthetic grammar's attribute words, but video v has the caption 'A man speaks.'; set model.attribute_token_weight=1 for other data
+    """
+    if weight == 1.0:
+        return
+    for s in samples:
+        for e in s.events:
+            if None in parse_caption(e.caption).values():
+                raise ValueError(f"model.attribute_token_weight={weight} weights the synthetic grammar's attribute words, "
+                                 f"but video {s.video_id} has the caption {e.caption!r}; set "
+                                 "model.attribute_token_weight=1 for other data")
 
 
 def attribute_ids(model, cfg) -> torch.Tensor | None:
